@@ -1,0 +1,4 @@
+"""oscar-sglang."""
+
+__version__ = "0.1.0"
+__all__: list[str] = []
