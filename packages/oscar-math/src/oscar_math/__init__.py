@@ -1,7 +1,18 @@
 """oscar-math: the pure math of OSCAR 2-bit KV-cache quantisation."""
 
+from .bitrev import bit_reversal_permutation, inverse_permutation, permutation_matrix
 from .bits import bits_per_element, int2_bits_per_element, kivi_bits_per_element
+from .covariance import GRANULARITIES, KeyMean, QueryCovariance, ScoreWeightedValueCovariance
+from .eigen import eigenbasis
 from .errors import ArtifactError, OscarError, check
+from .hadamard import (
+    HADAMARD_BASE_ORDERS,
+    block_hadamard,
+    hadamard_matrix,
+    hadamard_matrix_int,
+    is_hadamard_order,
+    random_sign_hadamard,
+)
 from .kivi import kivi_fake_quantize_keys, kivi_fake_quantize_values
 from .pack import pack_int2, unpack_int2
 from .quantize import (
@@ -12,6 +23,7 @@ from .quantize import (
     fake_quantize_int2,
     quantize_int2,
 )
+from .rotation import HadamardMode, compose_rotation, hadamard_rotation, identity_rotation, is_orthogonal
 
 __version__ = "0.1.0"
 
@@ -32,4 +44,23 @@ __all__ = [
     "kivi_bits_per_element",
     "kivi_fake_quantize_keys",
     "kivi_fake_quantize_values",
+    "bit_reversal_permutation",
+    "inverse_permutation",
+    "permutation_matrix",
+    "GRANULARITIES",
+    "KeyMean",
+    "QueryCovariance",
+    "ScoreWeightedValueCovariance",
+    "eigenbasis",
+    "HADAMARD_BASE_ORDERS",
+    "block_hadamard",
+    "hadamard_matrix",
+    "hadamard_matrix_int",
+    "is_hadamard_order",
+    "random_sign_hadamard",
+    "HadamardMode",
+    "compose_rotation",
+    "hadamard_rotation",
+    "identity_rotation",
+    "is_orthogonal",
 ]
