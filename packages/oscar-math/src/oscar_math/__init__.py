@@ -2,6 +2,16 @@
 
 from .bitrev import bit_reversal_permutation, inverse_permutation, permutation_matrix
 from .bits import bits_per_element, int2_bits_per_element, kivi_bits_per_element
+from .clipping import (
+    DEFAULT_CLIP_GRID,
+    FINE_CLIP_GRID,
+    ClipSearch,
+    center_keys,
+    clip_error,
+    quantile_clip_fake_quantize,
+    quantization_error,
+    search_clip_ratio,
+)
 from .covariance import GRANULARITIES, KeyMean, QueryCovariance, ScoreWeightedValueCovariance
 from .eigen import eigenbasis
 from .errors import ArtifactError, OscarError, check
@@ -63,4 +73,12 @@ __all__ = [
     "hadamard_rotation",
     "identity_rotation",
     "is_orthogonal",
+    "ClipSearch",
+    "DEFAULT_CLIP_GRID",
+    "FINE_CLIP_GRID",
+    "center_keys",
+    "clip_error",
+    "quantile_clip_fake_quantize",
+    "quantization_error",
+    "search_clip_ratio",
 ]
