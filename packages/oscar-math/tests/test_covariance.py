@@ -196,3 +196,21 @@ def test_validation_messages():
         QueryCovariance.from_state_dict(bad)
     with pytest.raises(OscarError, match="Invalid state: expected keys"):
         QueryCovariance.from_state_dict({"sum": bad["sum"]})
+
+
+def test_score_weighted_float32_compute_matches_float64():
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(300, h, 32, generator=g) for h in (6, 2, 2))
+    ref = ScoreWeightedValueCovariance(6, 2, 32, block_size=64)
+    fast = ScoreWeightedValueCovariance(6, 2, 32, block_size=64, compute_dtype=torch.float32)
+    w_ref = ref.update(q, k, v, return_key_weights=True)
+    w_fast = fast.update(q, k, v, return_key_weights=True)
+    r, f = ref.result("kv_head"), fast.result("kv_head")
+    assert f.dtype == torch.float64
+    assert ((f - r).norm() / r.norm()).item() < 1e-5
+    assert ((w_fast - w_ref).norm() / w_ref.norm()).item() < 1e-5
+
+
+def test_score_weighted_rejects_bad_compute_dtype():
+    with pytest.raises(OscarError, match="compute_dtype"):
+        ScoreWeightedValueCovariance(2, 1, 8, compute_dtype=torch.float16)
