@@ -1,0 +1,480 @@
+"""KV-cache quantisation schemes compared by the evaluation harness.
+
+A scheme fake-quantises the keys and values of one layer in the ORIGINAL basis:
+``k_hat = decode(encode(k))`` where a per-token scheme centres, rotates, quantises
+to INT2, dequantises, un-rotates and adds the mean back. Rotating K and un-rotating
+is mathematically the same as rotating the query once in serving
+(``q · k_hat = (q R) · (R^T k_hat)``); adding the key mean back is the same as
+leaving it out, because softmax ignores a constant added to all of one query's
+logits — once every key, BF16 windows included, is centred the same way.
+
+Which tokens are quantised (sink / recent windows) is not a scheme's business:
+:mod:`oscar_calib.simulate` and :mod:`oscar_calib.cache` decide that, identically
+for every scheme.
+
+Built-in schemes register through the same pluggy hook as third-party ones
+(``oscar_schemes``, entry point ``builtin_schemes = "oscar_calib.schemes"``):
+
+========================  ==================================================================
+``bf16``                  no quantisation (the reference)
+``int2``                  per-token asymmetric min/max INT2, one group per row, no rotation
+``kivi2``                 KIVI: keys per channel over 32-token blocks, values per token
+``hadamard2``             seeded random-sign Hadamard rotation, per-token INT2
+``oscar2``                calibrated rotations + calibrated clipping + key centering
+``oscar2-noclip``         ``oscar2`` without clipping
+``oscar2-nocenter``       ``oscar2`` without key centering
+``oscar2-norot``          ``oscar2`` with identity rotations (centering and clipping kept)
+``hadamard2-center``      ``hadamard2`` with the calibrated key mean subtracted
+========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oscar_math import Int2Quantized, check, dequantize_int2, fake_quantize_int2, quantize_int2
+
+__all__ = [
+    "RowCodec",
+    "KVScheme",
+    "BF16Scheme",
+    "RowInt2Scheme",
+    "KiviScheme",
+    "SchemeContext",
+    "build_scheme",
+    "scheme_names",
+    "oscar_schemes",
+    "DEFAULT_SCHEMES",
+    "QUANTIZED_BITS",
+]
+
+#: schemes evaluated when the user names none (``oscar eval`` / ``oscar demo``).
+DEFAULT_SCHEMES = (
+    "bf16",
+    "int2",
+    "kivi2",
+    "hadamard2",
+    "oscar2",
+    "oscar2-noclip",
+    "oscar2-nocenter",
+    "oscar2-norot",
+)
+
+#: nominal code width of every quantised scheme here.
+QUANTIZED_BITS = 2
+
+
+def _per_head(t: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Broadcast a per-group tensor ``[G, ...]`` (G = 1 or num_heads) to ``[num_heads, ...]``."""
+    if t is None:
+        return None
+    check(t.shape[0] in (1, num_heads), "rotation groups", f"1 or {num_heads}", t.shape[0])
+    return t.expand(num_heads, *t.shape[1:]) if t.shape[0] == 1 else t
+
+
+@dataclass(frozen=True)
+class RowCodec:
+    """Per-token INT2 codec for one layer's keys or values (the serving write path).
+
+    Attributes:
+        group_size: elements per INT2 group, a divisor of ``d``.
+        rotation: ``[G, d, d]`` float32 orthogonal (G = 1 or H_kv), applied as
+            ``x @ R``; None means identity.
+        mean: ``[G, d]`` float32 subtracted (original basis) before rotating; None: none.
+        clip: ``[G]`` clip ratios in ``(0, 1]``; None: no clipping.
+    """
+
+    group_size: int
+    rotation: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    clip: torch.Tensor | None = None
+
+    def to_rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., H, d]`` → centred, rotated ``[..., H, d]`` float32."""
+        h = x.shape[-2]
+        y = x.float()
+        mean = _per_head(self.mean, h)
+        if mean is not None:
+            y = y - mean.to(y.device, torch.float32)
+        rot = _per_head(self.rotation, h)
+        if rot is not None:
+            y = torch.einsum("...hd,hde->...he", y, rot.to(y.device, torch.float32))
+        return y
+
+    def from_rotated(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`to_rotated`: ``[..., H, d]`` float32 → original basis in ``dtype``."""
+        h = y.shape[-2]
+        rot = _per_head(self.rotation, h)
+        if rot is not None:
+            y = torch.einsum("...he,hde->...hd", y, rot.to(y.device, torch.float32))
+        mean = _per_head(self.mean, h)
+        if mean is not None:
+            y = y + mean.to(y.device, torch.float32)
+        return y.to(dtype)
+
+    def clip_ratio(self, num_heads: int, device: torch.device) -> torch.Tensor | None:
+        """``[H, 1]`` ratios for :func:`oscar_math.quantize_int2` on ``[T, H, d]`` rows."""
+        clip = _per_head(self.clip, num_heads)
+        return None if clip is None else clip.to(device, torch.float32).reshape(num_heads, 1)
+
+    def encode(self, x: torch.Tensor) -> Int2Quantized:
+        """``[..., H, d]`` rows → packed INT2 of the centred, rotated rows."""
+        return quantize_int2(self.to_rotated(x), self.group_size, self.clip_ratio(x.shape[-2], x.device))
+
+    def decode(self, q: Int2Quantized, dtype: torch.dtype) -> torch.Tensor:
+        """Packed ``[..., H, d/4]`` → ``[..., H, d]`` in the original basis."""
+        return self.from_rotated(dequantize_int2(q), dtype)
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``decode(encode(x))`` without packing: ``[..., H, d]`` → same shape in ``x.dtype``."""
+        y = self.to_rotated(x)
+        yq = fake_quantize_int2(y, self.group_size, self.clip_ratio(x.shape[-2], x.device))
+        return self.from_rotated(yq, x.dtype)
+
+
+class KVScheme:
+    """Base class: a named way of storing the K/V cache.
+
+    Subclasses implement :meth:`fake_quantize_keys` / :meth:`fake_quantize_values`
+    on ``[T, H_kv, d]`` tensors of one layer and :meth:`bits_per_element`.
+    ``key_codec`` / ``value_codec`` return a :class:`RowCodec` when the scheme is a
+    per-token INT2 scheme that :class:`oscar_calib.cache.OscarCache` can store packed.
+    """
+
+    name: str = "?"
+    description: str = ""
+    quantized: bool = True
+
+    def fake_quantize_keys(self, layer_idx: int, k: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def key_codec(self, layer_idx: int) -> RowCodec | None:
+        return None
+
+    def value_codec(self, layer_idx: int) -> RowCodec | None:
+        return None
+
+    def bits_per_element(self, seq_len: int, head_dim: int, sink: int, recent: int) -> float:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class BF16Scheme(KVScheme):
+    """No quantisation: the model's own K/V (16 bits per element when served in BF16)."""
+
+    quantized = False
+
+    def __init__(self, name: str = "bf16", description: str = "no quantisation (reference)"):
+        self.name, self.description = name, description
+
+    def fake_quantize_keys(self, layer_idx: int, k: torch.Tensor) -> torch.Tensor:
+        return k
+
+    def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def bits_per_element(self, seq_len: int, head_dim: int, sink: int, recent: int) -> float:
+        return 16.0
+
+
+class RowInt2Scheme(KVScheme):
+    """Per-token INT2 with an optional per-layer rotation, key mean and clip ratio.
+
+    ``key_codecs(layer_idx)`` / ``value_codecs(layer_idx)`` give each layer's
+    :class:`RowCodec`; ``int2``, ``hadamard2`` and every ``oscar2*`` variant are this
+    class with different codecs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        group_size: int | None,
+        key_codecs: Callable[[int], RowCodec],
+        value_codecs: Callable[[int], RowCodec],
+    ):
+        self.name, self.description, self.group_size = name, description, group_size
+        self._key_codecs, self._value_codecs = key_codecs, value_codecs
+        self._cache: dict[tuple[str, int], RowCodec] = {}
+
+    def _codec(self, kind: str, layer_idx: int) -> RowCodec:
+        key = (kind, layer_idx)
+        if key not in self._cache:
+            fn = self._key_codecs if kind == "k" else self._value_codecs
+            self._cache[key] = fn(layer_idx)
+        return self._cache[key]
+
+    def key_codec(self, layer_idx: int) -> RowCodec:
+        return self._codec("k", layer_idx)
+
+    def value_codec(self, layer_idx: int) -> RowCodec:
+        return self._codec("v", layer_idx)
+
+    def fake_quantize_keys(self, layer_idx: int, k: torch.Tensor) -> torch.Tensor:
+        return self.key_codec(layer_idx).fake_quantize(k)
+
+    def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:
+        return self.value_codec(layer_idx).fake_quantize(v)
+
+    def bits_per_element(self, seq_len: int, head_dim: int, sink: int, recent: int) -> float:
+        from oscar_math.bits import bits_per_element
+
+        return bits_per_element(
+            seq_len, head_dim, group_size=self.group_size, sink_tokens=sink, recent_tokens=recent
+        )
+
+
+class KiviScheme(KVScheme):
+    """KIVI-style INT2: keys per channel over blocks of ``token_group`` tokens, values per token."""
+
+    def __init__(self, name: str = "kivi2", token_group: int = 32, group_size: int | None = None):
+        self.name, self.token_group, self.group_size = name, token_group, group_size
+        self.description = f"KIVI: keys per channel over {token_group}-token blocks, values per token"
+
+    def fake_quantize_keys(self, layer_idx: int, k: torch.Tensor) -> torch.Tensor:
+        from oscar_math.kivi import kivi_fake_quantize_keys
+
+        return kivi_fake_quantize_keys(k, self.token_group)
+
+    def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:
+        from oscar_math.kivi import kivi_fake_quantize_values
+
+        return kivi_fake_quantize_values(v, self.group_size)
+
+    def bits_per_element(self, seq_len: int, head_dim: int, sink: int, recent: int) -> float:
+        from oscar_math.bits import kivi_bits_per_element
+
+        return kivi_bits_per_element(
+            seq_len,
+            head_dim,
+            token_group=self.token_group,
+            group_size=self.group_size,
+            sink_tokens=sink,
+            recent_tokens=recent,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in schemes, registered through the plugin hook.
+
+
+@dataclass(frozen=True)
+class SchemeContext:
+    """What a scheme factory may use.
+
+    Attributes:
+        head_dim: ``d``.
+        num_layers: decoder layers.
+        num_kv_heads: ``H_kv``.
+        rotations: an :class:`oscar_math.artifact.Rotations` or None (then only
+            schemes that need no calibration can be built).
+        group_size: INT2 group size for per-token schemes (None: the artifact's, else ``d``).
+        seed: seed of random rotations (``hadamard2``).
+    """
+
+    head_dim: int
+    num_layers: int
+    num_kv_heads: int
+    rotations: Any = None
+    group_size: int | None = None
+    seed: int = 0
+
+    @property
+    def effective_group_size(self) -> int:
+        if self.group_size is not None:
+            return self.group_size
+        gs = getattr(self.rotations, "group_size", None) if self.rotations is not None else None
+        return int(gs) if gs else self.head_dim
+
+
+def _layer_tensor(rotations: Any, layer_idx: int, name: str) -> torch.Tensor | None:
+    """Read ``layers.{i}.{name}`` from a Rotations object (None if absent)."""
+    layers = getattr(rotations, "layers", None)
+    if layers is not None:
+        layer = layers[layer_idx]
+        value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
+    else:
+        value = getattr(rotations, "tensors", {}).get(f"layers.{layer_idx}.{name}")
+    if value is None:
+        return None
+    return torch.as_tensor(value).float()
+
+
+def _require_rotations(ctx: SchemeContext, name: str) -> Any:
+    if ctx.rotations is None:
+        from oscar_math import OscarError
+
+        raise OscarError(f"Invalid rotations: expected a calibrated artifact for scheme {name!r}, got None")
+    return ctx.rotations
+
+
+def _make_int2(ctx: SchemeContext) -> KVScheme:
+    gs = ctx.head_dim if ctx.group_size is None else ctx.group_size
+    codec = RowCodec(gs)
+    return RowInt2Scheme(
+        "int2", f"per-token min/max INT2, group {gs}, no rotation", gs, lambda i: codec, lambda i: codec
+    )
+
+
+def _make_kivi(ctx: SchemeContext) -> KVScheme:
+    return KiviScheme("kivi2", token_group=32, group_size=ctx.group_size)
+
+
+def _hadamard(ctx: SchemeContext) -> torch.Tensor:
+    from oscar_math.hadamard import random_sign_hadamard
+
+    return random_sign_hadamard(ctx.head_dim, ctx.seed).float().unsqueeze(0)
+
+
+def _make_hadamard(ctx: SchemeContext) -> KVScheme:
+    gs = ctx.head_dim if ctx.group_size is None else ctx.group_size
+    codec = RowCodec(gs, rotation=_hadamard(ctx))
+    return RowInt2Scheme(
+        "hadamard2",
+        f"random-sign Hadamard (seed {ctx.seed}) + per-token INT2, group {gs}",
+        gs,
+        lambda i: codec,
+        lambda i: codec,
+    )
+
+
+def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
+    rot = _require_rotations(ctx, "hadamard2-center")
+    gs = ctx.head_dim if ctx.group_size is None else ctx.group_size
+    h = _hadamard(ctx)
+
+    def k(i: int) -> RowCodec:
+        return RowCodec(gs, rotation=h, mean=_layer_tensor(rot, i, "k_mean"))
+
+    v = RowCodec(gs, rotation=h)
+    return RowInt2Scheme(
+        "hadamard2-center",
+        "random-sign Hadamard + calibrated key mean subtracted, per-token INT2",
+        gs,
+        k,
+        lambda i: v,
+    )
+
+
+def _oscar_factory(
+    name: str, description: str, *, clip: bool = True, center: bool = True, rotate: bool = True
+) -> Callable[[SchemeContext], KVScheme]:
+    def make(ctx: SchemeContext) -> KVScheme:
+        rot = _require_rotations(ctx, name)
+        gs = ctx.effective_group_size
+
+        def codec(kind: str) -> Callable[[int], RowCodec]:
+            def build(i: int) -> RowCodec:
+                return RowCodec(
+                    gs,
+                    rotation=_layer_tensor(rot, i, f"{kind}_rotation") if rotate else None,
+                    mean=_layer_tensor(rot, i, f"{kind}_mean") if center else None,
+                    clip=_layer_tensor(rot, i, f"{kind}_clip") if clip else None,
+                )
+
+            return build
+
+        return RowInt2Scheme(name, description, gs, codec("k"), codec("v"))
+
+    return make
+
+
+def _spec_type() -> Any:
+    try:
+        from oscar_math.hookspecs import SchemeSpec
+    except ImportError:  # oscar-math without plugin support
+        from collections import namedtuple
+
+        return namedtuple("SchemeSpec", "name description factory")
+    return SchemeSpec
+
+
+def _specs() -> list[Any]:
+    SchemeSpec = _spec_type()
+
+    return [
+        SchemeSpec("bf16", "no quantisation (reference)", lambda ctx: BF16Scheme()),
+        SchemeSpec("int2", "naive per-token min/max INT2, no rotation", _make_int2),
+        SchemeSpec("kivi2", "KIVI: keys per channel (32-token blocks), values per token", _make_kivi),
+        SchemeSpec("hadamard2", "seeded random-sign Hadamard + per-token INT2", _make_hadamard),
+        SchemeSpec(
+            "hadamard2-center", "Hadamard + calibrated key centering (ablation)", _make_hadamard_center
+        ),
+        SchemeSpec(
+            "oscar2",
+            "OSCAR: calibrated rotations + calibrated clipping + key centering",
+            _oscar_factory("oscar2", "calibrated rotation + clip + key centering"),
+        ),
+        SchemeSpec(
+            "oscar2-noclip",
+            "oscar2 without clipping (ablation)",
+            _oscar_factory("oscar2-noclip", "calibrated rotation + key centering, no clip", clip=False),
+        ),
+        SchemeSpec(
+            "oscar2-nocenter",
+            "oscar2 without key centering (ablation)",
+            _oscar_factory("oscar2-nocenter", "calibrated rotation + clip, no centering", center=False),
+        ),
+        SchemeSpec(
+            "oscar2-norot",
+            "oscar2 with identity rotations: centering + clipping only (ablation)",
+            _oscar_factory("oscar2-norot", "key centering + calibrated clip, no rotation", rotate=False),
+        ),
+    ]
+
+
+def oscar_schemes() -> list[Any]:
+    """Hook implementation: the built-in schemes (see the module docstring)."""
+    return _specs()
+
+
+def _hookimpl_marker() -> Callable[[Callable], Callable]:
+    try:
+        from oscar_math.hookspecs import hookimpl
+    except ImportError:  # oscar-math without plugin support: plain function, no registration
+        return lambda f: f
+    return hookimpl
+
+
+oscar_schemes = _hookimpl_marker()(oscar_schemes)
+
+
+def _all_specs() -> dict[str, Any]:
+    try:
+        from oscar_math.plugins import get_plugin_manager
+    except ImportError:
+        return {s.name: s for s in _specs()}
+    pm = get_plugin_manager()
+    specs: dict[str, Any] = {}
+    for batch in pm.hook.oscar_schemes():
+        for spec in batch:
+            specs.setdefault(spec.name, spec)
+    if "bf16" not in specs:  # built-ins not registered (entry point missing): add them directly
+        for spec in _specs():
+            specs.setdefault(spec.name, spec)
+    return specs
+
+
+def scheme_names() -> list[str]:
+    """Names of every registered scheme (built-in and plugins)."""
+    return list(_all_specs())
+
+
+def build_scheme(name: str, ctx: SchemeContext) -> KVScheme:
+    """Build a registered scheme by name.
+
+    Raises:
+        OscarError: unknown name, or a calibrated scheme without rotations.
+    """
+    specs = _all_specs()
+    check(name in specs, "scheme", f"one of {sorted(specs)}", repr(name))
+    return specs[name].factory(ctx)

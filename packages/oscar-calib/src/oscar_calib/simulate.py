@@ -1,0 +1,293 @@
+"""Serving semantics of a quantised KV cache, simulated inside the attention call.
+
+For a query at absolute position ``t`` and a key/value at position ``s <= t``, the
+cache serves the quantised ``k_hat`` / ``v_hat`` when ``sink <= s <= t - recent``
+(outside the first ``sink`` tokens and outside the last ``recent`` tokens up to and
+including ``t``) and the exact ones otherwise. This is what a token-by-token decode
+sees: tokens leave the recent window into INT2 as the sequence grows. Every query
+row gets its own window, so one forward pass over a sequence measures the decode
+quality at every position at once.
+
+The mixed attention is computed in blocks of query rows (memory
+``O(block · S · H_q)``), selecting per ``(t, s)`` between the exact and the
+quantised logits, and ``out = P @ V + (P ⊙ M) @ (V_hat − V)`` for the values.
+
+Optional statistics per layer (on the quantised region only):
+
+* logit error ``‖L_hat − L‖ / ‖L‖`` with each query's mean over the region removed
+  from both (softmax ignores a per-query constant, e.g. the one key centering adds);
+* output error ``‖O_hat − O‖ / ‖O‖`` over query rows that read at least one
+  quantised token, where ``O`` is the exact attention output of the same layer
+  inputs (a local error, not the error accumulated through earlier layers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oscar_math import check
+
+from .schemes import KVScheme
+
+__all__ = [
+    "Windows",
+    "LayerErrors",
+    "quantized_region",
+    "mixed_attention",
+    "exact_attention",
+    "SimulatedAttention",
+    "simulate",
+]
+
+
+@dataclass(frozen=True)
+class Windows:
+    """BF16 windows of the serving layout.
+
+    Attributes:
+        sink: first tokens kept exact.
+        recent: last tokens (up to and including the query's own) kept exact.
+    """
+
+    sink: int = 64
+    recent: int = 256
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.sink, int) and self.sink >= 0, "sink", "an integer >= 0", self.sink)
+        check(isinstance(self.recent, int) and self.recent >= 1, "recent", "an integer >= 1", self.recent)
+
+
+@dataclass
+class LayerErrors:
+    """Running sums of squared errors for one layer (see module docstring)."""
+
+    logit_err: float = 0.0
+    logit_ref: float = 0.0
+    out_err: float = 0.0
+    out_ref: float = 0.0
+    rows: int = 0
+
+    @property
+    def logit_rel(self) -> float:
+        return (self.logit_err / self.logit_ref) ** 0.5 if self.logit_ref > 0 else float("nan")
+
+    @property
+    def output_rel(self) -> float:
+        return (self.out_err / self.out_ref) ** 0.5 if self.out_ref > 0 else float("nan")
+
+
+def quantized_region(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """``[T, S]`` bool: True where query ``q_pos[t]`` reads key ``k_pos[s]`` quantised.
+
+    ``(k_pos >= sink) & (k_pos <= q_pos - recent)``; causality is not part of it
+    (``s <= t - recent < t`` anyway for ``recent >= 1``).
+    """
+    return (k_pos[None, :] >= sink) & (k_pos[None, :] <= q_pos[:, None] - recent)
+
+
+def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """``[B, H_kv, S, d]`` → ``[B, H_q, S, d]`` (query head h reads KV head ``h // g``)."""
+    g = num_q_heads // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _mask_block(attention_mask: torch.Tensor | None, rows: slice, s_end: int) -> torch.Tensor | None:
+    """Slice a user 4-D mask ``[B, 1|H, T, S]`` (bool: True = attend, or additive float)."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    return attention_mask[:, :, rows, :s_end]
+
+
+def _apply_user_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return logits
+    if mask.dtype == torch.bool:
+        return logits.masked_fill(~mask, float("-inf"))
+    return logits + mask.to(logits.dtype)
+
+
+def exact_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention with queries at the END of the key sequence.
+
+    Args:
+        query: ``[B, H_q, T, d]``; key, value: ``[B, H_kv, S, d]`` with ``S >= T``.
+        attention_mask: optional 4-D ``[B, 1|H_q, T, S]`` mask (bool or additive).
+    Returns:
+        ``[B, T, H_q, d]``.
+    """
+    hq, t, s = query.shape[1], query.shape[2], key.shape[2]
+    k, v = _expand_kv(key, hq), _expand_kv(value, hq)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask[..., :t, :s]
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+    elif t == s:
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+    else:
+        q_pos = torch.arange(s - t, s, device=query.device)
+        causal = torch.arange(s, device=query.device)[None, :] <= q_pos[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def mixed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_hat: torch.Tensor,
+    value_hat: torch.Tensor,
+    scaling: float,
+    windows: Windows,
+    attention_mask: torch.Tensor | None = None,
+    block: int = 256,
+    errors: LayerErrors | None = None,
+) -> torch.Tensor:
+    """Causal attention reading quantised K/V inside the quantised region, exact elsewhere.
+
+    Args:
+        query: ``[B, H_q, T, d]`` (post-RoPE), at absolute positions ``S-T .. S-1``.
+        key, value: ``[B, H_kv, S, d]`` exact.
+        key_hat, value_hat: ``[B, H_kv, S, d]`` quantised (same basis as ``key``/``value``).
+        scaling: softmax scale.
+        windows: sink / recent sizes.
+        attention_mask: optional 4-D mask ``[B, 1|H_q, T, S]`` (bool True = attend, or additive).
+        block: query rows per block.
+        errors: if given, accumulates the logit / output error sums of this call.
+    Returns:
+        ``[B, T, H_q, d]`` in ``query.dtype``.
+    """
+    b, hq, t, d = query.shape
+    s = key.shape[2]
+    check(s >= t, "key length", f">= query length {t}", s)
+    dev = query.device
+    k, v = _expand_kv(key, hq).float(), _expand_kv(value, hq).float()
+    kh, dv = _expand_kv(key_hat, hq).float(), (_expand_kv(value_hat, hq).float() - v)
+    out = torch.empty(b, t, hq, d, dtype=query.dtype, device=dev)
+    k_pos_all = torch.arange(s, device=dev)
+    for t0 in range(0, t, block):
+        t1 = min(t, t0 + block)
+        q_pos = torch.arange(s - t + t0, s - t + t1, device=dev)
+        s_end = int(q_pos[-1]) + 1  # causal: later keys are never read by this block
+        k_pos = k_pos_all[:s_end]
+        qb = query[:, :, t0:t1].float()
+        logits = torch.matmul(qb, k[:, :, :s_end].transpose(-1, -2)) * scaling
+        quant = quantized_region(q_pos, k_pos, windows.sink, windows.recent)  # [tb, s_end]
+        causal = k_pos[None, :] <= q_pos[:, None]
+        user = _mask_block(attention_mask, slice(t0, t1), s_end)
+        if bool(quant.any()):
+            logits_hat = torch.matmul(qb, kh[:, :, :s_end].transpose(-1, -2)) * scaling
+            mixed = torch.where(quant, logits_hat, logits)
+        else:
+            logits_hat, mixed = logits, logits
+        mixed = _apply_user_mask(mixed.masked_fill(~causal, float("-inf")), user)
+        p = torch.softmax(mixed, dim=-1)
+        ob = torch.matmul(p, v[:, :, :s_end])
+        if bool(quant.any()):
+            ob = ob + torch.matmul(p * quant, dv[:, :, :s_end])
+        out[:, t0:t1] = ob.transpose(1, 2).to(query.dtype)
+        if errors is not None and bool(quant.any()):
+            _accumulate(errors, logits, logits_hat, quant, causal, user, ob, v[:, :, :s_end])
+    return out
+
+
+def _accumulate(
+    errors: LayerErrors,
+    logits: torch.Tensor,
+    logits_hat: torch.Tensor,
+    quant: torch.Tensor,
+    causal: torch.Tensor,
+    user: torch.Tensor | None,
+    out_hat: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Add one block's squared errors to ``errors`` (shapes ``[B, H, tb, s]``)."""
+    w = quant.to(logits.dtype)
+    n = w.sum(-1, keepdim=True).clamp_min(1.0)
+    diff = (logits_hat - logits) * w
+    diff = (diff - diff.sum(-1, keepdim=True) / n) * w
+    ref = logits * w
+    ref = (ref - ref.sum(-1, keepdim=True) / n) * w
+    errors.logit_err += float(diff.square().sum())
+    errors.logit_ref += float(ref.square().sum())
+    exact = _apply_user_mask(logits.masked_fill(~causal, float("-inf")), user)
+    out = torch.matmul(torch.softmax(exact, dim=-1), v)
+    rows = quant.any(-1)  # [tb]
+    errors.out_err += float((out_hat - out)[:, :, rows].square().sum())
+    errors.out_ref += float(out[:, :, rows].square().sum())
+    errors.rows += int(rows.sum())
+
+
+def _fake_quantize(scheme: KVScheme, layer_idx: int, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Fake-quantise ``[B, H, S, d]`` per batch row through the scheme's ``[S, H, d]`` API."""
+    fn = scheme.fake_quantize_keys if kind == "k" else scheme.fake_quantize_values
+    rows = [fn(layer_idx, x[i].transpose(0, 1)).transpose(0, 1) for i in range(x.shape[0])]
+    return torch.stack(rows, 0)
+
+
+@dataclass
+class SimulatedAttention:
+    """Attention function for :func:`oscar_calib.attention.attention_override`.
+
+    Attributes:
+        scheme: the KV scheme; ``scheme.quantized == False`` runs exact attention.
+        windows: sink / recent windows (the same for every scheme of a run).
+        capture: accumulate per-layer errors in ``errors``.
+        block: query rows per block.
+    """
+
+    scheme: KVScheme
+    windows: Windows = field(default_factory=Windows)
+    capture: bool = False
+    block: int = 256
+    errors: dict[int, LayerErrors] = field(default_factory=dict)
+
+    def __call__(
+        self,
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        layer = int(ctx.layer_idx)
+        s = key.shape[2]
+        # no (t, s) pair is quantised when even the last query's window covers [sink, s)
+        if not self.scheme.quantized or (s - 1) - self.windows.recent < self.windows.sink:
+            return exact_attention(query, key, value, scaling, attention_mask)
+        key_hat = _fake_quantize(self.scheme, layer, key, "k")
+        value_hat = _fake_quantize(self.scheme, layer, value, "v")
+        errors = self.errors.setdefault(layer, LayerErrors()) if self.capture else None
+        return mixed_attention(
+            query, key, value, key_hat, value_hat, scaling, self.windows, attention_mask, self.block, errors
+        )
+
+
+@contextlib.contextmanager
+def simulate(
+    model: Any, scheme: KVScheme, windows: Windows | None = None, capture: bool = False, block: int = 256
+) -> Iterator[SimulatedAttention]:
+    """Run ``model`` with ``scheme``'s quantised KV cache under serving semantics.
+
+    Usage::
+
+        with simulate(model, scheme, Windows(64, 256), capture=True) as sim:
+            logits = model(input_ids).logits
+        sim.errors[layer].logit_rel
+    """
+    from .attention import attention_override
+
+    fn = SimulatedAttention(scheme, windows or Windows(), capture, block)
+    with attention_override(model, fn):
+        yield fn
