@@ -1,5 +1,16 @@
 """oscar-math: the pure math of OSCAR 2-bit KV-cache quantisation."""
 
+from .artifact import (
+    FORMAT,
+    FORMAT_VERSION,
+    ORTHOGONALITY_TOL,
+    Granularity,
+    LayerRotations,
+    Rotations,
+    identity_rotations,
+    load_rotations,
+    save_rotations,
+)
 from .bitrev import bit_reversal_permutation, inverse_permutation, permutation_matrix
 from .bits import bits_per_element, int2_bits_per_element, kivi_bits_per_element
 from .clipping import (
@@ -81,4 +92,13 @@ __all__ = [
     "quantile_clip_fake_quantize",
     "quantization_error",
     "search_clip_ratio",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ORTHOGONALITY_TOL",
+    "Granularity",
+    "LayerRotations",
+    "Rotations",
+    "identity_rotations",
+    "load_rotations",
+    "save_rotations",
 ]
