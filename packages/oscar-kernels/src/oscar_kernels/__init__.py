@@ -1,4 +1,41 @@
-"""oscar-kernels."""
+"""oscar-kernels: the paged INT2 + BF16-window KV cache, its Triton kernels and torch references.
+
+Importing this package does not import Triton; kernels load on first use.
+"""
+
+from ._backend import Backend, KernelUnavailableError, triton_available
+from .decode_attention import choose_num_splits, decode_attention, paged_bf16_decode
+from .extend_attention import extend_attention
+from .layout import CacheLayout, PagedKVCache, allocate_cache, bits_per_element, layout_bytes_per_token
+from .paged_write import paged_write
+from .params import ExpandedParams, LayerQuantParams, as_expanded
+from .reference import decode_attention_ref, extend_attention_ref, gather_rotated_kv, paged_write_ref
+from .rotate import rotate_chunk, rotate_queries, unrotate_output
 
 __version__ = "0.1.0"
-__all__: list[str] = []
+
+__all__ = [
+    "Backend",
+    "KernelUnavailableError",
+    "triton_available",
+    "CacheLayout",
+    "PagedKVCache",
+    "allocate_cache",
+    "bits_per_element",
+    "layout_bytes_per_token",
+    "paged_write",
+    "decode_attention",
+    "choose_num_splits",
+    "paged_bf16_decode",
+    "extend_attention",
+    "ExpandedParams",
+    "LayerQuantParams",
+    "as_expanded",
+    "decode_attention_ref",
+    "extend_attention_ref",
+    "gather_rotated_kv",
+    "paged_write_ref",
+    "rotate_chunk",
+    "rotate_queries",
+    "unrotate_output",
+]

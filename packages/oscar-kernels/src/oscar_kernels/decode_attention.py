@@ -1,0 +1,230 @@
+"""Public decode attention op: split-K flash-decoding over INT2 pages + BF16 windows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._backend import Backend, dot_dtype, use_triton
+from ._validate import check_index_tensor, check_queries
+from .layout import PagedKVCache
+from .params import ExpandedParams, LayerQuantParams, as_expanded
+from .reference.attention import decode_attention_ref
+from .rotate import rotate_queries, unrotate_output
+
+__all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode"]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_len: int, device: torch.device, block_n: int = 64
+) -> int:
+    """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
+
+    Enough programs to put ~4 on every SM, but no split shorter than two tiles.
+    Depends on ``max_len`` (``block_table.shape[1] * page_size``), not on the actual
+    lengths, so it never reads device memory (CUDA-graph safe).
+    """
+    want = max(1, -(-4 * _num_sms(device) // max(1, batch * num_kv_heads)))
+    cap = max(1, max_len // (2 * block_n))
+    return int(min(want, cap, 256))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    params: LayerQuantParams | ExpandedParams,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+    backend: Backend | str = "auto",
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """One decode step of attention for ``B`` sequences of different lengths.
+
+    Args:
+        q: ``[B, H_q, d]`` un-rotated queries (after RoPE); ``H_q = g * H_kv``.
+        cache: the layer's cache; must already hold each sequence's ``seq_lens[b]``
+            tokens (write the new token first).
+        params: rotations / mean / clips (pass :class:`ExpandedParams` per step).
+        block_table: ``[B, max_pages]`` int32 page ids of each sequence.
+        seq_lens: ``[B]`` int32 cached lengths (0 allowed: output 0).
+        window_slots: ``[B]`` int32 rows of the window pools.
+        softmax_scale: default ``1/sqrt(d)``.
+        num_splits: INT2 splits per (sequence, KV head); default
+            :func:`choose_num_splits` (host-only arithmetic).
+        backend: ``auto`` | ``triton`` | ``torch``.
+        block_n, num_warps, num_stages: Triton tile size and launch options.
+    Returns:
+        ``[B, H_q, d]`` in ``q.dtype``.
+    """
+    lo = cache.layout
+    g = check_queries("q", q, cache, 3)
+    bsz = q.shape[0]
+    check_index_tensor("seq_lens", seq_lens, (bsz,), cache.device)
+    check_index_tensor("window_slots", window_slots, (bsz,), cache.device)
+    check_index_tensor(
+        "block_table",
+        block_table,
+        (bsz, block_table.shape[-1] if block_table.dim() == 2 else -1),
+        cache.device,
+    )
+    ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    if not use_triton(cache.device, backend):
+        return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
+    scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
+    q_rot = rotate_queries(q, ep)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n
+        )
+    out = _launch_decode(
+        q_rot,
+        cache,
+        block_table,
+        seq_lens,
+        window_slots,
+        scale,
+        g,
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+    )
+    return unrotate_output(out, ep, q.dtype)
+
+
+def _launch_decode(
+    q_rot,
+    cache,
+    block_table,
+    seq_lens,
+    window_slots,
+    scale,
+    g,
+    num_splits,
+    block_n,
+    num_warps,
+    num_stages,
+    bf16_pages=None,
+):
+    import triton
+
+    from ._backend import interpreting
+    from .kernels.attention import decode_split_kernel, merge_splits_kernel
+
+    lo = cache.layout
+    bsz, hq, d = q_rot.shape
+    nt = num_splits + 2
+    po = torch.empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
+    plse = torch.empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
+    kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
+    opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
+    decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
+        q_rot,
+        q_rot.stride(0),
+        q_rot.stride(1),
+        kc,
+        vc,
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        cache.k_scale,
+        cache.k_zero,
+        cache.v_scale,
+        cache.v_zero,
+        cache.k_scale.stride(0),
+        cache.k_scale.stride(1),
+        cache.k_scale.stride(2),
+        cache.k_sink,
+        cache.v_sink,
+        cache.k_sink.stride(0),
+        cache.k_sink.stride(1),
+        cache.k_sink.stride(2),
+        cache.k_recent,
+        cache.v_recent,
+        cache.k_recent.stride(0),
+        cache.k_recent.stride(1),
+        cache.k_recent.stride(2),
+        block_table,
+        block_table.stride(0),
+        seq_lens,
+        window_slots,
+        po,
+        plse,
+        scale * math.log2(math.e),
+        lo.page_size,
+        H_KV=lo.num_kv_heads,
+        GQA=g,
+        G_PAD=max(16, triton.next_power_of_2(g)),
+        HEAD_DIM=d,
+        GROUP=lo.group,
+        SINK=lo.sink_tokens if bf16_pages is None else 0,
+        RECENT=lo.recent_tokens if bf16_pages is None else 0,
+        RING=max(1, lo.recent_tokens),
+        NUM_SPLITS=num_splits,
+        BLOCK_N=block_n,
+        BLOCK_W=64,
+        PAGED_BF16=bf16_pages is not None,
+        DOT=dot_dtype(),
+        **opts,
+    )
+    out = torch.empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)
+    merge_splits_kernel[(bsz * hq,)](po, plse, out, NT=nt, NT_PAD=triton.next_power_of_2(nt), HEAD_DIM=d)
+    return out
+
+
+def paged_bf16_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Baseline: the same split-K kernel over plain BF16 pages (no rotation, no windows).
+
+    Args:
+        q: ``[B, H_q, d]`` bf16.
+        k_pages, v_pages: ``[num_pages, H_kv, page_size, d]`` bf16.
+        block_table: ``[B, max_pages]``; seq_lens: ``[B]``.
+    Returns:
+        ``[B, H_q, d]`` float32.
+    """
+    from .layout import CacheLayout, allocate_cache
+
+    n_pages, h, ps, d = k_pages.shape
+    lo = CacheLayout(h, d, page_size=ps, sink_tokens=0, recent_tokens=0)
+    shell = allocate_cache(lo, 1, 1, k_pages.device)  # scale/window tensors are not read
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    bsz = q.shape[0]
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, h, block_table.shape[1] * ps, q.device, block_n)
+    return _launch_decode(
+        q,
+        shell,
+        block_table,
+        seq_lens,
+        torch.zeros_like(seq_lens),
+        scale,
+        q.shape[1] // h,
+        num_splits,
+        block_n,
+        num_warps,
+        num_stages,
+        bf16_pages=(k_pages, v_pages),
+    )

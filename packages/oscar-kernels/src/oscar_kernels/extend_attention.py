@@ -1,0 +1,150 @@
+"""Public prefill / extend attention op: a chunk over INT2 history + BF16 windows + itself."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oscar_math import check
+
+from ._backend import Backend, dot_dtype, interpreting, use_triton
+from ._validate import check_index_tensor, check_queries
+from .layout import PagedKVCache
+from .params import ExpandedParams, LayerQuantParams, as_expanded
+from .reference.attention import extend_attention_ref
+from .rotate import rotate_chunk, rotate_queries, unrotate_output
+
+__all__ = ["extend_attention"]
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    params: LayerQuantParams | ExpandedParams,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    max_query_len: int,
+    softmax_scale: float | None = None,
+    backend: Backend | str = "auto",
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of new chunks (varlen batch) over their cached prefixes.
+
+    Sequence ``b`` has ``prefix_lens[b]`` tokens already in the cache and
+    ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new tokens in ``q/k/v``. Prefix key ``j``
+    is read from the sink if ``j < sink``, from the ring if
+    ``j >= max(sink, prefix + chunk - recent)`` (the window *after* this chunk, so it
+    is valid whether or not the chunk was already written), else from INT2 pages,
+    dequantised tile by tile in registers. The chunk's own keys are used in BF16.
+
+    Args:
+        q: ``[T, H_q, d]``; k, v: ``[T, H_kv, d]`` un-rotated (after RoPE).
+        cache, params: as :func:`oscar_kernels.decode_attention`.
+        cu_seqlens_q: ``[B+1]`` int32 chunk offsets in ``q``.
+        prefix_lens: ``[B]`` int32 cached tokens before each chunk.
+        block_table: ``[B, max_pages]`` int32; window_slots: ``[B]`` int32.
+        max_query_len: host int, the longest chunk (sizes the grid).
+    Returns:
+        ``[T, H_q, d]`` in ``q.dtype``.
+    """
+    lo = cache.layout
+    g = check_queries("q", q, cache, 3)
+    t = q.shape[0]
+    exp = (t, lo.num_kv_heads, lo.head_dim)
+    check(tuple(k.shape) == exp, "shape of k", exp, tuple(k.shape))
+    check(tuple(v.shape) == exp, "shape of v", exp, tuple(v.shape))
+    bsz = prefix_lens.shape[0] if prefix_lens.dim() == 1 else -1
+    check_index_tensor("prefix_lens", prefix_lens, (bsz,), cache.device)
+    check_index_tensor("cu_seqlens_q", cu_seqlens_q, (bsz + 1,), cache.device)
+    check_index_tensor("window_slots", window_slots, (bsz,), cache.device)
+    check(block_table.dim() == 2, "rank of block_table", 2, block_table.dim())
+    check_index_tensor("block_table", block_table, (bsz, block_table.shape[1]), cache.device)
+    check(max_query_len >= 0, "max_query_len", ">= 0", max_query_len)
+    ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    if not use_triton(cache.device, backend):
+        return extend_attention_ref(
+            q,
+            k,
+            v,
+            cache,
+            ep,
+            cu_seqlens_q,
+            prefix_lens,
+            block_table,
+            window_slots,
+            max_query_len,
+            softmax_scale,
+        )
+    import triton
+
+    from .kernels.attention import extend_kernel
+
+    scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
+    q_rot = rotate_queries(q, ep)
+    k_rot, v_rot = rotate_chunk(k, v, ep)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if t == 0 or max_query_len == 0:
+        return out.to(q.dtype)
+    opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
+    grid = (triton.cdiv(max_query_len, block_m), bsz * q.shape[1])
+    extend_kernel[grid](
+        q_rot,
+        q_rot.stride(0),
+        q_rot.stride(1),
+        k_rot,
+        v_rot,
+        k_rot.stride(0),
+        k_rot.stride(1),
+        cache.k_codes,
+        cache.v_codes,
+        cache.k_codes.stride(0),
+        cache.k_codes.stride(1),
+        cache.k_codes.stride(2),
+        cache.k_scale,
+        cache.k_zero,
+        cache.v_scale,
+        cache.v_zero,
+        cache.k_scale.stride(0),
+        cache.k_scale.stride(1),
+        cache.k_scale.stride(2),
+        cache.k_sink,
+        cache.v_sink,
+        cache.k_sink.stride(0),
+        cache.k_sink.stride(1),
+        cache.k_sink.stride(2),
+        cache.k_recent,
+        cache.v_recent,
+        cache.k_recent.stride(0),
+        cache.k_recent.stride(1),
+        cache.k_recent.stride(2),
+        block_table,
+        block_table.stride(0),
+        cu_seqlens_q,
+        prefix_lens,
+        window_slots,
+        out,
+        out.stride(0),
+        out.stride(1),
+        scale * math.log2(math.e),
+        lo.page_size,
+        H_Q=q.shape[1],
+        GQA=g,
+        HEAD_DIM=lo.head_dim,
+        GROUP=lo.group,
+        SINK=lo.sink_tokens,
+        RECENT=lo.recent_tokens,
+        RING=max(1, lo.recent_tokens),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT=dot_dtype(),
+        **opts,
+    )
+    return unrotate_output(out, ep, q.dtype)

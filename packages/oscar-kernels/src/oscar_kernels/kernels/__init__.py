@@ -1,0 +1,1 @@
+"""``@triton.jit`` bodies (imported only by the launchers, never at package import)."""

@@ -1,0 +1,575 @@
+"""``@triton.jit`` bodies of decode (split-K) and extend attention over the paged cache.
+
+Everything runs in the rotated basis. A key/value row of ``d`` elements is handled as
+four quarter-rows of ``Q4 = d/4`` elements, because the strided INT2 packing puts
+elements ``b + i*d/4`` in bits ``2i`` of byte ``b``: one shift and mask of the
+``[BLOCK_N, d/4]`` byte tile yields quarter ``i``, which is dotted with quarter ``i``
+of the query. BF16 tiles use the same quarter form so every path shares the
+accumulators ``acc0..acc3`` (``[M, Q4]`` float32).
+
+With one quantisation group per row (``GROUP == HEAD_DIM``) the dequantisation is
+folded out of the inner products: ``q·(c*s + z) = s*(q·c) + z*sum(q)`` and
+``p·(c*s + z) = (p*s)·c + sum(p*z)``, so the tensor cores see raw codes.
+``DOT`` is the dot operand dtype (bf16 on GPU, float32 in the interpreter).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softmax_step(s2, m_i, l_i):
+    """Online softmax in the log2 domain; ``s2`` is ``-inf`` where masked."""
+    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s2 - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _int2_scores(
+    q0,
+    q1,
+    q2,
+    q3,
+    qsum,
+    kc,
+    s_ptr,
+    z_ptr,
+    mrow,
+    tmask,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Scores ``[M, BLOCK_N]`` of queries against an INT2 key tile ``kc [BLOCK_N, Q4]``."""
+    Q4: tl.constexpr = HEAD_DIM // 4
+    if GROUP == HEAD_DIM:
+        ks = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        kz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        acc = tl.dot(q0, tl.trans((kc & 3).to(tl.float32).to(DOT)))
+        acc = tl.dot(q1, tl.trans(((kc >> 2) & 3).to(tl.float32).to(DOT)), acc)
+        acc = tl.dot(q2, tl.trans(((kc >> 4) & 3).to(tl.float32).to(DOT)), acc)
+        acc = tl.dot(q3, tl.trans(((kc >> 6) & 3).to(tl.float32).to(DOT)), acc)
+        s = acc * ks[None, :] + qsum[:, None] * kz[None, :]
+    else:
+        j = tl.arange(0, Q4)
+        m2 = tmask[:, None]
+        g = mrow[:, None] + (j[None, :] // GROUP)
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * sc + zc).to(DOT)))
+        g = g + Q4 // GROUP
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        s = tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * sc + zc).to(DOT)), s)
+        g = g + Q4 // GROUP
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        s = tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * sc + zc).to(DOT)), s)
+        g = g + Q4 // GROUP
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        s = tl.dot(q3, tl.trans((((kc >> 6) & 3).to(tl.float32) * sc + zc).to(DOT)), s)
+    return s
+
+
+@triton.jit
+def _int2_pv(
+    p,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    vc,
+    s_ptr,
+    z_ptr,
+    mrow,
+    tmask,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``."""
+    Q4: tl.constexpr = HEAD_DIM // 4
+    if GROUP == HEAD_DIM:
+        vs = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        vz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
+        pv = (p * vs[None, :]).to(DOT)
+        pz = tl.sum(p * vz[None, :], 1)[:, None]
+        acc0 = tl.dot(pv, (vc & 3).to(tl.float32).to(DOT), acc0) + pz
+        acc1 = tl.dot(pv, ((vc >> 2) & 3).to(tl.float32).to(DOT), acc1) + pz
+        acc2 = tl.dot(pv, ((vc >> 4) & 3).to(tl.float32).to(DOT), acc2) + pz
+        acc3 = tl.dot(pv, ((vc >> 6) & 3).to(tl.float32).to(DOT), acc3) + pz
+    else:
+        j = tl.arange(0, Q4)
+        m2 = tmask[:, None]
+        pd = p.to(DOT)
+        g = mrow[:, None] + (j[None, :] // GROUP)
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        acc0 = tl.dot(pd, ((vc & 3).to(tl.float32) * sc + zc).to(DOT), acc0)
+        g = g + Q4 // GROUP
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        acc1 = tl.dot(pd, (((vc >> 2) & 3).to(tl.float32) * sc + zc).to(DOT), acc1)
+        g = g + Q4 // GROUP
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        acc2 = tl.dot(pd, (((vc >> 4) & 3).to(tl.float32) * sc + zc).to(DOT), acc2)
+        g = g + Q4 // GROUP
+        sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+        acc3 = tl.dot(pd, (((vc >> 6) & 3).to(tl.float32) * sc + zc).to(DOT), acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _bf16_scores(q0, q1, q2, q3, k_ptr, row, tmask, Q4: tl.constexpr, DOT: tl.constexpr):
+    """Scores against a 16-bit key tile whose rows start at ``k_ptr + row``."""
+    j = tl.arange(0, Q4)
+    ptr = k_ptr + row[:, None] + j[None, :]
+    m2 = tmask[:, None]
+    s = tl.dot(q0, tl.trans(tl.load(ptr, mask=m2, other=0.0).to(tl.float32).to(DOT)))
+    s = tl.dot(q1, tl.trans(tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
+    s = tl.dot(q2, tl.trans(tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
+    s = tl.dot(q3, tl.trans(tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
+    return s
+
+
+@triton.jit
+def _bf16_pv(p, acc0, acc1, acc2, acc3, v_ptr, row, tmask, Q4: tl.constexpr, DOT: tl.constexpr):
+    j = tl.arange(0, Q4)
+    ptr = v_ptr + row[:, None] + j[None, :]
+    m2 = tmask[:, None]
+    pd = p.to(DOT)
+    acc0 = tl.dot(pd, tl.load(ptr, mask=m2, other=0.0).to(tl.float32).to(DOT), acc0)
+    acc1 = tl.dot(pd, tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc1)
+    acc2 = tl.dot(pd, tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc2)
+    acc3 = tl.dot(pd, tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _bf16_range(
+    q0,
+    q1,
+    q2,
+    q3,
+    m_i,
+    l_i,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    base_k,
+    base_v,
+    lo,
+    hi,
+    ring,
+    stride_row,
+    sm_scale_log2,
+    BLOCK_W: tl.constexpr,
+    Q4: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Attend to bf16 rows ``(tok % ring) * stride_row`` for ``tok`` in ``[lo, hi)``."""
+    for t0 in range(lo, hi, BLOCK_W):
+        tok = t0 + tl.arange(0, BLOCK_W)
+        tmask = tok < hi
+        row = (tok % ring).to(tl.int64) * stride_row
+        s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT)
+        s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _load_q(q_ptr, qrow, rmask, Q4: tl.constexpr, DOT: tl.constexpr):
+    j = tl.arange(0, Q4)
+    ptr = q_ptr + qrow[:, None] + j[None, :]
+    m2 = rmask[:, None]
+    q0 = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+    q1 = tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32)
+    q2 = tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32)
+    q3 = tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32)
+    qsum = tl.sum(q0, 1) + tl.sum(q1, 1) + tl.sum(q2, 1) + tl.sum(q3, 1)
+    return q0.to(DOT), q1.to(DOT), q2.to(DOT), q3.to(DOT), qsum
+
+
+@triton.jit
+def _store_rows(o_ptr, orow, rmask, acc0, acc1, acc2, acc3, scale, Q4: tl.constexpr):
+    j = tl.arange(0, Q4)
+    ptr = o_ptr + orow[:, None] + j[None, :]
+    m2 = rmask[:, None]
+    tl.store(ptr, acc0 * scale[:, None], mask=m2)
+    tl.store(ptr + Q4, acc1 * scale[:, None], mask=m2)
+    tl.store(ptr + 2 * Q4, acc2 * scale[:, None], mask=m2)
+    tl.store(ptr + 3 * Q4, acc3 * scale[:, None], mask=m2)
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    kc_ptr,
+    vc_ptr,
+    stride_cp,
+    stride_ch,
+    stride_ct,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    stride_sp,
+    stride_sh,
+    stride_st,
+    ksink_ptr,
+    vsink_ptr,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    kring_ptr,
+    vring_ptr,
+    stride_wr0,
+    stride_wr1,
+    stride_wr2,
+    bt_ptr,
+    stride_bt,
+    seqlen_ptr,
+    wslot_ptr,
+    po_ptr,
+    plse_ptr,
+    sm_scale_log2,
+    page_size,
+    H_KV: tl.constexpr,
+    GQA: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PAGED_BF16: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Program ``(b*H_kv + h, split)``: all ``GQA`` query heads of KV head ``h``.
+
+    Splits ``0..NUM_SPLITS-1`` cover equal page-aligned shares of the INT2 range
+    ``[SINK, max(SINK, L - RECENT))``; split ``NUM_SPLITS`` the sink, split
+    ``NUM_SPLITS + 1`` the recent ring. Each writes its normalised partial output
+    and log2-sum-exp to ``po [B, H_q, NUM_SPLITS + 2, d]`` / ``plse``.
+    ``PAGED_BF16`` (benchmark baseline): pages hold bf16 rows ``[P, H, page, d]``.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // H_KV
+    h = pid % H_KV
+    Q4: tl.constexpr = HEAD_DIM // 4
+    NT: tl.constexpr = NUM_SPLITS + 2
+    length = tl.load(seqlen_ptr + b)
+    rows = tl.arange(0, G_PAD)
+    rmask = rows < GQA
+    hq = h * GQA + rows
+    q0, q1, q2, q3, qsum = _load_q(q_ptr, b * stride_qb + hq * stride_qh, rmask, Q4, DOT)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc0 = tl.zeros([G_PAD, Q4], tl.float32)
+    acc1 = tl.zeros([G_PAD, Q4], tl.float32)
+    acc2 = tl.zeros([G_PAD, Q4], tl.float32)
+    acc3 = tl.zeros([G_PAD, Q4], tl.float32)
+    j = tl.arange(0, Q4)
+    if split < NUM_SPLITS:
+        start = SINK
+        end = tl.maximum(length - RECENT, SINK)
+        per = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = start + split * per
+        hi = tl.minimum(end, lo + per)
+        for t0 in range(lo, hi, BLOCK_N):
+            tok = t0 + tl.arange(0, BLOCK_N)
+            tmask = tok < hi
+            page = tl.load(bt_ptr + b * stride_bt + tok // page_size, mask=tmask, other=0).to(tl.int64)
+            off = tok % page_size
+            crow = page * stride_cp + h * stride_ch + off * stride_ct
+            if PAGED_BF16:
+                s = _bf16_scores(q0, q1, q2, q3, kc_ptr, crow, tmask, Q4, DOT)
+            else:
+                mrow = page * stride_sp + h * stride_sh + off * stride_st
+                kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
+                s = _int2_scores(q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT)
+            s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            if PAGED_BF16:
+                acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, vc_ptr, crow, tmask, Q4, DOT)
+            else:
+                vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
+                acc0, acc1, acc2, acc3 = _int2_pv(
+                    p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT
+                )
+    elif split == NUM_SPLITS:
+        if SINK > 0:
+            ws = tl.load(wslot_ptr + b).to(tl.int64)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                ksink_ptr + ws * stride_ws0 + h * stride_ws1,
+                vsink_ptr + ws * stride_ws0 + h * stride_ws1,
+                0,
+                tl.minimum(length, SINK),
+                1 << 30,
+                stride_ws2,
+                sm_scale_log2,
+                BLOCK_W,
+                Q4,
+                DOT,
+            )
+    else:
+        if RECENT > 0:
+            ws = tl.load(wslot_ptr + b).to(tl.int64)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                kring_ptr + ws * stride_wr0 + h * stride_wr1,
+                vring_ptr + ws * stride_wr0 + h * stride_wr1,
+                tl.maximum(length - RECENT, SINK),
+                length,
+                RING,
+                stride_wr2,
+                sm_scale_log2,
+                BLOCK_W,
+                Q4,
+                DOT,
+            )
+    has = l_i > 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    prow = (b * (H_KV * GQA) + hq) * NT + split
+    _store_rows(po_ptr, prow.to(tl.int64) * HEAD_DIM, rmask, acc0, acc1, acc2, acc3, inv, Q4)
+    tl.store(plse_ptr + prow, lse, mask=rmask)
+
+
+@triton.jit
+def merge_splits_kernel(
+    po_ptr, plse_ptr, out_ptr, NT: tl.constexpr, NT_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """Program ``r`` (one query head of one sequence): LSE-merge ``NT`` partials."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, NT_PAD)
+    smask = s < NT
+    lse = tl.load(plse_ptr + r * NT + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    den = tl.sum(w, 0)
+    d = tl.arange(0, HEAD_DIM)
+    o = tl.load(po_ptr + (r * NT + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + r * HEAD_DIM + d, out)
+
+
+@triton.jit
+def extend_kernel(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    kn_ptr,
+    vn_ptr,
+    stride_nt,
+    stride_nh,
+    kc_ptr,
+    vc_ptr,
+    stride_cp,
+    stride_ch,
+    stride_ct,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    stride_sp,
+    stride_sh,
+    stride_st,
+    ksink_ptr,
+    vsink_ptr,
+    stride_ws0,
+    stride_ws1,
+    stride_ws2,
+    kring_ptr,
+    vring_ptr,
+    stride_wr0,
+    stride_wr1,
+    stride_wr2,
+    bt_ptr,
+    stride_bt,
+    cu_ptr,
+    prefix_ptr,
+    wslot_ptr,
+    o_ptr,
+    stride_ot,
+    stride_oh,
+    sm_scale_log2,
+    page_size,
+    H_Q: tl.constexpr,
+    GQA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    RING: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Program ``(query block, b*H_q + hq)``: ``BLOCK_M`` chunk queries of one head.
+
+    Keys: sink ``[0, min(SINK, P))``, INT2 ``[SINK, min(P, max(SINK, L - RECENT)))``,
+    ring ``[max(SINK, L - RECENT), P)`` with ``P`` the prefix and ``L = P + chunk``
+    length, then the chunk's own rotated bf16 keys, causally. INT2 tiles are
+    dequantised in registers; nothing is materialised.
+    """
+    mb = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = pid // H_Q
+    hq = pid % H_Q
+    h = hq // GQA
+    Q4: tl.constexpr = HEAD_DIM // 4
+    qs = tl.load(cu_ptr + b)
+    qlen = tl.load(cu_ptr + b + 1) - qs
+    if mb * BLOCK_M < qlen:
+        prefix = tl.load(prefix_ptr + b)
+        total = prefix + qlen
+        ws = tl.load(wslot_ptr + b).to(tl.int64)
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < qlen
+        qrow = (qs + m).to(tl.int64) * stride_qt + hq * stride_qh
+        q0, q1, q2, q3, qsum = _load_q(q_ptr, qrow, mmask, Q4, DOT)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, Q4], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, Q4], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, Q4], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, Q4], tl.float32)
+        j = tl.arange(0, Q4)
+        # sink
+        if SINK > 0:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                ksink_ptr + ws * stride_ws0 + h * stride_ws1,
+                vsink_ptr + ws * stride_ws0 + h * stride_ws1,
+                0,
+                tl.minimum(prefix, SINK),
+                1 << 30,
+                stride_ws2,
+                sm_scale_log2,
+                BLOCK_N,
+                Q4,
+                DOT,
+            )
+        # INT2 history
+        rstart = tl.maximum(total - RECENT, SINK)
+        hi = tl.minimum(prefix, rstart)
+        for t0 in range(SINK, hi, BLOCK_N):
+            tok = t0 + tl.arange(0, BLOCK_N)
+            tmask = tok < hi
+            page = tl.load(bt_ptr + b * stride_bt + tok // page_size, mask=tmask, other=0).to(tl.int64)
+            off = tok % page_size
+            crow = page * stride_cp + h * stride_ch + off * stride_ct
+            mrow = page * stride_sp + h * stride_sh + off * stride_st
+            kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
+            s = _int2_scores(q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT)
+            s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
+            acc0, acc1, acc2, acc3 = _int2_pv(
+                p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT
+            )
+        # recent ring (history part only)
+        if RECENT > 0:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                kring_ptr + ws * stride_wr0 + h * stride_wr1,
+                vring_ptr + ws * stride_wr0 + h * stride_wr1,
+                rstart,
+                prefix,
+                RING,
+                stride_wr2,
+                sm_scale_log2,
+                BLOCK_N,
+                Q4,
+                DOT,
+            )
+        # the chunk itself, causally
+        qpos = prefix + m
+        hi = tl.minimum(total, prefix + (mb + 1) * BLOCK_M)
+        base_k = kn_ptr + h * stride_nh
+        base_v = vn_ptr + h * stride_nh
+        for t0 in range(prefix, hi, BLOCK_N):
+            tok = t0 + tl.arange(0, BLOCK_N)
+            tmask = tok < hi
+            row = (qs + tok - prefix).to(tl.int64) * stride_nt
+            s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT)
+            ok = tmask[None, :] & (tok[None, :] <= qpos[:, None])
+            s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
+            p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
+            acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
+        orow = (qs + m).to(tl.int64) * stride_ot + hq * stride_oh
+        _store_rows(o_ptr, orow, mmask, acc0, acc1, acc2, acc3, inv, Q4)

@@ -1,0 +1,189 @@
+"""Public fused write op: rotate, clip, quantise, pack and store tokens into the cache."""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_math import check
+
+from ._backend import Backend, interpreting, use_triton
+from .layout import PagedKVCache
+from .params import ExpandedParams, LayerQuantParams, as_expanded
+from .reference.paged_write import paged_write_ref
+
+__all__ = ["paged_write"]
+
+
+def _validate(cache: PagedKVCache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots):
+    lo = cache.layout
+    n = key.shape[0] if key.dim() == 3 else -1
+    exp = (n, lo.num_kv_heads, lo.head_dim)
+    check(
+        key.dim() == 3 and tuple(key.shape) == exp,
+        "shape of key",
+        "[N, num_kv_heads, head_dim] " + str(exp),
+        tuple(key.shape),
+    )
+    check(tuple(value.shape) == exp, "shape of value", exp, tuple(value.shape))
+    check(
+        key.is_floating_point() and value.is_floating_point(),
+        "dtype of key/value",
+        "floating",
+        (key.dtype, value.dtype),
+    )
+    for name, t in (("slot_mapping", slot_mapping), ("positions", positions), ("seq_index", seq_index)):
+        check(t.dim() == 1 and t.shape[0] == n, f"shape of {name}", f"[{n}]", tuple(t.shape))
+    check(seq_lens.dim() == 1, "shape of seq_lens", "[B]", tuple(seq_lens.shape))
+    check(
+        tuple(window_slots.shape) == tuple(seq_lens.shape),
+        "shape of window_slots",
+        tuple(seq_lens.shape),
+        tuple(window_slots.shape),
+    )
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("slot_mapping", slot_mapping),
+        ("positions", positions),
+        ("seq_index", seq_index),
+        ("seq_lens", seq_lens),
+        ("window_slots", window_slots),
+    ):
+        check(t.device == cache.device, f"device of {name}", cache.device, t.device)
+    for name, t in (
+        ("slot_mapping", slot_mapping),
+        ("positions", positions),
+        ("seq_index", seq_index),
+        ("seq_lens", seq_lens),
+        ("window_slots", window_slots),
+    ):
+        check(not t.is_floating_point(), f"dtype of {name}", "an integer dtype", t.dtype)
+    check(
+        key.stride(-1) == 1 and value.stride(-1) == 1,
+        "stride(-1) of key/value",
+        1,
+        (key.stride(-1), value.stride(-1)),
+    )
+
+
+def paged_write(
+    cache: PagedKVCache,
+    params: LayerQuantParams | ExpandedParams,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+    backend: Backend | str = "auto",
+    precise: bool = False,
+) -> None:
+    """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K, one for V).
+
+    Every token goes to its INT2 slot; a token also goes to its sequence's BF16 sink
+    row when ``position < sink`` and to its ring row ``position % recent`` when
+    ``position >= max(sink, seq_len - recent)``. Order of writes vs attention does
+    not matter (see ``docs/kernels.md``).
+
+    Args:
+        cache: the layer's cache.
+        params: the layer's rotations / mean / clip ratios.
+        key, value: ``[N, H_kv, d]`` un-rotated (after RoPE), any float dtype.
+        slot_mapping: ``[N]`` flat INT2 slot ``page * page_size + offset``; ``< 0`` = skip (padding).
+        positions: ``[N]`` position of each token in its sequence.
+        seq_index: ``[N]`` which of the ``B`` sequences each token belongs to.
+        seq_lens: ``[B]`` sequence lengths *after* this write.
+        window_slots: ``[B]`` row of the window pools owned by each sequence.
+        backend: ``auto`` | ``triton`` | ``torch``.
+        precise: Triton only: full-fp32 (``ieee``) rotation instead of tf32.
+    """
+    lo = cache.layout
+    _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
+    ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    if key.shape[0] == 0:
+        return
+    if not use_triton(cache.device, backend):
+        paged_write_ref(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
+        return
+    _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, precise)
+
+
+def _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, precise):
+    import triton
+
+    from .kernels.paged_write import paged_write_kernel
+
+    lo = cache.layout
+    n = key.shape[0]
+    block_t = 32 if lo.head_dim <= 64 else 16
+    grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
+    prec = "ieee" if (precise or interpreting()) else "tf32"
+    for x, rot, codes, scale, zero, sink, ring, alpha, has_mean in (
+        (
+            key,
+            ep.k_rotation,
+            cache.k_codes,
+            cache.k_scale,
+            cache.k_zero,
+            cache.k_sink,
+            cache.k_recent,
+            ep.k_clip,
+            ep.has_mean,
+        ),
+        (
+            value,
+            ep.v_rotation,
+            cache.v_codes,
+            cache.v_scale,
+            cache.v_zero,
+            cache.v_sink,
+            cache.v_recent,
+            ep.v_clip,
+            False,
+        ),
+    ):
+        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+        paged_write_kernel[grid](
+            x,
+            x.stride(0),
+            x.stride(1),
+            rot,
+            rot.stride(0),
+            rot.stride(1),
+            ep.k_mean,
+            ep.k_mean.stride(0),
+            alpha,
+            slot_mapping,
+            positions,
+            seq_index,
+            seq_lens,
+            window_slots,
+            codes,
+            codes.stride(0),
+            codes.stride(1),
+            codes.stride(2),
+            scale,
+            zero,
+            scale.stride(0),
+            scale.stride(1),
+            scale.stride(2),
+            sink,
+            sink.stride(0),
+            sink.stride(1),
+            sink.stride(2),
+            ring,
+            ring.stride(0),
+            ring.stride(1),
+            ring.stride(2),
+            n,
+            lo.page_size,
+            HEAD_DIM=lo.head_dim,
+            GROUP=lo.group,
+            SINK=lo.sink_tokens,
+            RECENT=lo.recent_tokens,
+            HAS_MEAN=has_mean,
+            BLOCK_T=block_t,
+            DOT_PRECISION=prec,
+            **kwargs,
+        )

@@ -1,0 +1,105 @@
+"""Per-layer quantisation parameters the kernels consume, as plain tensors.
+
+The rotations artifact (``oscar_math.artifact``) stores exactly these; the kernels do
+not depend on it. Row-vector convention: ``k_rot = (k - k_mean) @ k_rotation``,
+``v_rot = v @ v_rotation``; queries are rotated by ``q @ k_rotation`` (keys centred
+by ``k_mean`` need no query correction: softmax is shift-invariant per query) and the
+output is un-rotated once by ``o_rot @ v_rotationᵀ``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oscar_math import check
+
+__all__ = ["LayerQuantParams", "ExpandedParams", "as_expanded"]
+
+
+@dataclass(frozen=True)
+class ExpandedParams:
+    """Per-KV-head view of :class:`LayerQuantParams` (float32, on the cache device).
+
+    Attributes:
+        k_rotation, v_rotation: ``[H_kv, d, d]`` (stride 0 on dim 0 for one per layer).
+        k_mean: ``[H_kv, d]`` (zeros when absent).
+        k_clip, v_clip: ``[H_kv]`` ratios in ``(0, 1]``.
+    """
+
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_mean: torch.Tensor
+    k_clip: torch.Tensor
+    v_clip: torch.Tensor
+    has_mean: bool
+
+
+@dataclass(frozen=True)
+class LayerQuantParams:
+    """Rotation, centring and clipping of one layer.
+
+    Attributes:
+        k_rotation, v_rotation: ``[d, d]`` (granularity ``layer``) or ``[H_kv, d, d]``
+            (granularity ``kv_head``) float32 orthogonal matrices.
+        k_mean: ``None``, ``[d]`` or ``[H_kv, d]`` — key mean in the original basis.
+        k_clip, v_clip: float, or ``[H_kv]`` / ``[1]`` tensor, in ``(0, 1]`` (1 = no clip).
+    """
+
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_mean: torch.Tensor | None = None
+    k_clip: float | torch.Tensor = 1.0
+    v_clip: float | torch.Tensor = 1.0
+
+    @property
+    def granularity(self) -> str:
+        return "layer" if self.k_rotation.dim() == 2 else "kv_head"
+
+    def expand(self, num_kv_heads: int, head_dim: int, device: torch.device) -> ExpandedParams:
+        """Validate and broadcast to one set per KV head (see :class:`ExpandedParams`)."""
+        h, d = num_kv_heads, head_dim
+        rots = []
+        for name in ("k_rotation", "v_rotation"):
+            r = getattr(self, name)
+            check(
+                isinstance(r, torch.Tensor) and r.shape in ((d, d), (h, d, d)),
+                f"shape of {name}",
+                f"({d}, {d}) or ({h}, {d}, {d})",
+                tuple(r.shape) if isinstance(r, torch.Tensor) else type(r),
+            )
+            r = r.to(device=device, dtype=torch.float32).contiguous()
+            rots.append(r.unsqueeze(0).expand(h, d, d) if r.dim() == 2 else r.contiguous())
+        if self.k_mean is None:
+            mean = torch.zeros(h, d, dtype=torch.float32, device=device)
+        else:
+            m = self.k_mean
+            check(m.shape in ((d,), (h, d)), "shape of k_mean", f"({d},) or ({h}, {d})", tuple(m.shape))
+            mean = m.to(device=device, dtype=torch.float32).expand(h, d).contiguous()
+        clips = []
+        for name in ("k_clip", "v_clip"):
+            c = torch.as_tensor(getattr(self, name), dtype=torch.float32).reshape(-1)
+            check(c.numel() in (1, h), f"size of {name}", f"1 or {h}", c.numel())
+            check(
+                bool(torch.isfinite(c).all() and (c > 0).all() and (c <= 1).all()),
+                name,
+                "values in (0, 1]",
+                c.tolist(),
+            )
+            clips.append(c.to(device).expand(h).contiguous())
+        return ExpandedParams(rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None)
+
+
+def as_expanded(
+    params: LayerQuantParams | ExpandedParams, num_kv_heads: int, head_dim: int, device: torch.device
+) -> ExpandedParams:
+    """Accept either form; expand (once, with host checks) when given the compact one.
+
+    Engines should expand once at load time and pass :class:`ExpandedParams` so the
+    per-step path has no host synchronisation.
+    """
+    if isinstance(params, ExpandedParams):
+        return params
+    check(isinstance(params, LayerQuantParams), "params", "LayerQuantParams or ExpandedParams", type(params))
+    return params.expand(num_kv_heads, head_dim, device)

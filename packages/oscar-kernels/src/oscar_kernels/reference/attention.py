@@ -1,0 +1,129 @@
+"""Torch references of decode and extend attention over the paged cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from oscar_math import unpack_int2
+
+from ..layout import PagedKVCache
+from ..params import ExpandedParams
+from ..rotate import rotate_chunk, rotate_queries, unrotate_output
+
+__all__ = ["gather_rotated_kv", "decode_attention_ref", "extend_attention_ref"]
+
+
+def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype) -> torch.Tensor:
+    c = unpack_int2(codes).to(dtype)  # [n, H, d]
+    n, h, d = c.shape
+    g = c.reshape(n, h, d // group, group) * scale.to(dtype).unsqueeze(-1) + zero.to(dtype).unsqueeze(-1)
+    return g.reshape(n, h, d)
+
+
+def gather_rotated_kv(
+    cache: PagedKVCache,
+    block_table_row: torch.Tensor,
+    window_slot: int,
+    length: int,
+    window_end: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values ``[length, H_kv, d]`` of one sequence, in the rotated basis.
+
+    Position ``j`` comes from the sink if ``j < sink``, from the ring if
+    ``j >= max(sink, window_end - recent)``, else from the dequantised INT2 pages.
+    ``window_end`` is the sequence length that defines the recent window (the
+    cache length in decode; prefix + chunk length in extend).
+    """
+    lo = cache.layout
+    j = torch.arange(length, device=cache.device)
+    page = block_table_row.long()[j // lo.page_size]
+    off = j % lo.page_size
+    k = _dequant(
+        cache.k_codes[page, :, off], cache.k_scale[page, :, off], cache.k_zero[page, :, off], lo.group, dtype
+    )
+    v = _dequant(
+        cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group, dtype
+    )
+    s = lo.sink_tokens
+    ns = min(s, length)
+    if ns > 0:
+        k[:ns] = cache.k_sink[window_slot, :, :ns].transpose(0, 1).to(dtype)
+        v[:ns] = cache.v_sink[window_slot, :, :ns].transpose(0, 1).to(dtype)
+    if lo.recent_tokens > 0:
+        r0 = max(s, window_end - lo.recent_tokens)
+        if r0 < length:
+            rows = torch.arange(r0, length, device=cache.device) % lo.recent_tokens
+            k[r0:] = cache.k_recent[window_slot, :, rows].transpose(0, 1).to(dtype)
+            v[r0:] = cache.v_recent[window_slot, :, rows].transpose(0, 1).to(dtype)
+    return k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """``q [M, H_q, d]``, ``k/v [N, H_kv, d]`` → ``[M, H_q, d]`` (GQA by repeat)."""
+    g = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(g, dim=1)
+    vv = v.repeat_interleave(g, dim=1)
+    s = torch.einsum("mhd,nhd->hmn", q, kk) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hmn,nhd->mhd", p, vv)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`oscar_kernels.decode_attention` (same arguments)."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qr = rotate_queries(q, ep).float()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        k, v = gather_rotated_kv(cache, block_table[b], int(window_slots[b]), n, n)
+        out[b] = _attend(qr[b : b + 1], k, v, scale, None)[0]
+    return unrotate_output(out, ep, q.dtype)
+
+
+def extend_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    max_query_len: int,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Reference of :func:`oscar_kernels.extend_attention` (same arguments)."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qr = rotate_queries(q, ep).float()
+    kr, vr = rotate_chunk(k, v, ep)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(prefix_lens.shape[0]):
+        s0, s1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        m, p = s1 - s0, int(prefix_lens[b])
+        if m == 0:
+            continue
+        hk, hv = gather_rotated_kv(cache, block_table[b], int(window_slots[b]), p, p + m)
+        kk = torch.cat([hk, kr[s0:s1].float()])
+        vv = torch.cat([hv, vr[s0:s1].float()])
+        qpos = p + torch.arange(m, device=q.device)
+        mask = torch.arange(p + m, device=q.device)[None, :] <= qpos[:, None]  # [m, p+m]
+        out[s0:s1] = _attend(qr[s0:s1], kk, vv, scale, mask[None])
+    return unrotate_output(out, ep, q.dtype)
