@@ -45,6 +45,7 @@ from .quantize import (
     quantize_int2,
 )
 from .rotation import HadamardMode, compose_rotation, hadamard_rotation, identity_rotation, is_orthogonal
+from .rotationzoo import REFERENCE_K_FILE, REFERENCE_V_FILE, import_rotationzoo
 
 __version__ = "0.1.0"
 
@@ -101,4 +102,7 @@ __all__ = [
     "identity_rotations",
     "load_rotations",
     "save_rotations",
+    "REFERENCE_K_FILE",
+    "REFERENCE_V_FILE",
+    "import_rotationzoo",
 ]
