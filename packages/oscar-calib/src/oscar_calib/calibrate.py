@@ -1,0 +1,295 @@
+"""Calibration: text → statistics → rotations, key means and clip ratios → the artifact.
+
+For each layer (and KV head with ``granularity="kv_head"``):
+
+* keys: ``R_K = compose_rotation(eigenbasis(C_Q).U, group_size)``; the key mean ``μ``
+  (positions past the sink) is subtracted before rotating when ``key_centering``;
+  the clip ratio minimises the expected logit error ``E_q[(qᵀ(k − k̂))²]`` on sampled
+  rows ``(k − μ) @ R_K`` with metric ``R_Kᵀ C_Q R_K``;
+* values: ``R_V = compose_rotation(eigenbasis(C_S).U, group_size)``; the clip ratio
+  minimises the attention-weighted error on sampled rows ``v @ R_V`` with each row
+  weighted by the attention it receives (``Σ_t S_ts²``).
+
+All statistics come from one streamed pass (:mod:`oscar_calib.capture`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oscar_math.artifact import Granularity, Rotations
+from oscar_math.clipping import search_clip_ratio
+from oscar_math.eigen import eigenbasis
+from oscar_math.errors import check
+from oscar_math.hadamard import is_hadamard_order
+from oscar_math.rotation import HadamardMode, compose_rotation
+
+from .capture import CalibrationStatistics, collect_statistics
+from .models import model_info
+from .text import BUILTIN_TEXT, load_text, split_text, token_chunks
+
+__all__ = [
+    "CalibrationConfig",
+    "calibrate",
+    "calibration_chunks",
+    "rotations_from_statistics",
+    "tool_version",
+]
+
+CONFIG_VERSION = 1
+
+
+def tool_version() -> str:
+    """``oscar-calib`` version string recorded in artifacts."""
+    try:
+        from importlib.metadata import version
+
+        return version("oscar-calib")
+    except Exception:  # running from a source tree
+        from . import __version__
+
+        return __version__
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What to calibrate on and how.
+
+    Attributes:
+        tokens: calibration tokens (rounded down to whole ``seq_len`` chunks, at least one).
+        seq_len: tokens per chunk (one forward pass each); must exceed ``sink``.
+        granularity: ``"kv_head"`` (one rotation and clip ratio per KV head) or ``"layer"``.
+        group_size: quantisation group along the head dim; ``None`` = the head dim.
+        seed: chooses chunks and sampled rows; same seed → identical artifact.
+        text: a ``.txt``/``.jsonl`` file, or ``None`` for the built-in corpus. Only the
+            calibration part of :func:`oscar_calib.text.split_text` is used; the held-out
+            part is left for evaluation.
+        heldout_fraction: share of the text kept out of calibration.
+        sink: leading BF16 tokens (the serving layout's sink window).
+        recent: trailing BF16 tokens (recorded in the artifact for the serving layout).
+        key_centering: subtract and store the calibrated key mean ``k_mean``.
+        clip: search clip ratios (``False`` stores 1.0, no clipping).
+        bit_reversal: bit-reversal permutation of eigen-directions into groups.
+        hadamard: ``"group"``, ``"full"`` or ``"none"`` (see ``compose_rotation``).
+        max_samples: token rows kept per layer for the clip search.
+    """
+
+    tokens: int = 8192
+    seq_len: int = 1024
+    granularity: str = "kv_head"
+    group_size: int | None = None
+    seed: int = 0
+    text: str | None = None
+    heldout_fraction: float = 0.2
+    sink: int = 64
+    recent: int = 256
+    key_centering: bool = True
+    clip: bool = True
+    bit_reversal: bool = True
+    hadamard: str = "group"
+    max_samples: int = 2048
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        def _int(name: str, low: int) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= low
+            check(ok, name, f"an integer >= {low}", v)
+
+        _int("seq_len", 2)
+        _int("tokens", 1)
+        _int("seed", 0)
+        _int("sink", 0)
+        _int("recent", 0)
+        _int("max_samples", 1)
+        check(
+            self.tokens >= self.seq_len, "tokens", f"at least seq_len={self.seq_len} (one chunk)", self.tokens
+        )
+        check(self.seq_len > self.sink, "seq_len", f"more than sink={self.sink} tokens", self.seq_len)
+        granularities = tuple(g.value for g in Granularity)
+        check(self.granularity in granularities, "granularity", f"one of {granularities}", self.granularity)
+        if self.group_size is not None:
+            _int("group_size", 4)
+        check(
+            0.0 < self.heldout_fraction < 1.0,
+            "heldout_fraction",
+            "a number in (0, 1)",
+            self.heldout_fraction,
+        )
+        modes = tuple(m.value for m in HadamardMode)
+        check(self.hadamard in modes, "hadamard", f"one of {modes}", self.hadamard)
+        for name in ("key_centering", "clip", "bit_reversal"):
+            check(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
+
+    def resolved_group_size(self, head_dim: int) -> int:
+        """``group_size`` checked against a model's head dim (default: the head dim)."""
+        gs = head_dim if self.group_size is None else self.group_size
+        check(head_dim % gs == 0, "group_size", f"a divisor of head_dim {head_dim}", gs)
+        if self.hadamard == HadamardMode.GROUP.value:
+            check(is_hadamard_order(gs), "group_size", "a Hadamard order (e.g. 32, 64, 128)", gs)
+        elif self.hadamard == HadamardMode.FULL.value:
+            check(is_hadamard_order(head_dim), "head_dim", "a Hadamard order for hadamard='full'", head_dim)
+        return gs
+
+
+def calibration_chunks(tokenizer: Any, config: CalibrationConfig) -> tuple[list[torch.Tensor], str]:
+    """The token chunks calibration runs on, and a description of their source.
+
+    Returns:
+        ``(chunks, source)``: LongTensor ``[seq_len]`` chunks from the calibration part of
+        the text; ``source`` is ``"pydoc_data.topics"`` or the file path.
+    """
+    text = load_text(config.text)
+    calibration_text, _ = split_text(text, config.heldout_fraction)
+    chunks = token_chunks(tokenizer, calibration_text, config.seq_len, config.tokens, config.seed)
+    source = BUILTIN_TEXT if config.text is None else str(Path(config.text).expanduser())
+    return chunks, source
+
+
+def _rotation(
+    cov: torch.Tensor, group_size: int, config: CalibrationConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cov [G, d, d]`` → ``(R [G, d, d] float64, eigenvalues [G, d] float64)``."""
+    eigenvalues, U = eigenbasis(cov)
+    R = compose_rotation(U, group_size, bit_reversal=config.bit_reversal, hadamard=config.hadamard)
+    return R, eigenvalues.clamp(min=0.0)
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[N, H_kv, ...]`` rows → ``[N', G, ...]`` samples (``G = 1`` folds the heads into N)."""
+    if groups == 1:
+        return x.reshape(x.shape[0] * x.shape[1], 1, *x.shape[2:])
+    return x
+
+
+def rotations_from_statistics(
+    stats: CalibrationStatistics,
+    config: CalibrationConfig,
+    *,
+    model: str,
+    calibration: dict[str, Any] | None = None,
+) -> Rotations:
+    """Derive the artifact from collected statistics (no model needed).
+
+    Args:
+        stats: from :func:`oscar_calib.capture.collect_statistics`.
+        config: granularity, group size, rotation and clipping choices.
+        model: model identifier stored in the artifact.
+        calibration: provenance stored in the artifact metadata.
+    """
+    info = stats.info
+    gs = config.resolved_group_size(info.head_dim)
+    g = 1 if config.granularity == Granularity.LAYER.value else info.num_kv_heads
+    out: dict[str, list[torch.Tensor]] = {
+        k: []
+        for k in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "k_mean")
+    }
+    clip_report: dict[str, list[float]] = {"k_error_ratio": [], "v_error_ratio": []}
+    for i in range(info.num_layers):
+        c_q = stats.query_cov[i].result(config.granularity)  # [G, d, d]
+        c_s = stats.value_cov[i].result(config.granularity)
+        R_k, lam_k = _rotation(c_q, gs, config)
+        R_v, lam_v = _rotation(c_s, gs, config)
+        mean = stats.key_mean[i].result(config.granularity)  # [G, d]
+        sample = stats.samples[i]
+        keys = _grouped(sample.keys.double(), g)  # [N, G, d]
+        values = _grouped(sample.values.double(), g)
+        weights = _grouped(sample.key_weights.double(), g)  # [N, G]
+        if config.key_centering:
+            keys = keys - mean.to(keys)
+        x_k = torch.einsum("ngi,gij->ngj", keys, R_k).float()
+        x_v = torch.einsum("ngi,gij->ngj", values, R_v).float()
+        if config.clip and x_k.shape[0] > 0:
+            metric = (R_k.transpose(-1, -2) @ c_q @ R_k).float()
+            k_search = search_clip_ratio(x_k, gs, metric=metric)
+            v_search = search_clip_ratio(x_v, gs, weights=weights.float())
+            k_clip, v_clip = k_search.ratios, v_search.ratios
+            clip_report["k_error_ratio"].append(float((k_search.error / k_search.error_unclipped).mean()))
+            clip_report["v_error_ratio"].append(float((v_search.error / v_search.error_unclipped).mean()))
+        else:
+            k_clip = v_clip = torch.ones(g)
+        out["k_rotation"].append(R_k)
+        out["v_rotation"].append(R_v)
+        out["k_eigenvalues"].append(lam_k)
+        out["v_eigenvalues"].append(lam_v)
+        out["k_clip"].append(k_clip)
+        out["v_clip"].append(v_clip)
+        out["k_mean"].append(mean)
+    meta = dict(calibration or {})
+    if clip_report["k_error_ratio"]:
+        # clipped / unclipped attention-aware error on the calibration rows, mean over layers
+        meta["clip_error_ratio"] = {
+            "k": round(sum(clip_report["k_error_ratio"]) / info.num_layers, 4),
+            "v": round(sum(clip_report["v_error_ratio"]) / info.num_layers, 4),
+        }
+    k_mean = out.pop("k_mean") if config.key_centering else None
+    out.pop("k_mean", None)
+    return Rotations(
+        model=model,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        group_size=gs,
+        sink_tokens=config.sink,
+        recent_tokens=config.recent,
+        granularity=config.granularity,
+        k_mean=k_mean,
+        calibration=meta,
+        **out,
+    )
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    config: CalibrationConfig | None = None,
+    *,
+    model_name: str | None = None,
+    progress: bool = True,
+) -> Rotations:
+    """Calibrate OSCAR rotations, key means and clip ratios for ``model``.
+
+    Args:
+        model: a loaded causal LM (llama, mistral, qwen2, qwen3 families).
+        tokenizer: its tokenizer.
+        config: :class:`CalibrationConfig` (defaults: 8192 tokens of the built-in text).
+        model_name: identifier stored in the artifact (default: ``config.name_or_path``
+            of the model, or its ``model_type``).
+        progress: tqdm bar with tokens/s on stderr.
+
+    Returns:
+        :class:`oscar_math.artifact.Rotations` (save with ``oscar_math.save_rotations``).
+    """
+    config = CalibrationConfig() if config is None else config
+    info = model_info(model)
+    config.resolved_group_size(info.head_dim)  # fail before the expensive pass
+    chunks, source = calibration_chunks(tokenizer, config)
+    stats = collect_statistics(
+        model,
+        chunks,
+        sink=config.sink,
+        max_samples=config.max_samples,
+        seed=config.seed,
+        progress=progress,
+    )
+    calibration = {
+        "tokens": stats.tokens,
+        "chunks": len(chunks),
+        "seq_len": config.seq_len,
+        "text": source,
+        "text_part": f"calibration split (held-out fraction {config.heldout_fraction})",
+        "seed": config.seed,
+        "tool": "oscar-calib",
+        "tool_version": tool_version(),
+        "config": json.loads(json.dumps(asdict(config))),
+        "samples_per_layer": int(stats.samples[0].keys.shape[0]),
+    }
+    name = model_name or getattr(model.config, "name_or_path", None) or info.model_type
+    return rotations_from_statistics(
+        stats, config, model=Path(str(name)).name or str(name), calibration=calibration
+    )
