@@ -34,8 +34,10 @@ from .hadamard import (
     is_hadamard_order,
     random_sign_hadamard,
 )
+from .hookspecs import EngineSpec, SchemeSpec, hookimpl
 from .kivi import kivi_fake_quantize_keys, kivi_fake_quantize_values
 from .pack import pack_int2, unpack_int2
+from .plugins import available_engines, available_schemes, get_plugin_manager
 from .quantize import (
     SCALE_DTYPE,
     Int2Quantized,
@@ -105,4 +107,10 @@ __all__ = [
     "REFERENCE_K_FILE",
     "REFERENCE_V_FILE",
     "import_rotationzoo",
+    "EngineSpec",
+    "SchemeSpec",
+    "hookimpl",
+    "available_engines",
+    "available_schemes",
+    "get_plugin_manager",
 ]
