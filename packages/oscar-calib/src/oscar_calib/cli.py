@@ -1,10 +1,11 @@
-"""The ``oscar`` command: parse arguments, dispatch to a subcommand module, map errors to exit 2.
+"""The ``oscar`` command: parse arguments, dispatch to a subcommand, map user errors to exit 2.
 
-The CLI stays thin: each subcommand lives in ``oscar_calib.commands.<name>`` with
-``register(subparsers)`` and ``run(args) -> int``. Plugins add subcommands through the
-``oscar_cli_commands`` hook (see ``oscar_math.hookspecs``). Known user mistakes
-(bad arguments, missing files, malformed artifacts) print one line on stderr and exit
-2; anything else is a bug and keeps its traceback.
+The CLI stays thin: each built-in subcommand lives in ``oscar_calib.commands.<name>``
+with ``register(subparsers)`` and ``run(args) -> int``. Plugins add subcommands through
+the ``oscar_cli_commands`` hook (:mod:`oscar_math.hookspecs`): they add a sub-parser and
+set ``func`` as its default, which is called with the parsed arguments. Known user
+mistakes (bad arguments, missing files, malformed artifacts) print one line on stderr
+and exit 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 from .commands import BUILTIN_COMMANDS
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_USAGE", "build_parser", "main"]
 
+#: exit status for user errors (argparse uses the same).
 EXIT_USAGE = 2
 
 
@@ -38,7 +40,7 @@ def _builtin_modules() -> list[Any]:
     modules = []
     for name in BUILTIN_COMMANDS:
         qualified = f"{__package__}.commands.{name}"
-        # A command module that does not exist yet is skipped; one that exists but
+        # A command module that does not exist (yet) is skipped; one that exists but
         # fails to import is a bug and must fail loudly.
         if importlib.util.find_spec(qualified) is None:
             continue
@@ -46,25 +48,8 @@ def _builtin_modules() -> list[Any]:
     return modules
 
 
-def _plugin_commands() -> list[Any]:
-    try:
-        from oscar_math.plugins import get_plugin_manager
-    except ImportError:  # registry not available: built-in commands only
-        return []
-    manager = get_plugin_manager()
-    hook = getattr(manager.hook, "oscar_cli_commands", None)
-    if hook is None:
-        return []
-    commands: list[Any] = []
-    for result in hook():
-        if result is None:
-            continue
-        commands.extend(result if isinstance(result, (list, tuple)) else [result])
-    return commands
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
-    """The argument parser and a map from subcommand name to its module/object."""
+    """The argument parser and a map from built-in subcommand name to its module."""
     parser = argparse.ArgumentParser(
         prog="oscar",
         description="OSCAR: 2-bit KV-cache quantisation with attention-aware rotations.",
@@ -72,26 +57,31 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     parser.add_argument("--version", action="version", version=f"oscar {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Any] = {}
-    for command in [*_builtin_modules(), *_plugin_commands()]:
+    for module in _builtin_modules():
         before = set(subparsers.choices)
-        command.register(subparsers)
+        module.register(subparsers)
         for name in set(subparsers.choices) - before:
-            handlers[name] = command
+            handlers[name] = module
+    try:
+        from oscar_math.plugins import add_plugin_commands
+    except ImportError:  # an oscar-math without the registry: built-in commands only
+        pass
+    else:
+        add_plugin_commands(subparsers)
     return parser, handlers
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from oscar_math.errors import OscarError
 
-    return (OscarError, FileNotFoundError, IsADirectoryError, PermissionError, NotADirectoryError)
+    return (OscarError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 def _one_line(exc: BaseException) -> str:
-    message = str(exc).strip()
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
-        message = f"{exc.strerror}: {exc.filename}"
-    first = message.splitlines()[0] if message else type(exc).__name__
-    return first
+        return f"{exc.strerror}: {exc.filename}"
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,15 +89,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, handlers = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its one-line usage error
-        return int(exc.code or 0)
+    except SystemExit as exc:  # argparse already printed usage and a one-line error (or help)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    known = _known_errors()
     try:
-        return int(handlers[args.command].run(args) or 0)
-    except known as exc:
+        if args.command in handlers:
+            return int(handlers[args.command].run(args) or 0)
+        func = getattr(args, "func", None)
+        if func is None:
+            print(f"oscar {args.command}: error: the plugin command sets no func", file=sys.stderr)
+            return EXIT_USAGE
+        return int(func(args) or 0)
+    except _known_errors() as exc:
         print(f"oscar {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
