@@ -74,7 +74,7 @@ def bits_per_element(
     so this is also the average over K and V.
 
     Example: ``seq_len=2048, head_dim=128`` (group 128, windows 64 + 256) gives
-    ``(320 * 16 + 1728 * 2.25) / 2048 = 4.3984375``; at 131072 tokens 2.2925.
+    ``(320 * 16 + 1728 * 2.25) / 2048 = 4.3984375``; at 131072 tokens 2.2836.
     """
     _check_common(seq_len, head_dim, sink_tokens, recent_tokens)
     q_bits = int2_bits_per_element(
