@@ -13,6 +13,12 @@ from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import decode_attention_ref
 from .rotate import rotate_queries, unrotate_output
 
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch/output allocation (a hook: the GPU check script poisons it with NaN)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 __all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode"]
 
 
@@ -126,8 +132,8 @@ def _launch_decode(
     lo = cache.layout
     bsz, hq, d = q_rot.shape
     nt = num_splits + 2
-    po = torch.empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
-    plse = torch.empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
+    po = _empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
+    plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
     kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
     decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
@@ -179,7 +185,7 @@ def _launch_decode(
         DOT=dot_dtype(),
         **opts,
     )
-    out = torch.empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)
+    out = _empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)
     merge_splits_kernel[(bsz * hq,)](po, plse, out, NT=nt, NT_PAD=triton.next_power_of_2(nt), HEAD_DIM=d)
     return out
 

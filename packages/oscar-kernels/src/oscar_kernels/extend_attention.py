@@ -15,6 +15,12 @@ from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import extend_attention_ref
 from .rotate import rotate_chunk, rotate_queries, unrotate_output
 
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Scratch/output allocation (a hook: the GPU check script poisons it with NaN)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 __all__ = ["extend_attention"]
 
 
@@ -90,7 +96,7 @@ def extend_attention(
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
     q_rot = rotate_queries(q, ep)
     k_rot, v_rot = rotate_chunk(k, v, ep)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    out = _empty(*q.shape, dtype=torch.float32, device=q.device)
     if t == 0 or max_query_len == 0:
         return out.to(q.dtype)
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}

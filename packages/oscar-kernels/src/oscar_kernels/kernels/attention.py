@@ -63,15 +63,15 @@ def _int2_scores(
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         s = tl.dot(q0, tl.trans(((kc & 3).to(tl.float32) * sc + zc).to(DOT)))
-        g = g + Q4 // GROUP
+        g = mrow[:, None] + ((j[None, :] + 1 * Q4) // GROUP)
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         s = tl.dot(q1, tl.trans((((kc >> 2) & 3).to(tl.float32) * sc + zc).to(DOT)), s)
-        g = g + Q4 // GROUP
+        g = mrow[:, None] + ((j[None, :] + 2 * Q4) // GROUP)
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         s = tl.dot(q2, tl.trans((((kc >> 4) & 3).to(tl.float32) * sc + zc).to(DOT)), s)
-        g = g + Q4 // GROUP
+        g = mrow[:, None] + ((j[None, :] + 3 * Q4) // GROUP)
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         s = tl.dot(q3, tl.trans((((kc >> 6) & 3).to(tl.float32) * sc + zc).to(DOT)), s)
@@ -113,15 +113,15 @@ def _int2_pv(
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         acc0 = tl.dot(pd, ((vc & 3).to(tl.float32) * sc + zc).to(DOT), acc0)
-        g = g + Q4 // GROUP
+        g = mrow[:, None] + ((j[None, :] + 1 * Q4) // GROUP)
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         acc1 = tl.dot(pd, (((vc >> 2) & 3).to(tl.float32) * sc + zc).to(DOT), acc1)
-        g = g + Q4 // GROUP
+        g = mrow[:, None] + ((j[None, :] + 2 * Q4) // GROUP)
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         acc2 = tl.dot(pd, (((vc >> 4) & 3).to(tl.float32) * sc + zc).to(DOT), acc2)
-        g = g + Q4 // GROUP
+        g = mrow[:, None] + ((j[None, :] + 3 * Q4) // GROUP)
         sc = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
         zc = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         acc3 = tl.dot(pd, (((vc >> 6) & 3).to(tl.float32) * sc + zc).to(DOT), acc3)

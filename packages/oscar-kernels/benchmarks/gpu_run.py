@@ -1,0 +1,573 @@
+"""H200 correctness checks + benchmarks of the OSCAR paged INT2 kernels, in one run.
+
+Usage (repo root, on the GPU machine)::
+
+    PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \
+        python3 packages/oscar-kernels/benchmarks/gpu_run.py --out $OUT [--quick] [--skip-check] [--skip-bench]
+
+Writes ``check.json``, ``bench.json`` and a log under ``--out``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import bench_graph_ms, bench_ms, copy_bandwidth_gbs  # noqa: E402
+
+import oscar_kernels as ok  # noqa: E402
+from oscar_kernels import decode_attention as dec_mod  # noqa: E402
+from oscar_kernels import extend_attention as ext_mod  # noqa: E402
+from oscar_math import dequantize_int2, quantize_int2, unpack_int2  # noqa: E402
+
+DEV = torch.device(os.environ.get("OSCAR_DEVICE", "cuda"))  # "cpu" + TRITON_INTERPRET=1 for a dry run
+
+
+def _poison(*shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def rand_orth(*shape, gen):
+    a = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def make_params(hkv, d, gran, gen):
+    shape = (d, d) if gran == "layer" else (hkv, d, d)
+    mean = torch.randn(hkv, d, generator=gen) * 0.5
+    kc = 0.8 + 0.2 * torch.rand(hkv, generator=gen)
+    return ok.LayerQuantParams(rand_orth(*shape, gen=gen), rand_orth(*shape, gen=gen), mean, kc, 0.9)
+
+
+def rand_kv(n, hkv, d, gen):
+    # heavy-ish tails + a per-channel offset, like real keys
+    x = torch.randn(n, hkv, d, generator=gen) * (1 + 2 * torch.rand(d, generator=gen))
+    x = x + torch.randn(d, generator=gen)
+    return x.to(DEV, torch.bfloat16)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- checks
+def build(lo, lens, params_fn, gen, steps):
+    """Write all tokens of ``lens`` into a fresh cache with the Triton write (prefill of
+    L - steps tokens then ``steps`` single-token decode writes) and, in parallel, with
+    the torch reference. Returns everything the checks need."""
+    bsz = len(lens)
+    pages_per = [max(1, math.ceil(n / lo.page_size)) for n in lens]
+    maxp = max(pages_per) + 1
+    num_pages = sum(pages_per) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    bt = torch.zeros(bsz, maxp, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(pages_per):
+        bt[b, :n] = perm[i : i + n].int()
+        i += n
+    ws = torch.randperm(bsz + 2, generator=gen)[:bsz].int()
+    cache = ok.allocate_cache(lo, num_pages, bsz + 2, DEV)
+    # garbage, not zeros, in unwritten memory
+    for t in (cache.k_codes, cache.v_codes):
+        t.random_(0, 256)
+    for t in (
+        cache.k_scale,
+        cache.k_zero,
+        cache.v_scale,
+        cache.v_zero,
+        cache.k_sink,
+        cache.v_sink,
+        cache.k_recent,
+        cache.v_recent,
+    ):
+        t.normal_()
+    ref = ok.PagedKVCache(
+        lo, *[getattr(cache, f).clone() for f in ok.PagedKVCache.__dataclass_fields__ if f != "layout"]
+    )
+    ep = params_fn()
+    ks = [rand_kv(n, lo.num_kv_heads, lo.head_dim, gen) for n in lens]
+    vs = [rand_kv(n, lo.num_kv_heads, lo.head_dim, gen) for n in lens]
+    bt_d, ws_d = bt.to(DEV), ws.to(DEV)
+
+    def write(first, last):  # positions [first[b], last[b]) of every sequence
+        slots, pos, sidx, kk, vv = [], [], [], [], []
+        for b in range(bsz):
+            p = torch.arange(first[b], last[b])
+            if len(p) == 0:
+                continue
+            slots.append(bt[b, (p // lo.page_size)].long() * lo.page_size + p % lo.page_size)
+            pos.append(p)
+            sidx.append(torch.full_like(p, b))
+            kk.append(ks[b][first[b] : last[b]])
+            vv.append(vs[b][first[b] : last[b]])
+        if not slots:
+            return
+        sl = torch.cat(slots).to(DEV)
+        args = (torch.cat(kk), torch.cat(vv), sl, torch.cat(pos).to(DEV).int(), torch.cat(sidx).to(DEV).int())
+        lens_now = torch.tensor(last, dtype=torch.int32, device=DEV)
+        ok.paged_write(cache, ep, *args, lens_now, ws_d, backend="triton")
+        ok.paged_write(ref, ep, *args, lens_now, ws_d, backend="torch")
+
+    pre = [max(0, n - steps) for n in lens]
+    write([0] * bsz, pre)
+    for s in range(steps):
+        cur = [min(n, p + s) for n, p in zip(lens, pre)]
+        write(cur, [min(n, c + 1) for n, c in zip(lens, cur)])
+    return cache, ref, ep, ks, vs, bt_d, ws_d
+
+
+def code_mismatch(cache, ref, lens, bt, lo):
+    out = {}
+    for name in ("k", "v"):
+        diff = big = tot = 0
+        sdiff = stot = 0
+        for b, n in enumerate(lens):
+            if n == 0:
+                continue
+            p = torch.arange(n, device=DEV)
+            pg = bt[b].long()[p // lo.page_size]
+            off = p % lo.page_size
+            a = unpack_int2(getattr(cache, f"{name}_codes")[pg, :, off]).int()
+            r = unpack_int2(getattr(ref, f"{name}_codes")[pg, :, off]).int()
+            diff += int((a != r).sum())
+            big += int(((a - r).abs() > 1).sum())
+            tot += a.numel()
+            sa = getattr(cache, f"{name}_scale")[pg, :, off]
+            sr = getattr(ref, f"{name}_scale")[pg, :, off]
+            sdiff += int((sa != sr).sum())
+            stot += sa.numel()
+        out[f"{name}_code_mismatch"] = diff / max(tot, 1)
+        out[f"{name}_code_off_by_more_than_1"] = big
+        out[f"{name}_scale_mismatch"] = sdiff / max(stot, 1)
+    return out
+
+
+def dense64(q, k, v, scale, mask=None):
+    """q [M, Hq, d], k/v [N, H, d] float64 → [M, Hq, d]."""
+    g = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(g, 1)
+    vv = v.repeat_interleave(g, 1)
+    s = torch.einsum("mhd,nhd->hmn", q, kk) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", torch.softmax(s, -1), vv)
+
+
+def unrot64(o, ep):
+    h = ep.v_rotation.shape[0]
+    m, hq, d = o.shape
+    return (o.reshape(m, h, hq // h, d) @ ep.v_rotation.double().transpose(-1, -2)).reshape(o.shape)
+
+
+def raw_effective(k, v, ep, lo, n_win_end):
+    """Keys/values a perfect implementation would attend to, from raw k/v (f64)."""
+    n = k.shape[0]
+    kr = torch.einsum("nhd,hde->nhe", k.float() - ep.k_mean, ep.k_rotation)
+    vr = torch.einsum("nhd,hde->nhe", v.float(), ep.v_rotation)
+    kq = dequantize_int2(quantize_int2(kr, lo.group, ep.k_clip[:, None])).double()
+    vq = dequantize_int2(quantize_int2(vr, lo.group, ep.v_clip[:, None])).double()
+    j = torch.arange(n, device=DEV)
+    win = (j < lo.sink_tokens) | (j >= max(lo.sink_tokens, n_win_end - lo.recent_tokens))
+    kq[win] = kr[win].bfloat16().double()
+    vq[win] = vr[win].bfloat16().double()
+    return kq, vq, kr.double(), vr.double()
+
+
+def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, seed, log):
+    gen = torch.Generator().manual_seed(seed)
+    lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=recent)
+    params = make_params(hkv, d, gran, gen)
+    ep = params.expand(hkv, d, DEV)
+    cache, ref, ep, ks, vs, bt, ws = build(lo, lens, lambda: ep, gen, steps)
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    res = {
+        "case": name,
+        "d": d,
+        "H_kv": hkv,
+        "gqa": g,
+        "page": page,
+        "group": lo.group,
+        "sink": sink,
+        "recent": recent,
+        "lens": lens,
+        "granularity": gran,
+    }
+    res.update(code_mismatch(cache, ref, lens, bt, lo))
+    win_max = 0.0
+    for f in ("k_sink", "v_sink", "k_recent", "v_recent"):
+        a, r = getattr(cache, f), getattr(ref, f)
+        win_max = max(win_max, float((a.float() - r.float()).abs().max()) if a.numel() else 0.0)
+    res["window_max_abs_diff_vs_ref"] = win_max
+    scale = 1.0 / math.sqrt(d)
+    bsz = len(lens)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(bsz, hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
+    dec_mod._empty = _poison
+    o = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton").double()
+    dec_mod._empty = torch.empty
+    res["decode_finite"] = bool(torch.isfinite(o).all())
+    qr = ok.rotate_queries(q, ep).double()
+    e_tight = e_raw = e_quant = 0.0
+    for b, n in enumerate(lens):
+        if n == 0:
+            e_tight = max(e_tight, float(o[b].abs().max()))
+            continue
+        kk, vv = ok.gather_rotated_kv(cache, bt[b], int(ws[b]), n, n, dtype=torch.float64)
+        want = unrot64(dense64(qr[b : b + 1], kk, vv, scale), ep)[0]
+        e_tight = max(e_tight, rel(o[b], want))
+        kq, vq, kx, vx = raw_effective(ks[b], vs[b], ep, lo, n)
+        e_raw = max(e_raw, rel(o[b], unrot64(dense64(qr[b : b + 1], kq, vq, scale), ep)[0]))
+        e_quant = max(e_quant, rel(o[b], unrot64(dense64(qr[b : b + 1], kx, vx, scale), ep)[0]))
+    res.update(
+        decode_rel_err_vs_f64_cache=e_tight,
+        decode_rel_err_vs_f64_raw=e_raw,
+        decode_rel_err_vs_unquantised=e_quant,
+    )
+    # extend: the last c tokens of each sequence as a chunk over its prefix
+    chunk = [min(n, c) for n, c in zip(lens, [37, 300, 1, 129, 64, 5, 77, 250, 16])]
+    cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEV)
+    prefix = torch.tensor([n - c for n, c in zip(lens, chunk)], dtype=torch.int32, device=DEV)
+    qe = torch.randn(int(cu[-1]), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
+    ke = torch.cat([ks[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk))])
+    ve = torch.cat([vs[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk))])
+    ext_mod._empty = _poison
+    oe = ok.extend_attention(qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton").double()
+    ext_mod._empty = torch.empty
+    res["extend_finite"] = bool(torch.isfinite(oe).all()) if oe.numel() else True
+    qer = ok.rotate_queries(qe, ep).double()
+    ker, ver = ok.rotate_chunk(ke, ve, ep)
+    e_ext = 0.0
+    for b, (n, c) in enumerate(zip(lens, chunk)):
+        if c == 0:
+            continue
+        p = n - c
+        s0 = int(cu[b])
+        hk, hv = ok.gather_rotated_kv(cache, bt[b], int(ws[b]), p, n, dtype=torch.float64)
+        kk = torch.cat([hk, ker[s0 : s0 + c].double()])
+        vv = torch.cat([hv, ver[s0 : s0 + c].double()])
+        mask = torch.arange(n, device=DEV)[None, :] <= (p + torch.arange(c, device=DEV))[:, None]
+        want = unrot64(dense64(qer[s0 : s0 + c], kk, vv, scale, mask[None]), ep)
+        e_ext = max(e_ext, rel(oe[s0 : s0 + c], want))
+    res["extend_rel_err_vs_f64_cache"] = e_ext
+    res["pass"] = bool(
+        res["decode_finite"]
+        and res["extend_finite"]
+        and e_tight < 1e-2
+        and e_raw < 3e-2
+        and e_ext < 1e-2
+        and res["k_code_mismatch"] <= 5e-3
+        and res["v_code_mismatch"] <= 5e-3
+        and res["k_code_off_by_more_than_1"] == 0
+        and res["v_code_off_by_more_than_1"] == 0
+    )
+    log(json.dumps(res))
+    return res
+
+
+CASES = [
+    # name, d, H_kv, gqa, page, group, sink, recent, lens, granularity, decode steps
+    ("mixed-128", 128, 8, 4, 64, None, 64, 256, [1, 63, 64, 65, 319, 320, 321, 1000, 4097], "layer", 3),
+    ("d64-kvhead", 64, 3, 3, 16, None, 64, 256, [5, 300, 777], "kv_head", 2),
+    ("g32-gqa1", 128, 4, 1, 32, 32, 64, 256, [321, 2000, 64], "layer", 1),
+    ("zero-len-gqa8", 64, 2, 8, 64, 32, 16, 48, [0, 17, 65, 500], "kv_head", 1),
+    ("page16-steps", 128, 8, 4, 16, None, 64, 256, [9000, 33, 336], "layer", 7),
+    ("d128-gqa8-g64", 128, 2, 8, 64, 64, 64, 256, [2049, 321], "kv_head", 2),
+    ("long-128k", 128, 8, 4, 64, None, 64, 256, [131072, 100003], "kv_head", 2),
+]
+
+
+def run_checks(log, quick, only=None):
+    results = []
+    for i, c in enumerate(CASES):
+        if (quick and c[0] == "long-128k") or (only and c[0] not in only):
+            continue
+        t = time.time()
+        try:
+            r = check_case(*c, seed=100 + i, log=log)
+        except Exception as e:  # keep going: one broken case must not cost the whole device call
+            log(f"CASE {c[0]} FAILED: {traceback.format_exc()}")
+            r = {"case": c[0], "pass": False, "error": repr(e)}
+        r["seconds"] = round(time.time() - t, 1)
+        results.append(r)
+    # precise (ieee) rotation: code mismatch should drop to ~0
+    return results
+
+
+# ----------------------------------------------------------------------------- benchmarks
+def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
+    hkv, g, d, page = 8, 4, 128, 64
+    lo = ok.CacheLayout(hkv, d, page_size=page)
+    pages_per = ctx // page
+    num_pages = bsz * pages_per
+    gen = torch.Generator().manual_seed(ctx + bsz)
+    cache = ok.allocate_cache(lo, num_pages, bsz, DEV)
+    for t in (cache.k_codes, cache.v_codes):
+        t.random_(0, 256)
+    for t in (cache.k_scale, cache.v_scale):
+        t.uniform_(0.01, 0.1)
+    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
+        t.normal_()
+    bt = torch.randperm(num_pages, device=DEV).int().reshape(bsz, pages_per)
+    sl = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
+    ws = torch.arange(bsz, dtype=torch.int32, device=DEV)
+    ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
+    q = torch.randn(bsz, hkv * g, d, device=DEV, dtype=torch.bfloat16)
+    n_int2 = ctx - lo.window_tokens
+    bytes_int2 = bsz * hkv * n_int2 * 2 * (d // 4 + 4)
+    bytes_win = bsz * hkv * lo.window_tokens * d * 2 * 2
+    bytes_bf16 = bsz * hkv * ctx * d * 2 * 2
+    row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": bytes_int2 + bytes_win, "bytes_bf16": bytes_bf16}
+    cfgs = tune or [dict(block_n=64, num_warps=4, num_stages=2)]
+    best = None
+    for cfg in cfgs:
+        ms = bench_ms(lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
+        log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: {ms * 1e3:.1f} us")
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    ms, cfg = best
+    row["int2_cfg"] = cfg
+    row["int2_ms"] = ms
+    row["int2_graph_ms"] = bench_graph_ms(
+        lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg)
+    )
+    # kernels only (split + merge, q already rotated)
+    q_rot = ok.rotate_queries(q, ep)
+    ns = ok.choose_num_splits(bsz, hkv, ctx, DEV, cfg["block_n"])
+    row["num_splits"] = ns
+    row["int2_kernels_ms"] = bench_ms(
+        lambda: dec_mod._launch_decode(
+            q_rot,
+            cache,
+            bt,
+            sl,
+            ws,
+            1 / math.sqrt(d),
+            g,
+            ns,
+            cfg["block_n"],
+            cfg["num_warps"],
+            cfg["num_stages"],
+        )
+    )
+    del cache
+    # BF16 baselines
+    k = torch.randn(bsz, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qs = q.unsqueeze(2)
+    F = torch.nn.functional
+    row["sdpa_bf16_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+    del k, v
+    kp = torch.randn(num_pages, hkv, page, d, device=DEV, dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
+    row["paged_bf16_ms"] = bench_ms(
+        lambda: ok.paged_bf16_decode(
+            q, kp, vp, bt, sl, num_splits=ok.choose_num_splits(bsz, hkv, ctx, DEV, 64)
+        )
+    )
+    del kp, vp
+    torch.cuda.empty_cache()
+    bw = copy_gbs * 1e9
+    row["int2_bw_frac"] = row["bytes_int2_path"] / (row["int2_kernels_ms"] * 1e-3) / bw
+    row["int2_op_bw_frac"] = row["bytes_int2_path"] / (row["int2_ms"] * 1e-3) / bw
+    row["sdpa_bw_frac"] = bytes_bf16 / (row["sdpa_bf16_ms"] * 1e-3) / bw
+    row["paged_bf16_bw_frac"] = bytes_bf16 / (row["paged_bf16_ms"] * 1e-3) / bw
+    row["speedup_vs_sdpa"] = row["sdpa_bf16_ms"] / row["int2_ms"]
+    row["speedup_vs_sdpa_graph"] = row["sdpa_bf16_ms"] / row["int2_graph_ms"]
+    row["speedup_vs_paged_bf16"] = row["paged_bf16_ms"] / row["int2_ms"]
+    log(json.dumps(row))
+    return row
+
+
+def bench_write(n, copy_gbs, log):
+    hkv, d = 8, 128
+    lo = ok.CacheLayout(hkv, d, page_size=64)
+    num_pages = math.ceil(n / 64) + 1
+    gen = torch.Generator().manual_seed(n)
+    cache = ok.allocate_cache(lo, num_pages, 1, DEV)
+    ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
+    k = torch.randn(n, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_pages * 64, device=DEV)[:n]
+    pos = torch.arange(n, device=DEV, dtype=torch.int32) + 100000  # outside the windows
+    sidx = torch.zeros(n, dtype=torch.int32, device=DEV)
+    sl = torch.tensor([200000], dtype=torch.int32, device=DEV)
+    ws = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = {"tokens": n}
+    for prec in (False, True):
+        ms = bench_ms(
+            lambda prec=prec: ok.paged_write(
+                cache, ep, k, v, slots, pos, sidx, sl, ws, backend="triton", precise=prec
+            )
+        )
+        nbytes = n * hkv * (2 * d * 2 + 2 * (d // 4 + 4))
+        key = "ieee" if prec else "tf32"
+        out[f"{key}_ms"] = ms
+        out[f"{key}_tokens_per_s"] = n / (ms * 1e-3)
+        out[f"{key}_bw_frac"] = nbytes / (ms * 1e-3) / (copy_gbs * 1e9)
+    log(json.dumps(out))
+    return out
+
+
+def bench_prefill(prefix, chunk, log):
+    hkv, g, d = 8, 4, 128
+    lo = ok.CacheLayout(hkv, d, page_size=64)
+    total = prefix + chunk
+    num_pages = math.ceil(total / 64)
+    gen = torch.Generator().manual_seed(prefix)
+    cache = ok.allocate_cache(lo, num_pages, 1, DEV)
+    for t in (cache.k_codes, cache.v_codes):
+        t.random_(0, 256)
+    for t in (cache.k_scale, cache.v_scale):
+        t.uniform_(0.01, 0.1)
+    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
+        t.normal_()
+    ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
+    bt = torch.arange(num_pages, device=DEV, dtype=torch.int32)[None]
+    q = torch.randn(chunk, hkv * g, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(chunk, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device=DEV)
+    pl = torch.tensor([prefix], dtype=torch.int32, device=DEV)
+    ws = torch.zeros(1, dtype=torch.int32, device=DEV)
+    row = {"prefix": prefix, "chunk": chunk}
+    row["int2_extend_ms"] = bench_ms(
+        lambda: ok.extend_attention(q, k, v, cache, ep, cu, pl, bt, ws, chunk, backend="triton")
+    )
+    # BF16 baseline of the same shape: chunk queries over prefix + chunk keys, causal, SDPA
+    kf = torch.randn(1, hkv, total, d, device=DEV, dtype=torch.bfloat16)
+    vf = torch.randn_like(kf)
+    qf = q.transpose(0, 1).unsqueeze(0)
+    mask = torch.arange(total, device=DEV)[None, :] <= (prefix + torch.arange(chunk, device=DEV))[:, None]
+    F = torch.nn.functional
+    row["sdpa_bf16_masked_ms"] = bench_ms(
+        lambda: F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=True)
+    )
+    # full causal BF16 prefill of the whole length with flash (upper bound on work)
+    qa = torch.randn(1, hkv * g, total, d, device=DEV, dtype=torch.bfloat16)
+    row["sdpa_bf16_full_causal_ms"] = bench_ms(
+        lambda: F.scaled_dot_product_attention(qa, kf, vf, is_causal=True, enable_gqa=True)
+    )
+    flops = 4 * chunk * (prefix + chunk / 2) * d * hkv * g
+    row["int2_extend_tflops"] = flops / (row["int2_extend_ms"] * 1e-3) / 1e12
+    row["speedup_vs_sdpa_masked"] = row["sdpa_bf16_masked_ms"] / row["int2_extend_ms"]
+    log(json.dumps(row))
+    del cache, kf, vf, qa
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--cases", nargs="*", default=None)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    logf = open(os.path.join(a.out, "gpu_run.log"), "a")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    cuda = DEV.type == "cuda"
+    env = {
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else 0,
+    }
+    log(json.dumps(env))
+    copy_gbs = copy_bandwidth_gbs() if cuda else 1.0
+    env["copy_GBps"] = copy_gbs
+    log(f"copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    checks = []
+    if not a.skip_check:
+        checks = run_checks(log, a.quick, a.cases)
+        json.dump({"env": env, "checks": checks}, open(os.path.join(a.out, "check.json"), "w"), indent=1)
+    bench = {"env": env}
+    if not a.skip_bench:
+        tune = None
+        if a.tune:
+            tune = [
+                dict(block_n=bn, num_warps=w, num_stages=s)
+                for bn in (64, 128)
+                for w in (4, 8)
+                for s in (2, 3)
+            ]
+        ctxs = [8192, 32768, 131072]
+        bs = [1, 8, 32]
+
+        def safe(fn, *args, **kw):
+            try:
+                return fn(*args, **kw)
+            except Exception:
+                log(f"BENCH {fn.__name__}{args[:2]} FAILED: {traceback.format_exc()}")
+                torch.cuda.empty_cache()
+                return None
+
+        dec = [
+            safe(bench_decode, c, b, copy_gbs, log, tune if (c == 131072 and b in (1, 8)) else None)
+            for c in ctxs
+            for b in bs
+        ]
+        bench["decode"] = [r for r in dec if r]
+        bench["write"] = [r for r in (safe(bench_write, n, copy_gbs, log) for n in (32, 4096, 65536)) if r]
+        pre = (safe(bench_prefill, p, c, log) for p, c in ((8192 - 2048, 2048), (32768 - 4096, 4096)))
+        bench["prefill"] = [r for r in pre if r]
+        json.dump(bench, open(os.path.join(a.out, "bench.json"), "w"), indent=1)
+    # short table last
+    print("\n== checks ==")
+    for r in checks:
+        if "error" in r:
+            print(f"{r['case']:16s} ERROR {r['error'][:100]}")
+            continue
+        print(
+            f"{r['case']:16s} pass={r['pass']} dec_err={r['decode_rel_err_vs_f64_cache']:.1e} raw={r['decode_rel_err_vs_f64_raw']:.1e} "
+            f"ext_err={r['extend_rel_err_vs_f64_cache']:.1e} kmis={r['k_code_mismatch']:.1e} vmis={r['v_code_mismatch']:.1e} {r['seconds']}s"
+        )
+    if "decode" in bench:
+        print(f"\n== decode (copy {copy_gbs:.0f} GB/s) ==")
+        print(
+            "ctx     B  int2_us graph_us kern_us bw%  sdpa_us sdpa_bw% pagedbf16_us  x_sdpa x_sdpa_graph x_paged"
+        )
+        for r in bench["decode"]:
+            print(
+                f"{r['ctx']:6d} {r['batch']:3d} {r['int2_ms'] * 1e3:8.1f} {r['int2_graph_ms'] * 1e3:8.1f} {r['int2_kernels_ms'] * 1e3:7.1f} {100 * r['int2_bw_frac']:4.0f} "
+                f"{r['sdpa_bf16_ms'] * 1e3:8.1f} {100 * r['sdpa_bw_frac']:6.0f} {r['paged_bf16_ms'] * 1e3:10.1f} {r['speedup_vs_sdpa']:7.2f} {r['speedup_vs_sdpa_graph']:7.2f} {r['speedup_vs_paged_bf16']:7.2f}"
+            )
+        print("\n== write ==")
+        for r in bench["write"]:
+            print(
+                f"N={r['tokens']:6d} tf32 {r['tf32_ms'] * 1e3:8.1f} us {r['tf32_tokens_per_s'] / 1e6:8.2f} Mtok/s bw {100 * r['tf32_bw_frac']:.0f}%  | ieee {r['ieee_ms'] * 1e3:8.1f} us bw {100 * r['ieee_bw_frac']:.0f}%"
+            )
+        print("\n== prefill ==")
+        for r in bench["prefill"]:
+            print(
+                f"prefix={r['prefix']} chunk={r['chunk']} int2 {r['int2_extend_ms']:.3f} ms ({r['int2_extend_tflops']:.0f} TFLOP/s) sdpa_masked {r['sdpa_bf16_masked_ms']:.3f} ms full_causal {r['sdpa_bf16_full_causal_ms']:.3f} ms x{r['speedup_vs_sdpa_masked']:.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
