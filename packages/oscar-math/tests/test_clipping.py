@@ -6,8 +6,10 @@ from oscar_math.clipping import (
     DEFAULT_CLIP_GRID,
     center_keys,
     clip_error,
+    key_metric,
     quantile_clip_fake_quantize,
     quantization_error,
+    rotate_samples,
     search_clip_ratio,
 )
 
@@ -133,3 +135,26 @@ def test_center_keys_subtracts_mean_per_head():
 def test_bad_inputs_name_the_argument(call, name):
     with pytest.raises(OscarError, match=name):
         call(torch.randn(5, 2, 32))
+
+
+def test_rotate_samples_and_key_metric_give_the_logit_error():
+    torch.manual_seed(8)
+    n, h, d = 64, 3, 16
+    k = torch.randn(n, h, d) + 2.0
+    mu = k.mean(0)  # [H, d]
+    rot = torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))[0]
+    x = rotate_samples(k, rot, mu)
+    torch.testing.assert_close(x[:, 1], ((k[:, 1] - mu[1]) @ rot[1].float()))
+    # a shared per-layer rotation broadcasts over heads
+    shared = rotate_samples(k, rot[:1])
+    torch.testing.assert_close(shared[:, 2], k[:, 2] @ rot[0].float())
+    # e_rot M e_rot equals the mean squared logit error over the queries
+    q = torch.randn(500, h, d, dtype=torch.float64)
+    c_q = torch.einsum("nhi,nhj->hij", q, q) / 500
+    m = key_metric(c_q, rot)
+    e_rot = x - fake_quantize_int2(x, 8)
+    e = torch.einsum("nhj,hij->nhi", e_rot.double(), rot)  # back to the original basis
+    logit_err = torch.einsum("qhd,nhd->qnh", q, e).pow(2).mean(0).mean(0)
+    torch.testing.assert_close(
+        quantization_error(x, x - e_rot, metric=m).float(), logit_err.float(), rtol=1e-4, atol=1e-6
+    )

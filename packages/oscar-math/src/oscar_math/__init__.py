@@ -19,8 +19,10 @@ from .clipping import (
     ClipSearch,
     center_keys,
     clip_error,
+    key_metric,
     quantile_clip_fake_quantize,
     quantization_error,
+    rotate_samples,
     search_clip_ratio,
 )
 from .covariance import GRANULARITIES, KeyMean, QueryCovariance, ScoreWeightedValueCovariance
@@ -95,6 +97,8 @@ __all__ = [
     "quantile_clip_fake_quantize",
     "quantization_error",
     "search_clip_ratio",
+    "key_metric",
+    "rotate_samples",
     "FORMAT",
     "FORMAT_VERSION",
     "ORTHOGONALITY_TOL",

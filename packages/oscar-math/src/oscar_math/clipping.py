@@ -49,6 +49,8 @@ __all__ = [
     "DEFAULT_CLIP_GRID",
     "FINE_CLIP_GRID",
     "center_keys",
+    "rotate_samples",
+    "key_metric",
     "quantization_error",
     "clip_error",
     "search_clip_ratio",
@@ -105,6 +107,60 @@ def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
         tuple(k_mean.shape),
     )
     return k - k_mean.to(k.dtype)
+
+
+def rotate_samples(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows as the cache stores them: ``(x − mean) @ R`` per KV head.
+
+    Args:
+        x: ``[N, H, d]`` keys (after RoPE) or values of ``H`` KV heads.
+        rotation: ``[G, d, d]`` with ``G`` = 1 (one per layer) or ``H`` (per KV head).
+        mean: ``None`` or ``[G, d]`` key mean in the original basis (keys only).
+    Returns:
+        ``[N, H, d]`` float32. For a per-layer clip ratio search pool the heads:
+        ``rotate_samples(...).reshape(-1, 1, d)``.
+    """
+    check(x.dim() == 3, "x.shape", "[N, H, d]", tuple(x.shape))
+    n, h, d = x.shape
+    check(
+        rotation.dim() == 3 and rotation.shape[0] in (1, h) and tuple(rotation.shape[1:]) == (d, d),
+        "rotation.shape",
+        f"[1, {d}, {d}] or [{h}, {d}, {d}]",
+        tuple(rotation.shape),
+    )
+    xf = x.float()
+    if mean is not None:
+        check(
+            mean.dim() == 2 and mean.shape[0] == rotation.shape[0] and mean.shape[1] == d,
+            "mean.shape",
+            f"[{rotation.shape[0]}, {d}]",
+            tuple(mean.shape),
+        )
+        xf = xf - mean.float()
+    r = rotation.float().expand(h, d, d)
+    return torch.bmm(xf.transpose(0, 1), r).transpose(0, 1)
+
+
+def key_metric(query_covariance: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Key error metric in the rotated basis, ``Rᵀ C_Q R``.
+
+    With ``k_rot = (k − μ) @ R`` and ``q_rot = q @ R``, the expected squared logit error
+    over queries is ``e_rotᵀ (Rᵀ C_Q R) e_rot``.
+
+    Args:
+        query_covariance: ``[G, d, d]`` (``oscar_math.QueryCovariance`` result).
+        rotation: ``[G, d, d]``.
+    Returns:
+        ``[G, d, d]`` float32.
+    """
+    check(
+        query_covariance.shape == rotation.shape and rotation.dim() == 3,
+        "query_covariance.shape",
+        f"equal to rotation.shape {tuple(rotation.shape)}",
+        tuple(query_covariance.shape),
+    )
+    r = rotation.double()
+    return (r.transpose(-1, -2) @ query_covariance.double() @ r).float()
 
 
 def _check_samples(x: torch.Tensor, group_size: int) -> None:
