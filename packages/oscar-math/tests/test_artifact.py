@@ -3,6 +3,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from oscar_math import ArtifactError
@@ -251,3 +253,40 @@ def test_constructor_validates_and_replace_revalidates():
         dataclasses.replace(rot, calibration={"x": object()})
     with pytest.raises(ArtifactError, match="Invalid layer index"):
         rot.for_layer(3)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    d=st.sampled_from([4, 8, 12, 20]),
+    per_head=st.booleans(),
+    with_mean=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_round_trip_property(tmp_path_factory, layers, heads, d, per_head, with_mean, seed):
+    g = heads if per_head else 1
+    gen = torch.Generator().manual_seed(seed)
+    rot = Rotations(
+        model=f"m{seed}",
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=d,
+        group_size=4,
+        sink_tokens=seed % 7,
+        recent_tokens=seed % 300,
+        granularity="kv_head" if per_head else "layer",
+        k_rotation=[_random_orthogonal(g, d, seed + i) for i in range(layers)],
+        v_rotation=[_random_orthogonal(g, d, seed + 50 + i) for i in range(layers)],
+        k_eigenvalues=[torch.randn(g, d, generator=gen) for _ in range(layers)],
+        v_eigenvalues=[torch.randn(g, d, generator=gen) for _ in range(layers)],
+        k_clip=[torch.rand(g, generator=gen).clamp(min=0.01) for _ in range(layers)],
+        v_clip=[torch.ones(g) for _ in range(layers)],
+        k_mean=[torch.randn(g, d, generator=gen) for _ in range(layers)] if with_mean else None,
+        calibration={"seed": seed, "nested": {"a": [1, 2.5, "x"]}},
+    )
+    path = save_rotations(tmp_path_factory.mktemp("rt") / "r.safetensors", rot)
+    back = load_rotations(path, model=f"m{seed}", num_layers=layers, num_kv_heads=heads, head_dim=d)
+    assert back.metadata() == rot.metadata() and back.calibration == rot.calibration
+    assert set(back.tensors()) == set(rot.tensors())
+    assert all(torch.equal(back.tensors()[n], t) for n, t in rot.tensors().items())

@@ -158,3 +158,19 @@ def test_rotate_samples_and_key_metric_give_the_logit_error():
     torch.testing.assert_close(
         quantization_error(x, x - e_rot, metric=m).float(), logit_err.float(), rtol=1e-4, atol=1e-6
     )
+
+
+def test_value_weights_approximate_the_full_output_error():
+    """Σ_n (Σ_t S_tn²) ‖e_n‖² (diagonal of SᵀS) vs the exact ‖S E‖² with a causal softmax."""
+    torch.manual_seed(9)
+    t, d = 384, 32
+    q, k = torch.randn(t, d), torch.randn(t, d) * 1.5
+    v = torch.distributions.StudentT(torch.tensor(3.0)).sample((t, d))
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    s = torch.softmax((q @ k.T / d**0.5).masked_fill(mask, float("-inf")), -1)
+    w = (s**2).sum(0)  # [T]
+    for alpha in (1.0, 0.7):
+        e = v - fake_quantize_int2(v, 16, alpha)
+        exact = float((s @ e).pow(2).sum()) / t
+        approx = float(clip_error(v.unsqueeze(1), 16, alpha, weights=w))
+        assert abs(approx / exact - 1) < 0.1, (alpha, approx, exact)
