@@ -10,6 +10,7 @@ paragraphs), so evaluation never sees text the rotations were fitted on.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -104,12 +105,17 @@ def split_text(text: str, heldout_fraction: float = 0.2) -> tuple[str, str]:
     held-out text shares a span of 128 characters with the calibration text (this
     catches paragraphs repeated across topics, and spans across paragraph joins).
     Deterministic; no 128-character span of the result's held-out part occurs in its
-    calibration part.
+    calibration part. Results are cached (calibration and evaluation split the same text).
 
     Raises:
         OscarError: a fraction outside (0, 1), or too few paragraphs to split.
     """
     check(0.0 < heldout_fraction < 1.0, "heldout_fraction", "a number in (0, 1)", heldout_fraction)
+    return _split_text(text, float(heldout_fraction))
+
+
+@functools.lru_cache(maxsize=4)
+def _split_text(text: str, heldout_fraction: float) -> tuple[str, str]:
     paragraphs = _paragraphs(text)
     if len(paragraphs) < 2:
         raise OscarError(

