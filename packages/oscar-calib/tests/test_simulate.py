@@ -42,9 +42,12 @@ def test_mixed_attention_matches_brute_force(t, s, sink, recent, block):
     q = torch.randn(b, hq, t, d, generator=g)
     k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
     kh, vh = k + 0.3 * torch.randn_like(k), v + 0.3 * torch.randn_like(v)
-    out = mixed_attention(q, k, v, kh, vh, 0.35, Windows(sink, recent), block=block)
     ref = _brute(q, k, v, kh, vh, 0.35, sink, recent)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    fused = mixed_attention(q, k, v, kh, vh, 0.35, Windows(sink, recent))
+    torch.testing.assert_close(fused.double(), ref, atol=1e-5, rtol=1e-5)
+    errs = LayerErrors()  # capturing errors takes the blocked path
+    blocked = mixed_attention(q, k, v, kh, vh, 0.35, Windows(sink, recent), block=block, errors=errs)
+    torch.testing.assert_close(blocked.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_equals_exact_when_hat_is_exact():

@@ -61,7 +61,7 @@ class Summary:
         """``mean ± std`` (percent if ``pct``)."""
         k = 100.0 if pct else 1.0
         unit = "%" if pct else ""
-        return f"{self.mean * k:.{digits}f}{unit} ± {self.std * k:.{digits}f}"
+        return f"{self.mean * k:.{digits}f} ± {self.std * k:.{digits}f}{unit}"
 
 
 def summarize(values: Sequence[float], seed: int = 0, resamples: int = 2000) -> Summary:

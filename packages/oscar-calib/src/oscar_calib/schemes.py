@@ -23,6 +23,7 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``oscar2``                calibrated rotations + calibrated clipping + key centering
 ``oscar2-noclip``         ``oscar2`` without clipping
 ``oscar2-nocenter``       ``oscar2`` without key centering
+``oscar2-nobitrev``       ``oscar2`` without the bit-reversal permutation (group < d only)
 ``oscar2-norot``          ``oscar2`` with identity rotations (centering and clipping kept)
 ``hadamard2-center``      ``hadamard2`` with the calibrated key mean subtracted
 ========================  ==================================================================
@@ -47,6 +48,7 @@ __all__ = [
     "SchemeContext",
     "build_scheme",
     "scheme_names",
+    "remove_bit_reversal",
     "oscar_schemes",
     "DEFAULT_SCHEMES",
     "QUANTIZED_BITS",
@@ -299,7 +301,9 @@ class SchemeContext:
 def _layer_tensor(rotations: Any, layer_idx: int, name: str) -> torch.Tensor | None:
     """Read ``layers.{i}.{name}`` from a Rotations object (None if absent)."""
     layers = getattr(rotations, "layers", None)
-    if layers is not None:
+    if hasattr(rotations, "for_layer"):  # oscar_math.artifact.Rotations
+        value = getattr(rotations.for_layer(layer_idx), name, None)
+    elif layers is not None:
         layer = layers[layer_idx]
         value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
     else:
@@ -398,6 +402,42 @@ def _spec_type() -> Any:
     return SchemeSpec
 
 
+def remove_bit_reversal(rotation: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``R = U · P_br · H_blk`` → ``U · H_blk`` (the same rotation without bit reversal).
+
+    Undoes :func:`oscar_math.rotation.compose_rotation`'s permutation:
+    ``U = R · H_blkᵀ · P_brᵀ``. Args: ``rotation`` ``[G, d, d]``. Returns float32.
+    """
+    from oscar_math.bitrev import bit_reversal_permutation, permutation_matrix
+    from oscar_math.hadamard import block_hadamard
+
+    d = rotation.shape[-1]
+    h = block_hadamard(d, group_size)
+    p = permutation_matrix(bit_reversal_permutation(d, group_size))
+    return (rotation.double() @ h.T @ p.T @ h).float()
+
+
+def _make_nobitrev(ctx: SchemeContext) -> KVScheme:
+    rot = _require_rotations(ctx, "oscar2-nobitrev")
+    gs = ctx.effective_group_size
+
+    def codec(kind: str) -> Callable[[int], RowCodec]:
+        def build(i: int) -> RowCodec:
+            r = _layer_tensor(rot, i, f"{kind}_rotation")
+            return RowCodec(
+                gs,
+                rotation=None if r is None else remove_bit_reversal(r, gs),
+                mean=_layer_tensor(rot, i, f"{kind}_mean"),
+                clip=_layer_tensor(rot, i, f"{kind}_clip"),
+            )
+
+        return build
+
+    return RowInt2Scheme(
+        "oscar2-nobitrev", f"oscar2 without bit reversal (group {gs})", gs, codec("k"), codec("v")
+    )
+
+
 def _specs() -> list[Any]:
     SchemeSpec = _spec_type()
 
@@ -425,6 +465,11 @@ def _specs() -> list[Any]:
             _oscar_factory("oscar2-nocenter", "calibrated rotation + clip, no centering", center=False),
         ),
         SchemeSpec(
+            "oscar2-nobitrev",
+            "oscar2 without the bit-reversal permutation (matters at group < d; ablation)",
+            _make_nobitrev,
+        ),
+        SchemeSpec(
             "oscar2-norot",
             "oscar2 with identity rotations: centering + clipping only (ablation)",
             _oscar_factory("oscar2-norot", "key centering + calibrated clip, no rotation", rotate=False),
@@ -450,15 +495,11 @@ oscar_schemes = _hookimpl_marker()(oscar_schemes)
 
 def _all_specs() -> dict[str, Any]:
     try:
-        from oscar_math.plugins import get_plugin_manager
-    except ImportError:
+        from oscar_math.plugins import available_schemes
+    except ImportError:  # oscar-math without plugin support: built-ins only
         return {s.name: s for s in _specs()}
-    pm = get_plugin_manager()
-    specs: dict[str, Any] = {}
-    for batch in pm.hook.oscar_schemes():
-        for spec in batch:
-            specs.setdefault(spec.name, spec)
-    if "bf16" not in specs:  # built-ins not registered (entry point missing): add them directly
+    specs = dict(available_schemes())
+    if "bf16" not in specs:  # entry point not installed (e.g. a source checkout): add built-ins directly
         for spec in _specs():
             specs.setdefault(spec.name, spec)
     return specs

@@ -8,9 +8,11 @@ sees: tokens leave the recent window into INT2 as the sequence grows. Every quer
 row gets its own window, so one forward pass over a sequence measures the decode
 quality at every position at once.
 
-The mixed attention is computed in blocks of query rows (memory
-``O(block · S · H_q)``), selecting per ``(t, s)`` between the exact and the
-quantised logits, and ``out = P @ V + (P ⊙ M) @ (V_hat − V)`` for the values.
+The mixed attention is one SDPA call over the exact keys followed by the quantised
+copies of the quantisable ones, with a boolean mask that lets each query see exactly
+one copy of every key. When errors are captured it is computed in blocks of query
+rows instead (memory ``O(block · S · H_q)``), selecting per ``(t, s)`` between the
+exact and the quantised logits, and ``out = P @ V + (P ⊙ M) @ (V_hat − V)``.
 
 Optional statistics per layer (on the quantised region only):
 
@@ -169,6 +171,8 @@ def mixed_attention(
     b, hq, t, d = query.shape
     s = key.shape[2]
     check(s >= t, "key length", f">= query length {t}", s)
+    if errors is None:
+        return _mixed_sdpa(query, key, value, key_hat, value_hat, scaling, windows, attention_mask)
     dev = query.device
     k, v = _expand_kv(key, hq).float(), _expand_kv(value, hq).float()
     kh, dv = _expand_kv(key_hat, hq).float(), (_expand_kv(value_hat, hq).float() - v)
@@ -198,6 +202,42 @@ def mixed_attention(
         if errors is not None and bool(quant.any()):
             _accumulate(errors, logits, logits_hat, quant, causal, user, ob, v[:, :, :s_end])
     return out
+
+
+def _mixed_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_hat: torch.Tensor,
+    value_hat: torch.Tensor,
+    scaling: float,
+    windows: Windows,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Fused form of :func:`mixed_attention`: one SDPA call over ``[K ; K_hat[lo:hi]]``.
+
+    Each quantisable key appears twice, exact and quantised; a boolean mask lets
+    query ``t`` see exactly one copy (the quantised one iff ``sink <= s <= t - recent``).
+    About 5x faster on CPU than materialising both logit matrices.
+    """
+    hq, t, s = query.shape[1], query.shape[2], key.shape[2]
+    dev = query.device
+    q_pos = torch.arange(s - t, s, device=dev)
+    k_pos = torch.arange(s, device=dev)
+    lo, hi = windows.sink, max(windows.sink, s - windows.recent)
+    causal = k_pos[None, :] <= q_pos[:, None]
+    quant = quantized_region(q_pos, k_pos[lo:hi], windows.sink, windows.recent)
+    exact = causal.clone()
+    exact[:, lo:hi] &= ~quant
+    mask = torch.cat([exact, quant], 1)  # [T, S + (hi - lo)]
+    if attention_mask is not None and attention_mask.dim() == 4:
+        user = attention_mask[..., :t, :s]
+        user = user if user.dtype == torch.bool else user == 0
+        mask = mask & torch.cat([user, user[..., lo:hi]], -1)
+    k2 = _expand_kv(torch.cat([key, key_hat[:, :, lo:hi].to(key.dtype)], 2), hq)
+    v2 = _expand_kv(torch.cat([value, value_hat[:, :, lo:hi].to(value.dtype)], 2), hq)
+    out = torch.nn.functional.scaled_dot_product_attention(query, k2, v2, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def _accumulate(

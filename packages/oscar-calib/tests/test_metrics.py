@@ -1,0 +1,70 @@
+"""Metrics on known distributions, summaries with spreads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oscar_calib.metrics import compare_logits, sequence_metrics, summarize
+
+
+def test_compare_logits_known_values():
+    ref = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.7, 0.2]]))
+    cur = torch.log(torch.tensor([[0.25, 0.5, 0.25], [0.1, 0.7, 0.2]]))
+    nll, kl, agree = compare_logits(ref, cur, torch.tensor([1, 2]))
+    assert nll.tolist() == pytest.approx([-math.log(0.5), -math.log(0.2)])
+    assert kl[0].item() == pytest.approx(0.5 * math.log(2) + 0.25 * math.log(0.5))
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-12)
+    assert agree.tolist() == [False, True]
+
+
+def test_kl_is_nonnegative_and_zero_only_for_equal():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(37, 11, generator=g), torch.randn(37, 11, generator=g)
+    _, kl, _ = compare_logits(a, b, torch.zeros(37, dtype=torch.long))
+    assert (kl > 0).all()
+    _, kl0, agree = compare_logits(a, a + 3.0, torch.zeros(37, dtype=torch.long))  # shift-invariant
+    assert kl0.abs().max() < 1e-9 and agree.all()
+
+
+def test_summarize_mean_std_ci():
+    s = summarize([1.0, 2.0, 3.0, 4.0], seed=1)
+    assert s.mean == pytest.approx(2.5) and s.std == pytest.approx(1.2909944, rel=1e-6) and s.n == 4
+    assert 1.0 <= s.ci_low < s.mean < s.ci_high <= 4.0
+    assert summarize([1.0, 2.0, 3.0, 4.0], seed=1) == s  # seeded
+    one = summarize([7.0])
+    assert (one.mean, one.std, one.ci_low, one.ci_high) == (7.0, 0.0, 7.0, 7.0)
+    assert "±" in s.fmt() and s.fmt(pct=True).endswith("%")
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 9, bias=False)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Model:
+    def __init__(self):
+        torch.manual_seed(0)
+        self.head = _Head()
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_sequence_metrics_chunking_and_reference():
+    m = _Model()
+    h = torch.randn(23, 4)
+    ids = torch.randint(0, 9, (23,))
+    ref = sequence_metrics(m, h, h, ids, chunk=5)
+    assert ref.kl == 0 and ref.top1 == 1 and ref.tokens == 22
+    with torch.no_grad():
+        lp = torch.log_softmax(m.head(h[:-1]).double(), -1)
+    assert ref.nll == pytest.approx(float(-lp.gather(-1, ids[1:, None]).mean()))
+    other = sequence_metrics(m, h, h + 0.5 * torch.randn(23, 4), ids, chunk=7)
+    assert other.kl > 0 and 0 <= other.top1 < 1 and other.perplexity == pytest.approx(math.exp(other.nll))
