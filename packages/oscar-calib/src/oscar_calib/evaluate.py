@@ -12,6 +12,7 @@ retrieval accuracy through the real caches (:mod:`oscar_calib.cache`).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -241,7 +242,7 @@ def run_eval(
             }
             if ref_name is not None:
                 ref_ppl = [float(torch.tensor(x).exp()) for x in per[ref_name]["nll"]]
-                delta = [p / r - 1.0 for p, r in zip(ppl, ref_ppl)]
+                delta = [p / r - 1.0 for p, r in zip(ppl, ref_ppl, strict=True)]
                 entry["delta_ppl"] = summarize(delta, config.seed).to_dict()
             errs = errors[name]
             if errs:
@@ -267,7 +268,7 @@ def run_eval(
             answers = []
             for case in cases:
                 ok, answer = run_needle_case(
-                    model, tokenizer, case, lambda: make_cache(scheme, num_layers, windows)
+                    model, tokenizer, case, functools.partial(make_cache, scheme, num_layers, windows)
                 )
                 correct.setdefault(str(case.context), []).append(int(ok))
                 answers.append(
@@ -299,6 +300,10 @@ def _fmt(s: dict[str, float] | None, digits: int = 3, pct: bool = False) -> str:
     return summ.fmt(digits, pct)
 
 
+def _err(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:.4f}"
+
+
 def format_table(result: EvalResult | dict[str, Any]) -> str:
     """A readable plain-text table per context (mean ± std over sequences)."""
     r = result.to_dict() if isinstance(result, EvalResult) else result
@@ -316,7 +321,7 @@ def format_table(result: EvalResult | dict[str, Any]) -> str:
                 f"{name:<18}{e['bits_per_element']:>8.3f}  {_fmt(e['perplexity'], 3):>17}  "
                 f"{_fmt(e.get('delta_ppl'), 2, pct=True):>17}  {_fmt(e['kl'], 4):>17}  "
                 f"{_fmt(e['top1'], 2, pct=True):>17}  "
-                f"{e.get('logit_error_mean', float('nan')):>9.4f}  {e.get('output_error_mean', float('nan')):>8.4f}"
+                f"{_err(e.get('logit_error_mean')):>9}  {_err(e.get('output_error_mean')):>8}"
             )
     if r["needle"]:
         ctxs = ", ".join(str(c) for c in cfg["needle_contexts"])
