@@ -19,6 +19,9 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+#: the last compiled kernels (diagnostics for benchmarks: registers, spills, PTX)
+LAST_COMPILED: dict = {}
+
 __all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode"]
 
 
@@ -136,7 +139,7 @@ def _launch_decode(
     plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
     kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
+    LAST_COMPILED["decode_split"] = decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
         q_rot,
         q_rot.stride(0),
         q_rot.stride(1),
@@ -183,6 +186,7 @@ def _launch_decode(
         BLOCK_W=64,
         PAGED_BF16=bf16_pages is not None,
         DOT=dot_dtype(),
+        FAST=not interpreting(),
         **opts,
     )
     out = _empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)

@@ -21,6 +21,9 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return torch.empty(*shape, dtype=dtype, device=device)
 
 
+#: the last compiled kernel (diagnostics for benchmarks)
+LAST_COMPILED: dict = {}
+
 __all__ = ["extend_attention"]
 
 
@@ -101,7 +104,7 @@ def extend_attention(
         return out.to(q.dtype)
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
     grid = (triton.cdiv(max_query_len, block_m), bsz * q.shape[1])
-    extend_kernel[grid](
+    LAST_COMPILED["extend"] = extend_kernel[grid](
         q_rot,
         q_rot.stride(0),
         q_rot.stride(1),
@@ -151,6 +154,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT=dot_dtype(),
+        FAST=not interpreting(),
         **opts,
     )
     return unrotate_output(out, ep, q.dtype)

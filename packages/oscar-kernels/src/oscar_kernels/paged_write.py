@@ -11,6 +11,9 @@ from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.paged_write import paged_write_ref
 
+#: the last compiled kernel (diagnostics for benchmarks)
+LAST_COMPILED: dict = {}
+
 __all__ = ["paged_write"]
 
 
@@ -116,7 +119,7 @@ def _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens,
 
     lo = cache.layout
     n = key.shape[0]
-    block_t = 32 if lo.head_dim <= 64 else 16
+    block_t = 64
     grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
     prec = "ieee" if (precise or interpreting()) else "tf32"
     for x, rot, codes, scale, zero, sink, ring, alpha, has_mean in (
@@ -144,7 +147,7 @@ def _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens,
         ),
     ):
         kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
-        paged_write_kernel[grid](
+        LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
             x,
             x.stride(0),
             x.stride(1),

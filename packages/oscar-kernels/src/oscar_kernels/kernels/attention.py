@@ -31,6 +31,61 @@ def _softmax_step(s2, m_i, l_i):
 
 
 @triton.jit
+def _codes128(c, SHIFT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
+    """``128 + ((c >> SHIFT) & 3)`` of a uint8 tile, as dot operands.
+
+    ``FAST`` (GPU): four bytes per PTX call — shift, mask, and two ``prmt`` that
+    place each 2-bit code under the bf16 exponent of 128 (``0x4300 | c``), i.e.
+    about one integer op per element and no int→float conversion. The +128 offset
+    is folded out by the callers (``q·(c+128) = q·c + 128·sum(q)``).
+    """
+    if FAST:
+        if SHIFT == 0:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; and.b32 t, $2, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r",
+                [c],
+                dtype=tl.bfloat16,
+                is_pure=True,
+                pack=4,
+            )
+        elif SHIFT == 2:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, 2; and.b32 t, t, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r",
+                [c],
+                dtype=tl.bfloat16,
+                is_pure=True,
+                pack=4,
+            )
+        elif SHIFT == 4:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, 4; and.b32 t, t, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r",
+                [c],
+                dtype=tl.bfloat16,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.b32 t, $2, 6; and.b32 t, t, 0x03030303; "
+                "prmt.b32 $0, t, 0x43434343, 0x4140; prmt.b32 $1, t, 0x43434343, 0x4342; }",
+                "=r,=r,r",
+                [c],
+                dtype=tl.bfloat16,
+                is_pure=True,
+                pack=4,
+            )
+    else:
+        r = (((c >> SHIFT) & 3).to(tl.float32) + 128.0).to(DOT)
+    return r
+
+
+@triton.jit
 def _int2_scores(
     q0,
     q1,
@@ -45,17 +100,19 @@ def _int2_scores(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Scores ``[M, BLOCK_N]`` of queries against an INT2 key tile ``kc [BLOCK_N, Q4]``."""
     Q4: tl.constexpr = HEAD_DIM // 4
     if GROUP == HEAD_DIM:
         ks = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         kz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        acc = tl.dot(q0, tl.trans((kc & 3).to(tl.float32).to(DOT)))
-        acc = tl.dot(q1, tl.trans(((kc >> 2) & 3).to(tl.float32).to(DOT)), acc)
-        acc = tl.dot(q2, tl.trans(((kc >> 4) & 3).to(tl.float32).to(DOT)), acc)
-        acc = tl.dot(q3, tl.trans(((kc >> 6) & 3).to(tl.float32).to(DOT)), acc)
-        s = acc * ks[None, :] + qsum[:, None] * kz[None, :]
+        acc = tl.dot(q0, tl.trans(_codes128(kc, 0, DOT, FAST)))
+        acc = tl.dot(q1, tl.trans(_codes128(kc, 2, DOT, FAST)), acc)
+        acc = tl.dot(q2, tl.trans(_codes128(kc, 4, DOT, FAST)), acc)
+        acc = tl.dot(q3, tl.trans(_codes128(kc, 6, DOT, FAST)), acc)
+        # q·(s*c + z) = s*(q·(c+128)) + (z - 128*s)*sum(q)
+        s = acc * ks[None, :] + qsum[:, None] * (kz - 128.0 * ks)[None, :]
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -93,6 +150,7 @@ def _int2_pv(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``."""
     Q4: tl.constexpr = HEAD_DIM // 4
@@ -100,11 +158,12 @@ def _int2_pv(
         vs = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         vz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         pv = (p * vs[None, :]).to(DOT)
-        pz = tl.sum(p * vz[None, :], 1)[:, None]
-        acc0 = tl.dot(pv, (vc & 3).to(tl.float32).to(DOT), acc0) + pz
-        acc1 = tl.dot(pv, ((vc >> 2) & 3).to(tl.float32).to(DOT), acc1) + pz
-        acc2 = tl.dot(pv, ((vc >> 4) & 3).to(tl.float32).to(DOT), acc2) + pz
-        acc3 = tl.dot(pv, ((vc >> 6) & 3).to(tl.float32).to(DOT), acc3) + pz
+        # p·(s*c + z) = (p*s)·(c+128) + sum(p*z) - 128*sum(p*s)   (sums of the rounded operand)
+        corr = (tl.sum(p * vz[None, :], 1) - 128.0 * tl.sum(pv.to(tl.float32), 1))[:, None]
+        acc0 = tl.dot(pv, _codes128(vc, 0, DOT, FAST), acc0) + corr
+        acc1 = tl.dot(pv, _codes128(vc, 2, DOT, FAST), acc1) + corr
+        acc2 = tl.dot(pv, _codes128(vc, 4, DOT, FAST), acc2) + corr
+        acc3 = tl.dot(pv, _codes128(vc, 6, DOT, FAST), acc3) + corr
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -265,6 +324,7 @@ def decode_split_kernel(
     BLOCK_W: tl.constexpr,
     PAGED_BF16: tl.constexpr,
     DOT: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Program ``(b*H_kv + h, split)``: all ``GQA`` query heads of KV head ``h``.
 
@@ -309,7 +369,9 @@ def decode_split_kernel(
             else:
                 mrow = page * stride_sp + h * stride_sh + off * stride_st
                 kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-                s = _int2_scores(q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT)
+                s = _int2_scores(
+                    q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
+                )
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
             acc0 = acc0 * alpha[:, None]
@@ -321,7 +383,7 @@ def decode_split_kernel(
             else:
                 vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
                 acc0, acc1, acc2, acc3 = _int2_pv(
-                    p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT
+                    p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
                 )
     elif split == NUM_SPLITS:
         if SINK > 0:
@@ -451,6 +513,7 @@ def extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Program ``(query block, b*H_q + hq)``: ``BLOCK_M`` chunk queries of one head.
 
@@ -517,7 +580,9 @@ def extend_kernel(
             crow = page * stride_cp + h * stride_ch + off * stride_ct
             mrow = page * stride_sp + h * stride_sh + off * stride_st
             kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-            s = _int2_scores(q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT)
+            s = _int2_scores(
+                q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
+            )
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
             acc0 = acc0 * alpha[:, None]
@@ -526,7 +591,7 @@ def extend_kernel(
             acc3 = acc3 * alpha[:, None]
             vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
             acc0, acc1, acc2, acc3 = _int2_pv(
-                p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT
+                p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
             )
         # recent ring (history part only)
         if RECENT > 0:

@@ -19,6 +19,18 @@ def round_bf16(x):
 
 
 @triton.jit
+def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
+    """Store four ``[BLOCK_T, Q4]`` quarters as bf16 rows starting at ``row_ptr``."""
+    j = tl.arange(0, Q4)
+    ptr = row_ptr[:, None] + j[None, :]
+    m2 = m[:, None]
+    tl.store(ptr, round_bf16(x0).to(tl.bfloat16), mask=m2)
+    tl.store(ptr + Q4, round_bf16(x1).to(tl.bfloat16), mask=m2)
+    tl.store(ptr + 2 * Q4, round_bf16(x2).to(tl.bfloat16), mask=m2)
+    tl.store(ptr + 3 * Q4, round_bf16(x3).to(tl.bfloat16), mask=m2)
+
+
+@triton.jit
 def paged_write_kernel(
     x_ptr,
     stride_xt,
@@ -73,59 +85,90 @@ def paged_write_kernel(
     x = x.to(tl.float32)
     if HAS_MEAN:
         x = x - tl.load(mean_ptr + h * stride_mh + d).to(tl.float32)[None, :]
-    rot = tl.load(rot_ptr + h * stride_rh + d[:, None] * stride_rr + d[None, :]).to(tl.float32)
-    xr = tl.dot(x, rot, input_precision=DOT_PRECISION)  # [BLOCK_T, d] rotated rows
+    # rotate quarter by quarter: quarter i of x @ R is x @ R[:, i*d/4:(i+1)*d/4], which is
+    # exactly what byte-lane i of the strided packing holds (no reshapes needed)
+    Q4: tl.constexpr = HEAD_DIM // 4
+    j = tl.arange(0, Q4)
+    rbase = rot_ptr + h * stride_rh + d[:, None] * stride_rr + j[None, :]
+    x0 = tl.dot(x, tl.load(rbase).to(tl.float32), input_precision=DOT_PRECISION)
+    x1 = tl.dot(x, tl.load(rbase + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
 
     # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
-    NG: tl.constexpr = HEAD_DIM // GROUP
-    g3 = tl.reshape(xr, (BLOCK_T, NG, GROUP))
-    mn = tl.min(g3, axis=2)
-    mx = tl.max(g3, axis=2)
     alpha = tl.load(alpha_ptr + h).to(tl.float32)
-    lo = tl.where(mn < 0, mn * alpha, mn)
-    hi = tl.where(mx > 0, mx * alpha, mx)
-    zero_b = round_bf16(lo).to(tl.bfloat16)
-    scale_b = round_bf16(tl.math.div_rn(hi - lo, 3.0)).to(tl.bfloat16)
-    z = zero_b.to(tl.float32)
-    s = scale_b.to(tl.float32)
-    inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)
-    c = tl.floor((g3 - z[:, :, None]) * inv[:, :, None] + 0.5)
-    c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
-    # strided packing: byte b = c[b] | c[b + d/4] << 2 | c[b + d/2] << 4 | c[b + 3d/4] << 6
-    Q4: tl.constexpr = HEAD_DIM // 4
-    c4 = tl.reshape(c, (BLOCK_T, 4, Q4))
-    shifts = 2 * tl.arange(0, 4)
-    packed = tl.sum(c4 << shifts[None, :, None], axis=1).to(tl.uint8)
-
     page = slot // page_size
     off = slot % page_size
-    row = page * stride_cp + h * stride_ch + off * stride_ct
-    j = tl.arange(0, Q4)
-    tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
-    gi = tl.arange(0, NG)
     mrow = page * stride_sp + h * stride_sh + off * stride_st
-    tl.store(scale_ptr + mrow[:, None] + gi[None, :], scale_b, mask=valid[:, None])
-    tl.store(zero_ptr + mrow[:, None] + gi[None, :], zero_b, mask=valid[:, None])
+    NG: tl.constexpr = HEAD_DIM // GROUP
+    z0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    z1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    z2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    z3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    i0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    i1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    i2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    i3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+    for g in tl.static_range(NG):
+        # column masks of group g inside each quarter
+        c0 = (j // GROUP) == g
+        c1 = ((j + Q4) // GROUP) == g
+        c2 = ((j + 2 * Q4) // GROUP) == g
+        c3 = ((j + 3 * Q4) // GROUP) == g
+        mn = tl.minimum(
+            tl.minimum(
+                tl.min(tl.where(c0[None, :], x0, float("inf")), 1),
+                tl.min(tl.where(c1[None, :], x1, float("inf")), 1),
+            ),
+            tl.minimum(
+                tl.min(tl.where(c2[None, :], x2, float("inf")), 1),
+                tl.min(tl.where(c3[None, :], x3, float("inf")), 1),
+            ),
+        )
+        mx = tl.maximum(
+            tl.maximum(
+                tl.max(tl.where(c0[None, :], x0, -float("inf")), 1),
+                tl.max(tl.where(c1[None, :], x1, -float("inf")), 1),
+            ),
+            tl.maximum(
+                tl.max(tl.where(c2[None, :], x2, -float("inf")), 1),
+                tl.max(tl.where(c3[None, :], x3, -float("inf")), 1),
+            ),
+        )
+        lo = tl.where(mn < 0, mn * alpha, mn)
+        hi = tl.where(mx > 0, mx * alpha, mx)
+        z = round_bf16(lo)
+        sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
+        inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
+        tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
+        tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
+        z0 = tl.where(c0[None, :], z[:, None], z0)
+        z1 = tl.where(c1[None, :], z[:, None], z1)
+        z2 = tl.where(c2[None, :], z[:, None], z2)
+        z3 = tl.where(c3[None, :], z[:, None], z3)
+        i0 = tl.where(c0[None, :], inv[:, None], i0)
+        i1 = tl.where(c1[None, :], inv[:, None], i1)
+        i2 = tl.where(c2[None, :], inv[:, None], i2)
+        i3 = tl.where(c3[None, :], inv[:, None], i3)
+    # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
+    k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
+    k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
+    k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
+    k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
+    packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
+    row = page * stride_cp + h * stride_ch + off * stride_ct
+    tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
 
     if SINK + RECENT > 0:
         pos = tl.load(pos_ptr + t, mask=valid, other=0)
         sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
         length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
         ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
-        xb = round_bf16(xr).to(tl.bfloat16)
         if SINK > 0:
             m = valid & (pos < SINK)
             p = tl.where(m, pos, 0)
-            tl.store(
-                sink_ptr + (ws * stride_ks + h * stride_kh + p * stride_kt)[:, None] + d[None, :],
-                xb,
-                mask=m[:, None],
-            )
+            _store_quarters(sink_ptr + ws * stride_ks + h * stride_kh + p * stride_kt, m, x0, x1, x2, x3, Q4)
         if RECENT > 0:
             m = valid & (pos >= SINK) & (pos >= length - RECENT)
             p = tl.where(m, pos % RECENT, 0)
-            tl.store(
-                ring_ptr + (ws * stride_rs + h * stride_rgh + p * stride_rt)[:, None] + d[None, :],
-                xb,
-                mask=m[:, None],
-            )
+            _store_quarters(ring_ptr + ws * stride_rs + h * stride_rgh + p * stride_rt, m, x0, x1, x2, x3, Q4)
