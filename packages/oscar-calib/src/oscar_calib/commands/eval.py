@@ -1,0 +1,94 @@
+"""``oscar eval MODEL --rotations FILE``: compare KV schemes on held-out text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..schemes import DEFAULT_SCHEMES
+
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate KV quantisation schemes (perplexity, KL, top-1, errors, passkey)",
+        description=(
+            "Score every scheme on the held-out part of the text under serving semantics "
+            "(sink and recent windows in BF16, everything between quantised), print a table "
+            "with mean ± std over sequences, and optionally write JSON and a plot."
+        ),
+    )
+    p.add_argument("model", metavar="MODEL", help="'smollm2' or a local Hugging Face causal-LM folder")
+    p.add_argument("--rotations", metavar="FILE", help="calibrated artifact (needed by oscar2*)")
+    p.add_argument("--text", metavar="PATH", help=".txt or .jsonl file (default: built-in pydoc topics)")
+    p.add_argument(
+        "--context", type=int, nargs="+", default=[1024, 2048], metavar="N", help="context lengths"
+    )
+    p.add_argument(
+        "--schemes", nargs="+", default=list(DEFAULT_SCHEMES), metavar="NAME", help="schemes to compare"
+    )
+    p.add_argument("--num-seqs", type=int, default=3, metavar="K", help="sequences per context (default 3)")
+    p.add_argument("--sink", type=int, default=64, help="BF16 sink tokens (default 64)")
+    p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
+    p.add_argument("--group-size", type=int, metavar="G", help="INT2 group (default: the artifact's)")
+    p.add_argument(
+        "--needle-context",
+        type=int,
+        nargs="*",
+        default=[1024],
+        metavar="N",
+        help="passkey lengths ([] = off)",
+    )
+    p.add_argument("--needle-depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], metavar="D")
+    p.add_argument("--needle-trials", type=int, default=1, metavar="K", help="prompts per length and depth")
+    p.add_argument("--needle-schemes", nargs="+", metavar="NAME", help="passkey schemes (default: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write the figure")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    from oscar_math.artifact import load_rotations
+
+    from ..evaluate import EvalConfig, format_table, run_eval
+    from ..models import load_model, model_info, model_name
+
+    config = EvalConfig(
+        contexts=tuple(args.context),
+        schemes=tuple(args.schemes),
+        num_sequences=args.num_seqs,
+        sink=args.sink,
+        recent=args.recent,
+        group_size=args.group_size,
+        needle_contexts=tuple(args.needle_context or ()),
+        needle_depths=tuple(args.needle_depths),
+        needle_trials=args.needle_trials,
+        needle_schemes=tuple(args.needle_schemes) if args.needle_schemes else None,
+        seed=args.seed,
+        text=args.text,
+    )
+    model, tokenizer = load_model(args.model)
+    info = model_info(model)
+    rotations = None
+    if args.rotations:  # validated against the model's geometry: a mismatch names the field
+        rotations = load_rotations(
+            args.rotations, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
+        )
+    result = run_eval(
+        model, tokenizer, rotations, config, progress=not args.quiet, model_name=model_name(args.model)
+    )
+    print(format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(result.to_json())
+        print(f"wrote {args.json}")
+    if args.plot:
+        from ..plot import plot_result
+
+        print(f"wrote {plot_result(result, args.plot)}")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,80 @@
+"""Figure of an evaluation: per-layer errors and metrics per scheme (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_result"]
+
+
+def plot_result(result: Any, path: str | Path, context: str | int | None = None) -> Path:
+    """Write a PNG with four panels for one context length (default: the largest).
+
+    Top: relative attention-logit error and output error per layer, one line per
+    scheme. Bottom: perplexity and KL(BF16 ‖ scheme) per scheme, bars with the std over
+    sequences as error bars (the BF16 perplexity as a dashed line).
+
+    Args:
+        result: :class:`oscar_calib.evaluate.EvalResult` or its dict.
+        path: output ``.png``.
+        context: which context's numbers to plot.
+    Returns:
+        the written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    r = result.to_dict() if hasattr(result, "to_dict") else result
+    ctxs = list(r["contexts"])
+    key = str(context) if context is not None else max(ctxs, key=int)
+    block = r["contexts"][key]
+    names = list(block)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    for ax, metric, title in (
+        (axes[0, 0], "logit_error", "attention-logit error (rel., per-query offset removed)"),
+        (axes[0, 1], "output_error", "attention-output error (rel.)"),
+    ):
+        for name in names:
+            ys = block[name].get(metric)
+            if ys:
+                ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name)
+        ax.set_xlabel("layer")
+        ax.set_title(title, fontsize=10)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8, ncol=2)
+    quant = [n for n in names if block[n]["bits_per_element"] < 16]
+    ref = [n for n in names if block[n]["bits_per_element"] >= 16]
+    for ax, metric, title in (
+        (axes[1, 0], "perplexity", "perplexity (mean ± std over sequences)"),
+        (axes[1, 1], "kl", "KL(BF16 ‖ scheme), nats/token"),
+    ):
+        means = [block[n][metric]["mean"] for n in quant]
+        stds = [block[n][metric]["std"] for n in quant]
+        bars = ax.bar(range(len(quant)), means, yerr=stds, capsize=3, color="tab:blue", alpha=0.8)
+        for b, n in zip(bars, quant, strict=True):
+            if n.startswith("oscar2") and n == "oscar2":
+                b.set_color("tab:red")
+        if metric == "perplexity" and ref:
+            ax.axhline(block[ref[0]][metric]["mean"], ls="--", color="k", label=f"{ref[0]}")
+            ax.legend(fontsize=8)
+        ax.set_xticks(range(len(quant)), quant, rotation=30, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    cfg = r["config"]
+    n = block[names[0]]["sequences"]
+    fig.suptitle(
+        f"{r['model']}: context {key}, {n} held-out sequences, BF16 windows sink {cfg['sink']} / "
+        f"recent {cfg['recent']}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,119 @@
+"""Evaluation harness and ``oscar eval`` on a tiny random llama."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oscar_calib.evaluate import EvalConfig, format_table, run_eval
+from oscar_calib.models import tiny_random_model
+from oscar_math import OscarError
+from oscar_math.artifact import identity_rotations, save_rotations
+from oscar_math.bits import bits_per_element
+
+TEXT = " ".join(
+    f"Paragraph {i}: the quick brown fox {i * 7 % 13} jumps over the lazy dog." for i in range(400)
+)
+SCHEMES = ("bf16", "int2", "kivi2", "hadamard2", "oscar2", "oscar2-noclip")
+
+
+def _rot(layers=2):
+    return identity_rotations("tiny", layers, 2, 32, k_clip=0.9, granularity="kv_head")
+
+
+def test_config_validation():
+    with pytest.raises(OscarError, match="schemes"):
+        EvalConfig(schemes=("int2", "int2"))
+    with pytest.raises(OscarError, match="num_sequences"):
+        EvalConfig(num_sequences=0)
+    with pytest.raises(OscarError, match="needle depth"):
+        EvalConfig(needle_depths=(1.5,))
+    with pytest.raises(OscarError, match="needle_schemes"):
+        EvalConfig(schemes=("bf16",), needle_schemes=("oscar2",))
+    assert EvalConfig(contexts=[512]).contexts == (512,)
+
+
+def test_run_eval_tiny_model():
+    model, tok = tiny_random_model("llama", seed=1)
+    cfg = EvalConfig(
+        contexts=(96, 160),
+        schemes=SCHEMES,
+        num_sequences=2,
+        sink=4,
+        recent=16,
+        needle_contexts=(300,),
+        needle_depths=(0.5,),
+        needle_schemes=("bf16", "oscar2", "kivi2"),
+    )
+    res = run_eval(model, tok, _rot(), cfg, progress=False, model_name="tiny", heldout_text=TEXT)
+    d = json.loads(res.to_json())
+    block = d["contexts"]["160"]
+    assert list(block) == list(SCHEMES)
+    assert block["bf16"]["kl"]["mean"] == 0 and block["bf16"]["delta_ppl"]["mean"] == 0
+    assert block["bf16"]["top1"]["mean"] == 1
+    for name in SCHEMES[1:]:
+        e = block[name]
+        assert e["kl"]["mean"] > 0 and e["sequences"] == 2 and len(e["per_sequence"]["kl"]) == 2
+        assert len(e["logit_error"]) == 2 and all(x > 0 for x in e["output_error"])
+        assert e["kl"]["ci_low"] <= e["kl"]["mean"] <= e["kl"]["ci_high"]
+    assert block["int2"]["bits_per_element"] == bits_per_element(160, 32, sink_tokens=4, recent_tokens=16)
+    assert set(d["needle"]) == {"bf16", "oscar2", "kivi2"} and d["needle"]["oscar2"]["total"] == 1
+    table = format_table(res)
+    for name in SCHEMES:
+        assert name in table
+    assert "context 96 tokens" in table and "passkey" in table
+
+
+def test_cli_eval_json_and_plot(tmp_path, monkeypatch, capsys):
+    import oscar_calib.models as models
+    from oscar_calib.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: tiny_random_model("llama", seed=2))
+    rot = save_rotations(tmp_path / "rot.safetensors", _rot())
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(TEXT[i : i + 300] for i in range(0, len(TEXT), 300)))
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(
+        [
+            "eval",
+            "tiny",
+            "--rotations",
+            str(rot),
+            "--text",
+            str(text),
+            "--context",
+            "80",
+            "--schemes",
+            "bf16",
+            "int2",
+            "oscar2",
+            "--num-seqs",
+            "2",
+            "--sink",
+            "4",
+            "--recent",
+            "8",
+            "--needle-context",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    got = capsys.readouterr().out
+    assert "oscar2" in got and "context 80 tokens" in got
+    assert json.loads(out_json.read_text())["contexts"]["80"]["oscar2"]["kl"]["mean"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_eval_rejects_mismatched_rotations(tmp_path, monkeypatch, capsys):
+    import oscar_calib.models as models
+    from oscar_calib.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: tiny_random_model("llama", seed=2))
+    rot = save_rotations(tmp_path / "rot.safetensors", _rot(layers=5))
+    assert main(["eval", "tiny", "--rotations", str(rot), "--quiet"]) == 2
+    assert "num_layers" in capsys.readouterr().err
