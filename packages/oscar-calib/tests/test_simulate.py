@@ -83,3 +83,19 @@ def test_quantized_region_window_edges():
     m = quantized_region(torch.arange(10), torch.arange(10), sink=2, recent=3)
     assert m[9].tolist() == [False, False, True, True, True, True, True, False, False, False]
     assert not m[:5].any() and m[5].tolist()[2] and not m[5].tolist()[3]
+
+
+def test_strided_error_capture_keeps_output_and_estimates_errors():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, 4, 64, 8, generator=g),
+        torch.randn(1, 2, 64, 8, generator=g),
+        torch.randn(1, 2, 64, 8, generator=g),
+    )
+    kh, vh = k + 0.3 * torch.randn_like(k), v + 0.3 * torch.randn_like(v)
+    full, strided = LayerErrors(), LayerErrors()
+    ref = mixed_attention(q, k, v, kh, vh, 0.3, Windows(2, 6), block=16, errors=full)
+    out = mixed_attention(q, k, v, kh, vh, 0.3, Windows(2, 6), block=16, errors=strided, error_row_stride=4)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert 0 < strided.rows < full.rows
+    assert abs(strided.logit_rel - full.logit_rel) < 0.25 * full.logit_rel

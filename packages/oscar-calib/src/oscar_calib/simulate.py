@@ -21,6 +21,8 @@ Optional statistics per layer (on the quantised region only):
 * output error ``‖O_hat − O‖ / ‖O‖`` over query rows that read at least one
   quantised token, where ``O`` is the exact attention output of the same layer
   inputs (a local error, not the error accumulated through earlier layers).
+
+Both are measured on every ``error_row_stride``-th query row (8 by default).
 """
 
 from __future__ import annotations
@@ -98,13 +100,6 @@ def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
-def _mask_block(attention_mask: torch.Tensor | None, rows: slice, s_end: int) -> torch.Tensor | None:
-    """Slice a user 4-D mask ``[B, 1|H, T, S]`` (bool: True = attend, or additive float)."""
-    if attention_mask is None or attention_mask.dim() != 4:
-        return None
-    return attention_mask[:, :, rows, :s_end]
-
-
 def _apply_user_mask(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is None:
         return logits
@@ -153,6 +148,7 @@ def mixed_attention(
     attention_mask: torch.Tensor | None = None,
     block: int = 256,
     errors: LayerErrors | None = None,
+    error_row_stride: int = 1,
 ) -> torch.Tensor:
     """Causal attention reading quantised K/V inside the quantised region, exact elsewhere.
 
@@ -165,29 +161,42 @@ def mixed_attention(
         attention_mask: optional 4-D mask ``[B, 1|H_q, T, S]`` (bool True = attend, or additive).
         block: query rows per block.
         errors: if given, accumulates the logit / output error sums of this call.
+        error_row_stride: measure the errors on every n-th query row only (the output
+            is still computed for every row); 1 measures all rows.
     Returns:
         ``[B, T, H_q, d]`` in ``query.dtype``.
     """
     b, hq, t, d = query.shape
     s = key.shape[2]
     check(s >= t, "key length", f">= query length {t}", s)
-    if errors is None:
-        return _mixed_sdpa(query, key, value, key_hat, value_hat, scaling, windows, attention_mask)
+    check(error_row_stride >= 1, "error_row_stride", "an integer >= 1", error_row_stride)
+    if errors is None or error_row_stride > 1:
+        out = _mixed_sdpa(query, key, value, key_hat, value_hat, scaling, windows, attention_mask)
+        if errors is None:
+            return out
+    else:
+        out = torch.empty(b, t, hq, d, dtype=query.dtype, device=query.device)
     dev = query.device
     k, v = _expand_kv(key, hq).float(), _expand_kv(value, hq).float()
     kh, dv = _expand_kv(key_hat, hq).float(), (_expand_kv(value_hat, hq).float() - v)
-    out = torch.empty(b, t, hq, d, dtype=query.dtype, device=dev)
     k_pos_all = torch.arange(s, device=dev)
-    for t0 in range(0, t, block):
-        t1 = min(t, t0 + block)
-        q_pos = torch.arange(s - t + t0, s - t + t1, device=dev)
-        s_end = int(q_pos[-1]) + 1  # causal: later keys are never read by this block
+    rows_all = torch.arange(0, t, error_row_stride, device=dev)
+    for r0 in range(0, rows_all.numel(), block):
+        rows = rows_all[r0 : r0 + block]
+        q_pos = s - t + rows
+        s_end = int(q_pos[-1]) + 1  # causal: later keys are never read by these rows
         k_pos = k_pos_all[:s_end]
-        qb = query[:, :, t0:t1].float()
+        qb = query[:, :, rows].float()
         logits = torch.matmul(qb, k[:, :, :s_end].transpose(-1, -2)) * scaling
         quant = quantized_region(q_pos, k_pos, windows.sink, windows.recent)  # [tb, s_end]
         causal = k_pos[None, :] <= q_pos[:, None]
-        user = _mask_block(attention_mask, slice(t0, t1), s_end)
+        user = None
+        if attention_mask is not None and attention_mask.dim() == 4:
+            user = (
+                attention_mask[:, :, rows, :s_end]
+                if attention_mask.shape[2] > 1
+                else attention_mask[..., :s_end]
+            )
         if bool(quant.any()):
             logits_hat = torch.matmul(qb, kh[:, :, :s_end].transpose(-1, -2)) * scaling
             mixed = torch.where(quant, logits_hat, logits)
@@ -198,8 +207,9 @@ def mixed_attention(
         ob = torch.matmul(p, v[:, :, :s_end])
         if bool(quant.any()):
             ob = ob + torch.matmul(p * quant, dv[:, :, :s_end])
-        out[:, t0:t1] = ob.transpose(1, 2).to(query.dtype)
-        if errors is not None and bool(quant.any()):
+        if error_row_stride == 1:
+            out[:, rows] = ob.transpose(1, 2).to(query.dtype)
+        if bool(quant.any()):
             _accumulate(errors, logits, logits_hat, quant, causal, user, ob, v[:, :, :s_end])
     return out
 
@@ -283,12 +293,14 @@ class SimulatedAttention:
         windows: sink / recent windows (the same for every scheme of a run).
         capture: accumulate per-layer errors in ``errors``.
         block: query rows per block.
+        error_row_stride: errors are measured on every n-th query row (cost).
     """
 
     scheme: KVScheme
     windows: Windows = field(default_factory=Windows)
     capture: bool = False
     block: int = 256
+    error_row_stride: int = 8
     errors: dict[int, LayerErrors] = field(default_factory=dict)
 
     def __call__(
@@ -310,7 +322,17 @@ class SimulatedAttention:
         value_hat = _fake_quantize(self.scheme, layer, value, "v")
         errors = self.errors.setdefault(layer, LayerErrors()) if self.capture else None
         return mixed_attention(
-            query, key, value, key_hat, value_hat, scaling, self.windows, attention_mask, self.block, errors
+            query,
+            key,
+            value,
+            key_hat,
+            value_hat,
+            scaling,
+            self.windows,
+            attention_mask,
+            self.block,
+            errors,
+            self.error_row_stride,
         )
 
 
