@@ -22,10 +22,11 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import importlib  # noqa: E402
+
 from timing import bench_graph_ms, bench_ms, copy_bandwidth_gbs  # noqa: E402
 
 import oscar_kernels as ok  # noqa: E402
-import importlib  # noqa: E402
 
 dec_mod = importlib.import_module("oscar_kernels.decode_attention")
 ext_mod = importlib.import_module("oscar_kernels.extend_attention")
@@ -125,8 +126,8 @@ def build(lo, lens, params_fn, gen, steps, precise=False):
     pre = [max(0, n - steps) for n in lens]
     write([0] * bsz, pre)
     for s in range(steps):
-        cur = [min(n, p + s) for n, p in zip(lens, pre)]
-        write(cur, [min(n, c + 1) for n, c in zip(lens, cur)])
+        cur = [min(n, p + s) for n, p in zip(lens, pre, strict=True)]
+        write(cur, [min(n, c + 1) for n, c in zip(lens, cur, strict=True)])
     return cache, ref, ep, ks, vs, bt_d, ws_d
 
 
@@ -239,12 +240,12 @@ def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, se
         decode_rel_err_vs_unquantised=e_quant,
     )
     # extend: the last c tokens of each sequence as a chunk over its prefix
-    chunk = [min(n, c) for n, c in zip(lens, [37, 300, 1, 129, 64, 5, 77, 250, 16])]
+    chunk = [min(n, c) for n, c in zip(lens, [37, 300, 1, 129, 64, 5, 77, 250, 16], strict=True)]
     cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEV)
-    prefix = torch.tensor([n - c for n, c in zip(lens, chunk)], dtype=torch.int32, device=DEV)
+    prefix = torch.tensor([n - c for n, c in zip(lens, chunk, strict=True)], dtype=torch.int32, device=DEV)
     qe = torch.randn(int(cu[-1]), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
-    ke = torch.cat([ks[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk))])
-    ve = torch.cat([vs[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk))])
+    ke = torch.cat([ks[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk, strict=True))])
+    ve = torch.cat([vs[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk, strict=True))])
     ext_mod._empty = _poison
     oe = ok.extend_attention(qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton").double()
     ext_mod._empty = torch.empty
@@ -252,7 +253,7 @@ def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, se
     qer = ok.rotate_queries(qe, ep).double()
     ker, ver = ok.rotate_chunk(ke, ve, ep)
     e_ext = 0.0
-    for b, (n, c) in enumerate(zip(lens, chunk)):
+    for b, (n, c) in enumerate(zip(lens, chunk, strict=True)):
         if c == 0:
             continue
         p = n - c
@@ -387,14 +388,14 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
             cfg["num_stages"],
         )
     )
-    del cache
+    cache = None
     # BF16 baselines
     k = torch.randn(bsz, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     qs = q.unsqueeze(2)
     F = torch.nn.functional
     row["sdpa_bf16_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
-    del k, v
+    k = v = None
     kp = torch.randn(num_pages, hkv, page, d, device=DEV, dtype=torch.bfloat16)
     vp = torch.randn_like(kp)
     row["paged_bf16_ms"] = bench_ms(
@@ -402,7 +403,7 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
             q, kp, vp, bt, sl, num_splits=ok.choose_num_splits(bsz, hkv, ctx, DEV, 64)
         )
     )
-    del kp, vp
+    kp = vp = None
     torch.cuda.empty_cache()
     bw = copy_gbs * 1e9
     row["int2_bw_frac"] = row["bytes_int2_path"] / (row["int2_kernels_ms"] * 1e-3) / bw
@@ -494,7 +495,7 @@ def bench_prefill(prefix, chunk, log):
     row["int2_extend_tflops"] = flops / (row["int2_extend_ms"] * 1e-3) / 1e12
     row["speedup_vs_sdpa_masked"] = row["sdpa_bf16_masked_ms"] / row["int2_extend_ms"]
     log(json.dumps(row))
-    del cache, kf, vf, qa
+    cache = kf = vf = qa = None
     torch.cuda.empty_cache()
     return row
 

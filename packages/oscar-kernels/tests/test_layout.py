@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from oscar_kernels import CacheLayout, allocate_cache, bits_per_element, layout_bytes_per_token
+from oscar_math import OscarError
+
+
+def test_bits_per_element_is_2_25_at_d128_group_d():
+    lo = CacheLayout(num_kv_heads=8, head_dim=128)
+    assert bits_per_element(lo) == pytest.approx(2.25)
+    # K+V, 8 heads, 32 code bytes + 4 metadata bytes each
+    assert layout_bytes_per_token(lo) == 2 * 8 * 36
+
+
+def test_windows_are_counted():
+    lo = CacheLayout(num_kv_heads=8, head_dim=128, sink_tokens=64, recent_tokens=256)
+    for n in (1000, 8192, 131072):
+        assert bits_per_element(lo, n) == pytest.approx(2.25 + 16 * 320 / n)
+    assert bits_per_element(CacheLayout(4, 128, group_size=32)) == pytest.approx(3.0)
+    assert bits_per_element(CacheLayout(4, 64)) == pytest.approx(2.5)
+
+
+def test_allocate_shapes_and_validate():
+    lo = CacheLayout(3, 64, page_size=16, group_size=32, sink_tokens=5, recent_tokens=7)
+    c = allocate_cache(lo, num_pages=11, max_seqs=2)
+    assert c.k_codes.shape == (11, 3, 16, 16) and c.k_codes.dtype == torch.uint8
+    assert c.v_scale.shape == (11, 3, 16, 2) and c.v_scale.dtype == torch.bfloat16
+    assert c.k_sink.shape == (2, 3, 5, 64) and c.v_recent.shape == (2, 3, 7, 64)
+    c.validate()
+    c.k_zero = c.k_zero[:, :, :, :1]
+    with pytest.raises(OscarError, match="shape of k_zero"):
+        c.validate()
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(num_kv_heads=0, head_dim=64), "num_kv_heads"),
+        (dict(num_kv_heads=2, head_dim=72), "head_dim"),
+        (dict(num_kv_heads=2, head_dim=64, group_size=24), "group_size"),
+        (dict(num_kv_heads=2, head_dim=64, recent_tokens=-1), "recent_tokens"),
+    ],
+)
+def test_invalid_layout(kw, name):
+    with pytest.raises(OscarError, match=f"Invalid {name}"):
+        CacheLayout(**kw)
