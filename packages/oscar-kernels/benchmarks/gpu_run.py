@@ -188,7 +188,9 @@ def raw_effective(k, v, ep, lo, n_win_end):
     return kq, vq, kr.double(), vr.double()
 
 
-def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, seed, log, precise=False):
+def check_case(
+    name, d, hkv, g, page, group, sink, recent, lens, gran, steps, seed, log, precise=False, unpack="asm"
+):
     gen = torch.Generator().manual_seed(seed)
     lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=recent)
     params = make_params(hkv, d, gran, gen)
@@ -219,7 +221,7 @@ def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, se
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     q = torch.randn(bsz, hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
     dec_mod._empty = _poison
-    o = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton").double()
+    o = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", unpack=unpack).double()
     dec_mod._empty = torch.empty
     res["decode_finite"] = bool(torch.isfinite(o).all())
     qr = ok.rotate_queries(q, ep).double()
@@ -247,7 +249,9 @@ def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, se
     ke = torch.cat([ks[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk, strict=True))])
     ve = torch.cat([vs[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk, strict=True))])
     ext_mod._empty = _poison
-    oe = ok.extend_attention(qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton").double()
+    oe = ok.extend_attention(
+        qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton", unpack=unpack
+    ).double()
     ext_mod._empty = torch.empty
     res["extend_finite"] = bool(torch.isfinite(oe).all()) if oe.numel() else True
     qer = ok.rotate_queries(qe, ep).double()
@@ -500,6 +504,134 @@ def bench_prefill(prefix, chunk, log):
     return row
 
 
+def _int2_decode_setup(ctx, bsz, hkv=8, g=4, d=128, page=64):
+    lo = ok.CacheLayout(hkv, d, page_size=page)
+    num_pages = bsz * (ctx // page)
+    gen = torch.Generator().manual_seed(ctx + bsz)
+    cache = ok.allocate_cache(lo, num_pages, bsz, DEV)
+    for t in (cache.k_codes, cache.v_codes):
+        t.random_(0, 256)
+    for t in (cache.k_scale, cache.v_scale):
+        t.uniform_(0.01, 0.1)
+    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
+        t.normal_()
+    bt = torch.randperm(num_pages, device=DEV).int().reshape(bsz, ctx // page)
+    sl = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
+    ws = torch.arange(bsz, dtype=torch.int32, device=DEV)
+    ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
+    q = torch.randn(bsz, hkv * g, d, device=DEV, dtype=torch.bfloat16)
+    nbytes = bsz * hkv * (ctx - lo.window_tokens) * 2 * (d // 4 + 4) + bsz * hkv * lo.window_tokens * d * 4
+    return dict(
+        cache=cache, bt=bt, sl=sl, ws=ws, ep=ep, q=q, q_rot=ok.rotate_queries(q, ep), g=g, d=d, nbytes=nbytes
+    )
+
+
+def _ptx_diag(kern):
+    ptx = kern.asm.get("ptx", "")
+    keys = (
+        "prmt.b32",
+        "st.shared",
+        "ld.shared.b8",
+        "ldmatrix",
+        "mma.sync",
+        "wgmma",
+        "bar.sync",
+        "cvt.rn.bf16",
+    )
+    out = {k: ptx.count(k) for k in keys}
+    out.update(n_regs=kern.n_regs, n_spills=kern.n_spills)
+    return out
+
+
+def run_experiment(copy_gbs, log):
+    """Compare INT2 unpack strategies and tile configs (kernels only), and write-kernel tiles."""
+    res = {"checks": [], "decode": [], "write": []}
+    for unpack in ("int16", "convert"):
+        try:
+            r = check_case(*CASES[0], seed=100, log=log, unpack=unpack)
+        except Exception as e:
+            log(f"check {unpack} FAILED: {traceback.format_exc()}")
+            r = {"case": CASES[0][0], "pass": False, "error": repr(e), "seconds": 0}
+        r["case"] = f"{CASES[0][0]}-{unpack}"
+        r.setdefault("seconds", 0)
+        res["checks"].append(r)
+    cfgs = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 4, 2), (256, 8, 2)]
+    for ctx, bsz in ((131072, 8), (131072, 1), (32768, 32)):
+        st = _int2_decode_setup(ctx, bsz)
+        for unpack in ("asm", "int16", "convert"):
+            for bn, w, stages in cfgs:
+                ns = ok.choose_num_splits(bsz, 8, ctx, DEV, bn)
+                try:
+                    ms = bench_ms(
+                        lambda bn=bn, w=w, stages=stages, ns=ns, unpack=unpack: dec_mod._launch_decode(
+                            st["q_rot"],
+                            st["cache"],
+                            st["bt"],
+                            st["sl"],
+                            st["ws"],
+                            0.088,
+                            st["g"],
+                            ns,
+                            bn,
+                            w,
+                            stages,
+                            unpack=unpack,
+                        )
+                    )
+                except Exception:
+                    log(f"decode {unpack} {bn} {w} {stages} FAILED: {traceback.format_exc()[-600:]}")
+                    continue
+                row = dict(
+                    ctx=ctx,
+                    batch=bsz,
+                    unpack=unpack,
+                    block_n=bn,
+                    num_warps=w,
+                    num_stages=stages,
+                    num_splits=ns,
+                    us=ms * 1e3,
+                    bw_frac=st["nbytes"] / (ms * 1e-3) / (copy_gbs * 1e9),
+                )
+                if ctx == 131072 and bsz == 8 and bn == 128 and w == 4 and stages == 2:
+                    row["diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
+                log(json.dumps(row))
+                res["decode"].append(row)
+        st = None
+        torch.cuda.empty_cache()
+    n, hkv, d = 65536, 8, 128
+    lo = ok.CacheLayout(hkv, d, page_size=64)
+    cache = ok.allocate_cache(lo, n // 64 + 1, 1, DEV)
+    ep = make_params(hkv, d, "layer", torch.Generator().manual_seed(0)).expand(hkv, d, DEV)
+    k = torch.randn(n, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm((n // 64 + 1) * 64, device=DEV)[:n]
+    pos = torch.arange(n, device=DEV, dtype=torch.int32) + 100000
+    sidx = torch.zeros(n, dtype=torch.int32, device=DEV)
+    sl = torch.tensor([200000], dtype=torch.int32, device=DEV)
+    ws = torch.zeros(1, dtype=torch.int32, device=DEV)
+    nbytes = n * hkv * (2 * d * 2 + 2 * (d // 4 + 4))
+    for bt_, w in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4)):
+        try:
+            ms = bench_ms(
+                lambda bt_=bt_, w=w: ok.paged_write(
+                    cache, ep, k, v, slots, pos, sidx, sl, ws, backend="triton", block_t=bt_, num_warps=w
+                )
+            )
+        except Exception:
+            log(f"write {bt_} {w} FAILED: {traceback.format_exc()[-600:]}")
+            continue
+        row = dict(
+            block_t=bt_,
+            num_warps=w,
+            us=ms * 1e3,
+            bw_frac=nbytes / (ms * 1e-3) / (copy_gbs * 1e9),
+            diag=_ptx_diag(wr_mod.LAST_COMPILED["paged_write"]),
+        )
+        log(json.dumps(row))
+        res["write"].append(row)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -507,6 +639,7 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--experiment", action="store_true")
     ap.add_argument("--cases", nargs="*", default=None)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -537,6 +670,31 @@ def main():
     copy_gbs = copy_bandwidth_gbs() if cuda else 1.0
     env["copy_GBps"] = copy_gbs
     log(f"copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    if a.experiment:
+        res = run_experiment(copy_gbs, log)
+        json.dump({"env": env, **res}, open(os.path.join(a.out, "experiment.json"), "w"), indent=1)
+        print("\n== experiment ==")
+        for r in res["checks"]:
+            print(
+                r["case"],
+                "pass",
+                r["pass"],
+                r.get("decode_rel_err_vs_f64_cache"),
+                r.get("extend_rel_err_vs_f64_cache"),
+            )
+        for r in res["decode"]:
+            print(
+                f"{r['ctx']:6d} B={r['batch']:2d} {r['unpack']:7s} bn={r['block_n']:3d} w={r['num_warps']} "
+                f"st={r['num_stages']} ns={r['num_splits']:3d} {r['us']:8.1f} us bw {100 * r['bw_frac']:4.1f}%"
+            )
+        for r in res["write"]:
+            print(
+                f"write bt={r['block_t']} w={r['num_warps']} {r['us']:8.1f} us bw {100 * r['bw_frac']:4.1f}% {r['diag']}"
+            )
+        for r in res["decode"]:
+            if "diag" in r:
+                print(r["unpack"], r["diag"])
+        return
     checks = []
     if not a.skip_check:
         checks = run_checks(log, a.quick, a.cases)

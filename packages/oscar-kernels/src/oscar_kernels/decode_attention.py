@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._backend import Backend, dot_dtype, use_triton
+from ._backend import Backend, dot_dtype, unpack_mode, use_triton
 from ._validate import check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
@@ -58,6 +58,7 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    unpack: str = "asm",
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -74,6 +75,7 @@ def decode_attention(
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages: Triton tile size and launch options.
+        unpack: how INT2 codes become dot operands: ``asm`` (PTX ``prmt``), ``int16`` or ``convert``.
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -109,6 +111,7 @@ def decode_attention(
         block_n,
         num_warps,
         num_stages,
+        unpack=unpack,
     )
     return unrotate_output(out, ep, q.dtype)
 
@@ -126,6 +129,7 @@ def _launch_decode(
     num_warps,
     num_stages,
     bf16_pages=None,
+    unpack="asm",
 ):
     import triton
 
@@ -186,7 +190,7 @@ def _launch_decode(
         BLOCK_W=64,
         PAGED_BF16=bf16_pages is not None,
         DOT=dot_dtype(),
-        FAST=not interpreting(),
+        UNPACK=unpack_mode(unpack),
         **opts,
     )
     out = _empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)

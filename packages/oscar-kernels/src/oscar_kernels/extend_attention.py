@@ -8,7 +8,7 @@ import torch
 
 from oscar_math import check
 
-from ._backend import Backend, dot_dtype, interpreting, use_triton
+from ._backend import Backend, dot_dtype, unpack_mode, interpreting, use_triton
 from ._validate import check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
@@ -44,6 +44,7 @@ def extend_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    unpack: str = "asm",
 ) -> torch.Tensor:
     """Causal attention of new chunks (varlen batch) over their cached prefixes.
 
@@ -61,6 +62,7 @@ def extend_attention(
         prefix_lens: ``[B]`` int32 cached tokens before each chunk.
         block_table: ``[B, max_pages]`` int32; window_slots: ``[B]`` int32.
         max_query_len: host int, the longest chunk (sizes the grid).
+        backend, block_m, block_n, num_warps, num_stages, unpack: as :func:`oscar_kernels.decode_attention`.
     Returns:
         ``[T, H_q, d]`` in ``q.dtype``.
     """
@@ -154,7 +156,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT=dot_dtype(),
-        FAST=not interpreting(),
+        UNPACK=unpack_mode(unpack),
         **opts,
     )
     return unrotate_output(out, ep, q.dtype)

@@ -81,6 +81,8 @@ def paged_write(
     window_slots: torch.Tensor,
     backend: Backend | str = "auto",
     precise: bool = False,
+    block_t: int = 64,
+    num_warps: int = 4,
 ) -> None:
     """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K, one for V).
 
@@ -100,6 +102,7 @@ def paged_write(
         window_slots: ``[B]`` row of the window pools owned by each sequence.
         backend: ``auto`` | ``triton`` | ``torch``.
         precise: Triton only: full-fp32 (``ieee``) rotation instead of tf32.
+        block_t, num_warps: Triton tokens per program and warps.
     """
     lo = cache.layout
     _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
@@ -109,17 +112,42 @@ def paged_write(
     if not use_triton(cache.device, backend):
         paged_write_ref(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
         return
-    _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, precise)
+    _launch(
+        cache,
+        ep,
+        key,
+        value,
+        slot_mapping,
+        positions,
+        seq_index,
+        seq_lens,
+        window_slots,
+        precise,
+        block_t,
+        num_warps,
+    )
 
 
-def _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, precise):
+def _launch(
+    cache,
+    ep,
+    key,
+    value,
+    slot_mapping,
+    positions,
+    seq_index,
+    seq_lens,
+    window_slots,
+    precise,
+    block_t,
+    num_warps,
+):
     import triton
 
     from .kernels.paged_write import paged_write_kernel
 
     lo = cache.layout
     n = key.shape[0]
-    block_t = 64
     grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
     prec = "ieee" if (precise or interpreting()) else "tf32"
     for x, rot, codes, scale, zero, sink, ring, alpha, has_mean in (
@@ -146,7 +174,7 @@ def _launch(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens,
             False,
         ),
     ):
-        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
         LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
             x,
             x.stride(0),

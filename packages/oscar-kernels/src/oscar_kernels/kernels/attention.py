@@ -31,15 +31,16 @@ def _softmax_step(s2, m_i, l_i):
 
 
 @triton.jit
-def _codes128(c, SHIFT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
-    """``128 + ((c >> SHIFT) & 3)`` of a uint8 tile, as dot operands.
+def _codes(c, SHIFT: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
+    """``OFF + ((c >> SHIFT) & 3)`` of a uint8 tile as dot operands (``OFF`` = :func:`_offset`).
 
-    ``FAST`` (GPU): four bytes per PTX call — shift, mask, and two ``prmt`` that
-    place each 2-bit code under the bf16 exponent of 128 (``0x4300 | c``), i.e.
-    about one integer op per element and no int→float conversion. The +128 offset
-    is folded out by the callers (``q·(c+128) = q·c + 128·sum(q)``).
+    ``UNPACK`` selects how (all exact): 0 = PTX (GPU only): four bytes per call —
+    shift, mask and two ``prmt`` that put each 2-bit code under the bf16 exponent of
+    128 (``0x4300 | c`` = 128 + c), about one integer op per element, no int→float
+    conversion; 1 = the same bit trick in plain Triton ops on int16; 2 = an
+    int→float conversion (offset 0); 3 = the interpreter's float32 path.
     """
-    if FAST:
+    if UNPACK == 0:
         if SHIFT == 0:
             r = tl.inline_asm_elementwise(
                 "{ .reg .b32 t; and.b32 t, $2, 0x03030303; "
@@ -80,9 +81,23 @@ def _codes128(c, SHIFT: tl.constexpr, DOT: tl.constexpr, FAST: tl.constexpr):
                 is_pure=True,
                 pack=4,
             )
+    elif UNPACK == 1:
+        r = (((c >> SHIFT) & 3).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    elif UNPACK == 2:
+        r = ((c >> SHIFT) & 3).to(DOT)
     else:
         r = (((c >> SHIFT) & 3).to(tl.float32) + 128.0).to(DOT)
     return r
+
+
+@triton.jit
+def _offset(UNPACK: tl.constexpr):
+    """The constant :func:`_codes` adds to every code (folded out of the dot products)."""
+    if UNPACK == 2:
+        off = 0.0
+    else:
+        off = 128.0
+    return off
 
 
 @triton.jit
@@ -100,19 +115,19 @@ def _int2_scores(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT: tl.constexpr,
-    FAST: tl.constexpr,
+    UNPACK: tl.constexpr,
 ):
     """Scores ``[M, BLOCK_N]`` of queries against an INT2 key tile ``kc [BLOCK_N, Q4]``."""
     Q4: tl.constexpr = HEAD_DIM // 4
     if GROUP == HEAD_DIM:
         ks = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         kz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        acc = tl.dot(q0, tl.trans(_codes128(kc, 0, DOT, FAST)))
-        acc = tl.dot(q1, tl.trans(_codes128(kc, 2, DOT, FAST)), acc)
-        acc = tl.dot(q2, tl.trans(_codes128(kc, 4, DOT, FAST)), acc)
-        acc = tl.dot(q3, tl.trans(_codes128(kc, 6, DOT, FAST)), acc)
-        # q·(s*c + z) = s*(q·(c+128)) + (z - 128*s)*sum(q)
-        s = acc * ks[None, :] + qsum[:, None] * (kz - 128.0 * ks)[None, :]
+        acc = tl.dot(q0, tl.trans(_codes(kc, 0, DOT, UNPACK)))
+        acc = tl.dot(q1, tl.trans(_codes(kc, 2, DOT, UNPACK)), acc)
+        acc = tl.dot(q2, tl.trans(_codes(kc, 4, DOT, UNPACK)), acc)
+        acc = tl.dot(q3, tl.trans(_codes(kc, 6, DOT, UNPACK)), acc)
+        # q·(s*c + z) = s*(q·(c+OFF)) + (z - OFF*s)*sum(q)
+        s = acc * ks[None, :] + qsum[:, None] * (kz - _offset(UNPACK) * ks)[None, :]
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -150,7 +165,7 @@ def _int2_pv(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT: tl.constexpr,
-    FAST: tl.constexpr,
+    UNPACK: tl.constexpr,
 ):
     """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``."""
     Q4: tl.constexpr = HEAD_DIM // 4
@@ -158,12 +173,12 @@ def _int2_pv(
         vs = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         vz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         pv = (p * vs[None, :]).to(DOT)
-        # p·(s*c + z) = (p*s)·(c+128) + sum(p*z) - 128*sum(p*s)   (sums of the rounded operand)
-        corr = (tl.sum(p * vz[None, :], 1) - 128.0 * tl.sum(pv.to(tl.float32), 1))[:, None]
-        acc0 = tl.dot(pv, _codes128(vc, 0, DOT, FAST), acc0) + corr
-        acc1 = tl.dot(pv, _codes128(vc, 2, DOT, FAST), acc1) + corr
-        acc2 = tl.dot(pv, _codes128(vc, 4, DOT, FAST), acc2) + corr
-        acc3 = tl.dot(pv, _codes128(vc, 6, DOT, FAST), acc3) + corr
+        # p·(s*c + z) = (p*s)·(c+OFF) + sum(p*z) - OFF*sum(p*s)   (sums of the rounded operand)
+        corr = (tl.sum(p * vz[None, :], 1) - _offset(UNPACK) * tl.sum(pv.to(tl.float32), 1))[:, None]
+        acc0 = tl.dot(pv, _codes(vc, 0, DOT, UNPACK), acc0) + corr
+        acc1 = tl.dot(pv, _codes(vc, 2, DOT, UNPACK), acc1) + corr
+        acc2 = tl.dot(pv, _codes(vc, 4, DOT, UNPACK), acc2) + corr
+        acc3 = tl.dot(pv, _codes(vc, 6, DOT, UNPACK), acc3) + corr
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -324,7 +339,7 @@ def decode_split_kernel(
     BLOCK_W: tl.constexpr,
     PAGED_BF16: tl.constexpr,
     DOT: tl.constexpr,
-    FAST: tl.constexpr,
+    UNPACK: tl.constexpr,
 ):
     """Program ``(b*H_kv + h, split)``: all ``GQA`` query heads of KV head ``h``.
 
@@ -370,7 +385,7 @@ def decode_split_kernel(
                 mrow = page * stride_sp + h * stride_sh + off * stride_st
                 kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
                 s = _int2_scores(
-                    q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
+                    q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
                 )
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
@@ -383,7 +398,7 @@ def decode_split_kernel(
             else:
                 vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
                 acc0, acc1, acc2, acc3 = _int2_pv(
-                    p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
+                    p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
                 )
     elif split == NUM_SPLITS:
         if SINK > 0:
@@ -513,7 +528,7 @@ def extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT: tl.constexpr,
-    FAST: tl.constexpr,
+    UNPACK: tl.constexpr,
 ):
     """Program ``(query block, b*H_q + hq)``: ``BLOCK_M`` chunk queries of one head.
 
@@ -581,7 +596,7 @@ def extend_kernel(
             mrow = page * stride_sp + h * stride_sh + off * stride_st
             kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
             s = _int2_scores(
-                q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
+                q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
@@ -591,7 +606,7 @@ def extend_kernel(
             acc3 = acc3 * alpha[:, None]
             vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
             acc0, acc1, acc2, acc3 = _int2_pv(
-                p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, FAST
+                p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
         # recent ring (history part only)
         if RECENT > 0:
