@@ -97,3 +97,12 @@ def test_smollm2_loads_from_cache_and_predicts_text():
         loss = model(ids, labels=ids).loss
     assert float(loss.exp()) < 10.0  # a repeated sentence is easy for a real model
     assert (resolve_model("smollm2") / "model.safetensors").is_file()
+
+
+def test_public_api_resolves():
+    import oscar_calib
+
+    for name in oscar_calib.__all__:
+        assert getattr(oscar_calib, name) is not None, name
+    with pytest.raises(AttributeError):
+        oscar_calib.no_such_name  # noqa: B018

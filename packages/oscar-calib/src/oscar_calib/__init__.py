@@ -30,8 +30,17 @@ _EXPORTS = {
     "attention_override": "attention",
     "sdpa_attention": "attention",
     # calibration
+    "collect_statistics": "capture",
     "CalibrationConfig": "calibrate",
     "calibrate": "calibrate",
+    "rotations_from_statistics": "calibrate",
+    # evaluation (oscar eval / oscar demo)
+    "EvalConfig": "evaluate",
+    "EvalResult": "evaluate",
+    "run_eval": "evaluate",
+    "build_scheme": "schemes",
+    "scheme_names": "schemes",
+    "OscarCache": "cache",
 }
 
 __all__ = ["__version__", *_EXPORTS]
