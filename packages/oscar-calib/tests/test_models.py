@@ -106,3 +106,45 @@ def test_public_api_resolves():
         assert getattr(oscar_calib, name) is not None, name
     with pytest.raises(AttributeError):
         oscar_calib.no_such_name  # noqa: B018
+
+
+def test_smollm2_cache_converts_once_replaces_stale_and_locks(tmp_path, monkeypatch):
+    import json
+    import threading
+    import time
+
+    monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_convert(target):
+        calls.append(target)
+        time.sleep(0.2)  # long enough for a racing thread to reach the lock
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "oscar-conversion.json").write_text(
+            json.dumps({"conversion_version": models._CONVERSION_VERSION})
+        )
+
+    monkeypatch.setattr(models, "_convert_smollm2", fake_convert)
+    stale = tmp_path / "models" / "smollm2"
+    stale.mkdir(parents=True)
+    (stale / "half-written.bin").write_text("x")  # an interrupted conversion: no marker
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_model("smollm2"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [stale] * 3
+    assert len(calls) == 1, "the conversion must run once, under the lock"
+    assert not (stale / "half-written.bin").exists()
+    assert resolve_model("smollm2") == stale and len(calls) == 1
+
+
+def test_gguf_override_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSCAR_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(OscarError, match="OSCAR_SMOLLM2_GGUF"):
+        models._smollm2_gguf()
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("OSCAR_SMOLLM2_GGUF", str(tmp_path / "m.gguf"))
+    assert models._smollm2_gguf() == tmp_path / "m.gguf"

