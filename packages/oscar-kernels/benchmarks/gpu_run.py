@@ -546,7 +546,7 @@ def _ptx_diag(kern):
 def run_experiment(copy_gbs, log):
     """Compare INT2 unpack strategies and tile configs (kernels only), and write-kernel tiles."""
     res = {"checks": [], "decode": [], "write": []}
-    for unpack in ("int16", "convert"):
+    for unpack in ():
         try:
             r = check_case(*CASES[0], seed=100, log=log, unpack=unpack)
         except Exception as e:
@@ -555,12 +555,12 @@ def run_experiment(copy_gbs, log):
         r["case"] = f"{CASES[0][0]}-{unpack}"
         r.setdefault("seconds", 0)
         res["checks"].append(r)
-    cfgs = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (256, 4, 2), (256, 8, 2)]
+    cfgs = [(bn, w, 2, pps) for bn in (64, 128, 256) for w in (1, 2, 4) for pps in (4, 8, 16)]
     for ctx, bsz in ((131072, 8), (131072, 1), (32768, 32)):
         st = _int2_decode_setup(ctx, bsz)
-        for unpack in ("asm", "int16", "convert"):
-            for bn, w, stages in cfgs:
-                ns = ok.choose_num_splits(bsz, 8, ctx, DEV, bn)
+        for unpack in ("asm",):
+            for bn, w, stages, pps in cfgs:
+                ns = ok.choose_num_splits(bsz, 8, ctx, DEV, bn, pps)
                 try:
                     ms = bench_ms(
                         lambda bn=bn, w=w, stages=stages, ns=ns, unpack=unpack: dec_mod._launch_decode(
@@ -592,7 +592,7 @@ def run_experiment(copy_gbs, log):
                     us=ms * 1e3,
                     bw_frac=st["nbytes"] / (ms * 1e-3) / (copy_gbs * 1e9),
                 )
-                if ctx == 131072 and bsz == 8 and bn == 128 and w == 4 and stages == 2:
+                if ctx == 131072 and bsz == 8 and bn == 128 and stages == 2 and pps == 8:
                     row["diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
                 log(json.dumps(row))
                 res["decode"].append(row)
@@ -610,7 +610,7 @@ def run_experiment(copy_gbs, log):
     sl = torch.tensor([200000], dtype=torch.int32, device=DEV)
     ws = torch.zeros(1, dtype=torch.int32, device=DEV)
     nbytes = n * hkv * (2 * d * 2 + 2 * (d // 4 + 4))
-    for bt_, w in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4)):
+    for bt_, w in ((128, 4), (64, 2), (32, 1), (64, 1), (128, 2)):
         try:
             ms = bench_ms(
                 lambda bt_=bt_, w=w: ok.paged_write(
@@ -693,7 +693,7 @@ def main():
             )
         for r in res["decode"]:
             if "diag" in r:
-                print(r["unpack"], r["diag"])
+                print(r["unpack"], r["num_warps"], r["diag"])
         return
     checks = []
     if not a.skip_check:

@@ -36,11 +36,11 @@ def choose_num_splits(
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
-    Enough programs to put ~4 on every SM, but no split shorter than two tiles.
+    Enough programs to put ``programs_per_sm`` on every SM, but no split shorter than two tiles.
     Depends on ``max_len`` (``block_table.shape[1] * page_size``), not on the actual
     lengths, so it never reads device memory (CUDA-graph safe).
     """
-    want = max(1, -(-4 * _num_sms(device) // max(1, batch * num_kv_heads)))
+    want = max(1, -(-programs_per_sm * _num_sms(device) // max(1, batch * num_kv_heads)))
     cap = max(1, max_len // (2 * block_n))
     return int(min(want, cap, 256))
 
