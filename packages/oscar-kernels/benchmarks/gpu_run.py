@@ -556,7 +556,7 @@ def run_experiment(copy_gbs, log):
         r.setdefault("seconds", 0)
         res["checks"].append(r)
     cfgs = [(bn, w, 2, pps) for bn in (64, 128, 256) for w in (1, 2, 4) for pps in (4, 8, 16)]
-    for ctx, bsz in ((131072, 8), (131072, 1), (32768, 32)):
+    for ctx, bsz in ((131072, 8), (131072, 1)):
         st = _int2_decode_setup(ctx, bsz)
         for unpack in ("asm",):
             for bn, w, stages, pps in cfgs:
