@@ -32,7 +32,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_len: int, device: torch.device, block_n: int = 64
+    batch: int, num_kv_heads: int, max_len: int, device: torch.device, block_n: int = 64, programs_per_sm: int = 4
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
