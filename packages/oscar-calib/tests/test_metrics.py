@@ -39,19 +39,10 @@ def test_summarize_mean_std_ci():
     assert "±" in s.fmt() and s.fmt(pct=True).endswith("%")
 
 
-class _Head(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 9, bias=False)
-
-    def forward(self, x):
-        return self.lin(x)
-
-
 class _Model:
     def __init__(self):
         torch.manual_seed(0)
-        self.head = _Head()
+        self.head = torch.nn.Linear(4, 9, bias=False).to(torch.bfloat16)
 
     def get_output_embeddings(self):
         return self.head
@@ -59,12 +50,12 @@ class _Model:
 
 def test_sequence_metrics_chunking_and_reference():
     m = _Model()
-    h = torch.randn(23, 4)
+    h = torch.randn(23, 4).to(torch.bfloat16)
     ids = torch.randint(0, 9, (23,))
     ref = sequence_metrics(m, h, h, ids, chunk=5)
     assert ref.kl == 0 and ref.top1 == 1 and ref.tokens == 22
     with torch.no_grad():
-        lp = torch.log_softmax(m.head(h[:-1]).double(), -1)
-    assert ref.nll == pytest.approx(float(-lp.gather(-1, ids[1:, None]).mean()))
-    other = sequence_metrics(m, h, h + 0.5 * torch.randn(23, 4), ids, chunk=7)
+        lp = torch.log_softmax(h[:-1].double() @ m.head.weight.double().T, -1)  # fp32 head on bf16 weights
+    assert ref.nll == pytest.approx(float(-lp.gather(-1, ids[1:, None]).mean()), rel=1e-5)
+    other = sequence_metrics(m, h, h + 0.5 * torch.randn(23, 4).to(torch.bfloat16), ids, chunk=7)
     assert other.kl > 0 and 0 <= other.top1 < 1 and other.perplexity == pytest.approx(math.exp(other.nll))

@@ -24,7 +24,7 @@ import torch
 
 from oscar_math import check
 
-from .metrics import Summary, final_hidden, sequence_metrics, summarize
+from .metrics import Summary, final_hidden, sequences_metrics, summarize
 from .schemes import DEFAULT_SCHEMES, KVScheme, SchemeContext, build_scheme, scheme_names
 from .simulate import LayerErrors, Windows, simulate
 
@@ -96,6 +96,7 @@ class EvalResult:
 
     Attributes:
         model: model name.
+        dtype: the model's parameter dtype (the reference is this model with an unquantised cache).
         config: the :class:`EvalConfig` as a dict.
         schemes: ``{name: description}``.
         contexts: ``{context: {scheme: metrics}}`` where metrics holds ``bits_per_element``,
@@ -109,6 +110,7 @@ class EvalResult:
     model: str
     config: dict[str, Any]
     schemes: dict[str, str]
+    dtype: str = "?"
     contexts: dict[str, dict[str, Any]] = field(default_factory=dict)
     needle: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -198,6 +200,7 @@ def run_eval(
         model=model_name,
         config=asdict(config),
         schemes={n: s.description for n, s in schemes.items()},
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
     )
     windows = config.windows
     for context in config.contexts:
@@ -211,15 +214,16 @@ def run_eval(
             ids = seq[None]
             ts = time.perf_counter()
             ref = final_hidden(model, ids)[0]
+            hiddens = {}
             for name, scheme in schemes.items():
                 if scheme.quantized:
                     capture = i < config.error_sequences
                     with simulate(model, scheme, windows, capture=capture) as sim:
-                        hidden = final_hidden(model, ids)[0]
+                        hiddens[name] = final_hidden(model, ids)[0]
                     _merge(errors[name], sim.errors)
                 else:
-                    hidden = ref
-                m = sequence_metrics(model, ref, hidden, seq)
+                    hiddens[name] = ref
+            for name, m in sequences_metrics(model, ref, hiddens, seq).items():
                 per[name]["nll"].append(m.nll)
                 per[name]["kl"].append(m.kl)
                 per[name]["top1"].append(m.top1)
@@ -308,7 +312,10 @@ def format_table(result: EvalResult | dict[str, Any]) -> str:
     """A readable plain-text table per context (mean ± std over sequences)."""
     r = result.to_dict() if isinstance(result, EvalResult) else result
     cfg = r["config"]
-    lines = [f"model {r['model']}; windows: sink {cfg['sink']}, recent {cfg['recent']} tokens (BF16)"]
+    lines = [
+        f"model {r['model']} ({r.get('dtype', '?')}); windows: sink {cfg['sink']}, "
+        f"recent {cfg['recent']} tokens kept unquantised"
+    ]
     header = (
         f"{'scheme':<18}{'bits/el':>8}  {'perplexity':>17}  {'Δppl vs bf16':>17}  "
         f"{'KL (nats)':>17}  {'top-1 agree':>17}  {'logit err':>9}  {'out err':>8}"

@@ -34,6 +34,7 @@ __all__ = [
     "compare_logits",
     "final_hidden",
     "sequence_metrics",
+    "sequences_metrics",
 ]
 
 
@@ -128,6 +129,18 @@ def final_hidden(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     return out.last_hidden_state
 
 
+def _fp32_head(model: Any) -> Any:
+    """The LM head applied in float32 (bf16 logits would be too coarse for KL and NLL)."""
+    head = model.get_output_embeddings()
+    weight = head.weight.float()
+    bias = None if getattr(head, "bias", None) is None else head.bias.float()
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h.float(), weight, bias)
+
+    return apply
+
+
 def sequence_metrics(
     model: Any, ref_hidden: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, chunk: int = 512
 ) -> SequenceMetrics:
@@ -138,18 +151,34 @@ def sequence_metrics(
         ref_hidden, hidden: ``[T, hidden]`` reference and scheme hidden states.
         input_ids: ``[T]`` the tokens.
     """
-    head = model.get_output_embeddings()
+    return sequences_metrics(model, ref_hidden, {"x": hidden}, input_ids, chunk)["x"]
+
+
+def sequences_metrics(
+    model: Any,
+    ref_hidden: torch.Tensor,
+    hiddens: dict[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    chunk: int = 512,
+) -> dict[str, SequenceMetrics]:
+    """:func:`sequence_metrics` for several schemes at once (reference logits computed once per chunk).
+
+    Args:
+        ref_hidden: ``[T, hidden]``; hiddens: ``{name: [T, hidden]}``; input_ids: ``[T]``.
+    """
+    head = _fp32_head(model)
     t = input_ids.shape[0]
-    nll_sum = kl_sum = 0.0
-    agree_sum = 0
+    sums = {name: [0.0, 0.0, 0] for name in hiddens}
     with torch.no_grad():
         for a in range(0, t - 1, chunk):
             b = min(t - 1, a + chunk)
-            ref = head(ref_hidden[a:b]).float()
-            cur = ref if hidden is ref_hidden else head(hidden[a:b]).float()
-            nll, kl, agree = compare_logits(ref, cur, input_ids[a + 1 : b + 1])
-            nll_sum += float(nll.sum())
-            kl_sum += float(kl.sum())
-            agree_sum += int(agree.sum())
+            ref = head(ref_hidden[a:b])
+            for name, hidden in hiddens.items():
+                cur = ref if hidden is ref_hidden else head(hidden[a:b])
+                nll, kl, agree = compare_logits(ref, cur, input_ids[a + 1 : b + 1])
+                acc = sums[name]
+                acc[0] += float(nll.sum())
+                acc[1] += float(kl.sum())
+                acc[2] += int(agree.sum())
     n = t - 1
-    return SequenceMetrics(nll_sum / n, kl_sum / n, agree_sum / n, n)
+    return {name: SequenceMetrics(v[0] / n, v[1] / n, v[2] / n, n) for name, v in sums.items()}

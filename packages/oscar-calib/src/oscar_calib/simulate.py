@@ -244,10 +244,14 @@ def _mixed_sdpa(
         user = attention_mask[..., :t, :s]
         user = user if user.dtype == torch.bool else user == 0
         mask = mask & torch.cat([user, user[..., lo:hi]], -1)
-    k2 = _expand_kv(torch.cat([key, key_hat[:, :, lo:hi].to(key.dtype)], 2), hq)
-    v2 = _expand_kv(torch.cat([value, value_hat[:, :, lo:hi].to(value.dtype)], 2), hq)
-    out = torch.nn.functional.scaled_dot_product_attention(query, k2, v2, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous()
+    # float32: CPU SDPA with an explicit mask is slow in bf16, and the quantised K/V are
+    # float32 already (serving kernels also dequantise and accumulate in fp32)
+    k2 = _expand_kv(torch.cat([key.float(), key_hat[:, :, lo:hi].float()], 2), hq)
+    v2 = _expand_kv(torch.cat([value.float(), value_hat[:, :, lo:hi].float()], 2), hq)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), k2, v2, attn_mask=mask, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
 def _accumulate(

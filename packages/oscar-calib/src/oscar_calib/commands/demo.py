@@ -17,7 +17,7 @@ __all__ = ["register", "run", "DEMO_CALIBRATION", "DEMO_EVAL"]
 DEMO_CALIBRATION = {"tokens": 4096, "seq_len": 1024, "granularity": "kv_head"}
 #: evaluation of the demo.
 DEMO_EVAL = {
-    "contexts": (1024, 2048),
+    "contexts": (2048,),
     "num_sequences": 2,
     "needle_contexts": (1024,),
     "needle_depths": (0.1, 0.5, 0.9),
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     times: dict[str, float] = {}
     t_all = t = time.perf_counter()
     print(f"[demo] torch threads: {torch.get_num_threads()}; output folder {out}", flush=True)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=torch.bfloat16)
     t = _stage("load model", t, times)
     rotations = calibrate(
         model,
