@@ -340,7 +340,7 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     bytes_win = bsz * hkv * lo.window_tokens * d * 2 * 2
     bytes_bf16 = bsz * hkv * ctx * d * 2 * 2
     row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": bytes_int2 + bytes_win, "bytes_bf16": bytes_bf16}
-    cfgs = tune or [dict(block_n=64, num_warps=4, num_stages=2)]
+    cfgs = tune or [dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=8)]
     best = None
     for cfg in cfgs:
         ms = bench_ms(lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
@@ -355,7 +355,7 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     )
     # kernels only (split + merge, q already rotated)
     q_rot = ok.rotate_queries(q, ep)
-    ns = ok.choose_num_splits(bsz, hkv, ctx, DEV, cfg["block_n"])
+    ns = ok.choose_num_splits(bsz, hkv, ctx, DEV, cfg["block_n"], cfg.get("programs_per_sm", 4))
     row["num_splits"] = ns
     kern = dec_mod.LAST_COMPILED.get("decode_split")
     if kern is not None and ctx == 131072 and bsz == 8:

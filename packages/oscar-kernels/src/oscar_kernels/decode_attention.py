@@ -32,7 +32,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_len: int, device: torch.device, block_n: int = 64, programs_per_sm: int = 4
+    batch: int,
+    num_kv_heads: int,
+    max_len: int,
+    device: torch.device,
+    block_n: int = 64,
+    programs_per_sm: int = 4,
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
@@ -55,10 +60,11 @@ def decode_attention(
     softmax_scale: float | None = None,
     num_splits: int | None = None,
     backend: Backend | str = "auto",
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
     unpack: str = "asm",
+    programs_per_sm: int = 8,
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -75,6 +81,7 @@ def decode_attention(
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages: Triton tile size and launch options.
+        programs_per_sm: split-count target of :func:`choose_num_splits`.
         unpack: how INT2 codes become dot operands: ``asm`` (PTX ``prmt``), ``int16`` or ``convert``.
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
@@ -97,7 +104,7 @@ def decode_attention(
     q_rot = rotate_queries(q, ep)
     if num_splits is None:
         num_splits = choose_num_splits(
-            bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n
+            bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n, programs_per_sm
         )
     out = _launch_decode(
         q_rot,

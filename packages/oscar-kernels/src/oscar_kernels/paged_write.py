@@ -81,7 +81,7 @@ def paged_write(
     window_slots: torch.Tensor,
     backend: Backend | str = "auto",
     precise: bool = False,
-    block_t: int = 64,
+    block_t: int | None = None,
     num_warps: int = 4,
 ) -> None:
     """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K, one for V).
@@ -102,7 +102,7 @@ def paged_write(
         window_slots: ``[B]`` row of the window pools owned by each sequence.
         backend: ``auto`` | ``triton`` | ``torch``.
         precise: Triton only: full-fp32 (``ieee``) rotation instead of tf32.
-        block_t, num_warps: Triton tokens per program and warps.
+        block_t, num_warps: Triton tokens per program (default 128 for d <= 128, else 32) and warps.
     """
     lo = cache.layout
     _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
@@ -148,6 +148,8 @@ def _launch(
 
     lo = cache.layout
     n = key.shape[0]
+    if block_t is None:
+        block_t = 128 if lo.head_dim <= 128 else 32
     grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
     prec = "ieee" if (precise or interpreting()) else "tf32"
     for x, rot, codes, scale, zero, sink, ring, alpha, has_mean in (
