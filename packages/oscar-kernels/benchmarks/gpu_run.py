@@ -242,7 +242,7 @@ def check_case(
         decode_rel_err_vs_unquantised=e_quant,
     )
     # extend: the last c tokens of each sequence as a chunk over its prefix
-    chunk = [min(n, c) for n, c in zip(lens, [37, 300, 1, 129, 64, 5, 77, 250, 16], strict=True)]
+    chunk = [min(n, c) for n, c in zip(lens, [37, 300, 1, 129, 64, 5, 77, 250, 16][: len(lens)], strict=True)]
     cu = torch.tensor([0] + list(torch.tensor(chunk).cumsum(0)), dtype=torch.int32, device=DEV)
     prefix = torch.tensor([n - c for n, c in zip(lens, chunk, strict=True)], dtype=torch.int32, device=DEV)
     qe = torch.randn(int(cu[-1]), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
