@@ -2,8 +2,8 @@
 
 Usage (repo root, on the GPU machine)::
 
-    PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \
-        python3 packages/oscar-kernels/benchmarks/gpu_run.py --out $OUT [--quick] [--skip-check] [--skip-bench]
+    bash packages/oscar-kernels/benchmarks/gpu_run.sh [--quick] [--skip-check] [--skip-bench] [--tune]
+    bash packages/oscar-kernels/benchmarks/gpu_run.sh --experiment   # unpack / tile / split sweeps
 
 Writes ``check.json``, ``bench.json`` and a log under ``--out``; prints a table last.
 """
@@ -563,7 +563,7 @@ def run_experiment(copy_gbs, log):
                 ns = ok.choose_num_splits(bsz, 8, ctx, DEV, bn, pps)
                 try:
                     ms = bench_ms(
-                        lambda bn=bn, w=w, stages=stages, ns=ns, unpack=unpack: dec_mod._launch_decode(
+                        lambda bn=bn, w=w, stages=stages, ns=ns, unpack=unpack, st=st: dec_mod._launch_decode(
                             st["q_rot"],
                             st["cache"],
                             st["bt"],
@@ -685,11 +685,13 @@ def main():
         for r in res["decode"]:
             print(
                 f"{r['ctx']:6d} B={r['batch']:2d} {r['unpack']:7s} bn={r['block_n']:3d} w={r['num_warps']} "
-                f"st={r['num_stages']} ns={r['num_splits']:3d} {r['us']:8.1f} us bw {100 * r['bw_frac']:4.1f}%"
+                f"st={r['num_stages']} ns={r['num_splits']:3d} {r['us']:8.1f} us "
+                f"bw {100 * r['bw_frac']:4.1f}%"
             )
         for r in res["write"]:
             print(
-                f"write bt={r['block_t']} w={r['num_warps']} {r['us']:8.1f} us bw {100 * r['bw_frac']:4.1f}% {r['diag']}"
+                f"write bt={r['block_t']} w={r['num_warps']} {r['us']:8.1f} us bw {100 * r['bw_frac']:4.1f}%",
+                r["diag"],
             )
         for r in res["decode"]:
             if "diag" in r:
@@ -730,36 +732,71 @@ def main():
         pre = (safe(bench_prefill, p, c, log) for p, c in ((8192 - 2048, 2048), (32768 - 4096, 4096)))
         bench["prefill"] = [r for r in pre if r]
         json.dump(bench, open(os.path.join(a.out, "bench.json"), "w"), indent=1)
-    # short table last
+    print_tables(checks, bench, copy_gbs)
+
+
+def _row(fmt: str, r: dict) -> str:
+    return fmt.format(**r)
+
+
+def print_tables(checks, bench, copy_gbs):
+    """The short tables printed last (the device tool returns the end of the output)."""
     print("\n== checks ==")
     for r in checks:
         if "error" in r:
             print(f"{r['case']:16s} ERROR {r['error'][:100]}")
             continue
         print(
-            f"{r['case']:16s} pass={r['pass']} dec_err={r['decode_rel_err_vs_f64_cache']:.1e} raw={r['decode_rel_err_vs_f64_raw']:.1e} "
-            f"ext_err={r['extend_rel_err_vs_f64_cache']:.1e} kmis={r['k_code_mismatch']:.1e} vmis={r['v_code_mismatch']:.1e} {r['seconds']}s"
+            _row(
+                "{case:16s} pass={pass} dec_err={decode_rel_err_vs_f64_cache:.1e} "
+                "raw={decode_rel_err_vs_f64_raw:.1e} ext_err={extend_rel_err_vs_f64_cache:.1e} "
+                "kmis={k_code_mismatch:.1e} vmis={v_code_mismatch:.1e} {seconds}s",
+                r,
+            )
         )
-    if "decode" in bench:
-        print(f"\n== decode (copy {copy_gbs:.0f} GB/s) ==")
+    if "decode" not in bench:
+        return
+    print(f"\n== decode (copy {copy_gbs:.0f} GB/s) ==")
+    print(
+        "ctx     B  int2_us graph_us kern_us bw%  sdpa_us sdpa_bw% pagedbf16_us  x_sdpa x_sdpa_graph x_paged"
+    )
+    for r in bench["decode"]:
+        v = {
+            k: (x * 1e3 if k.endswith("_ms") else x * 100 if k.endswith("_frac") else x) for k, x in r.items()
+        }
         print(
-            "ctx     B  int2_us graph_us kern_us bw%  sdpa_us sdpa_bw% pagedbf16_us  x_sdpa x_sdpa_graph x_paged"
+            _row(
+                "{ctx:6d} {batch:3d} {int2_ms:8.1f} {int2_graph_ms:8.1f} {int2_kernels_ms:7.1f} "
+                "{int2_bw_frac:4.0f} "
+                "{sdpa_bf16_ms:8.1f} {sdpa_bw_frac:6.0f} {paged_bf16_ms:10.1f} {speedup_vs_sdpa:7.2f} "
+                "{speedup_vs_sdpa_graph:7.2f} {speedup_vs_paged_bf16:7.2f}",
+                v,
+            )
         )
-        for r in bench["decode"]:
-            print(
-                f"{r['ctx']:6d} {r['batch']:3d} {r['int2_ms'] * 1e3:8.1f} {r['int2_graph_ms'] * 1e3:8.1f} {r['int2_kernels_ms'] * 1e3:7.1f} {100 * r['int2_bw_frac']:4.0f} "
-                f"{r['sdpa_bf16_ms'] * 1e3:8.1f} {100 * r['sdpa_bw_frac']:6.0f} {r['paged_bf16_ms'] * 1e3:10.1f} {r['speedup_vs_sdpa']:7.2f} {r['speedup_vs_sdpa_graph']:7.2f} {r['speedup_vs_paged_bf16']:7.2f}"
+    print("\n== write ==")
+    for r in bench["write"]:
+        v = {
+            k: (x * 1e3 if k.endswith("_ms") else x * 100 if k.endswith("_frac") else x) for k, x in r.items()
+        }
+        v["mtok"] = r["tf32_tokens_per_s"] / 1e6
+        print(
+            _row(
+                "N={tokens:6d} tf32 {tf32_ms:8.1f} us (graph {tf32_graph_ms:7.1f}) {mtok:8.2f} Mtok/s "
+                "bw {tf32_bw_frac:.0f}%  | ieee {ieee_ms:8.1f} us bw {ieee_bw_frac:.1f}%",
+                v,
             )
-        print("\n== write ==")
-        for r in bench["write"]:
-            print(
-                f"N={r['tokens']:6d} tf32 {r['tf32_ms'] * 1e3:8.1f} us (graph {r['tf32_graph_ms'] * 1e3:7.1f}) {r['tf32_tokens_per_s'] / 1e6:8.2f} Mtok/s bw {100 * r['tf32_bw_frac']:.0f}%  | ieee {r['ieee_ms'] * 1e3:8.1f} us bw {100 * r['ieee_bw_frac']:.0f}%"
+        )
+    print("\n== prefill ==")
+    for r in bench["prefill"]:
+        print(
+            _row(
+                "prefix={prefix} chunk={chunk} int2 {int2_extend_ms:.3f} ms "
+                "({int2_extend_tflops:.0f} TFLOP/s) "
+                "sdpa_masked {sdpa_bf16_masked_ms:.3f} ms full_causal {sdpa_bf16_full_causal_ms:.3f} ms "
+                "x{speedup_vs_sdpa_masked:.2f}",
+                r,
             )
-        print("\n== prefill ==")
-        for r in bench["prefill"]:
-            print(
-                f"prefix={r['prefix']} chunk={r['chunk']} int2 {r['int2_extend_ms']:.3f} ms ({r['int2_extend_tflops']:.0f} TFLOP/s) sdpa_masked {r['sdpa_bf16_masked_ms']:.3f} ms full_causal {r['sdpa_bf16_full_causal_ms']:.3f} ms x{r['speedup_vs_sdpa_masked']:.2f}"
-            )
+        )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 
 from oscar_math import check
 
-from ._backend import Backend, dot_dtype, unpack_mode, interpreting, use_triton
+from ._backend import Backend, dot_dtype, interpreting, unpack_mode, use_triton
 from ._validate import check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
