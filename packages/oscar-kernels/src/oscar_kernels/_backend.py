@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from enum import Enum
@@ -25,6 +26,7 @@ class KernelUnavailableError(OscarError):
     """Triton kernels were asked for where they cannot run; the message names the fallback."""
 
 
+@functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
