@@ -44,3 +44,21 @@ def test_allocate_shapes_and_validate():
 def test_invalid_layout(kw, name):
     with pytest.raises(OscarError, match=f"Invalid {name}"):
         CacheLayout(**kw)
+
+
+def test_cache_from_page_buffer_views_one_engine_allocation():
+    from oscar_kernels import cache_from_page_buffer, page_bytes
+
+    lo = CacheLayout(3, 64, page_size=4, group_size=32)
+    assert page_bytes(lo) == 2 * 3 * 4 * 16 + 4 * 3 * 4 * 2 * 2
+    buf = torch.zeros(5, page_bytes(lo) + 6, dtype=torch.uint8)[:, 2 : 2 + page_bytes(lo)]  # padded rows
+    c = cache_from_page_buffer(lo, buf, max_seqs=2)
+    c.v_zero[3, 1, 2, 1] = 1.5
+    c.k_codes[4, 2, 3, 15] = 7
+    assert buf[4].tolist().count(7) == 1 and c.k_codes.data_ptr() == buf.data_ptr()
+    assert (
+        float(c.v_zero[3, 1, 2, 1]) == 1.5
+        and c.v_zero.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    )
+    with pytest.raises(OscarError, match="shape of page_buffer"):
+        cache_from_page_buffer(lo, buf[:, 1:], max_seqs=2)

@@ -6,7 +6,15 @@ Importing this package does not import Triton; kernels load on first use.
 from ._backend import Backend, KernelUnavailableError, triton_available
 from .decode_attention import choose_num_splits, decode_attention, paged_bf16_decode
 from .extend_attention import extend_attention
-from .layout import CacheLayout, PagedKVCache, allocate_cache, bits_per_element, layout_bytes_per_token
+from .layout import (
+    CacheLayout,
+    PagedKVCache,
+    allocate_cache,
+    bits_per_element,
+    cache_from_page_buffer,
+    layout_bytes_per_token,
+    page_bytes,
+)
 from .paged_write import paged_write
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference import decode_attention_ref, extend_attention_ref, gather_rotated_kv, paged_write_ref
@@ -21,6 +29,8 @@ __all__ = [
     "CacheLayout",
     "PagedKVCache",
     "allocate_cache",
+    "cache_from_page_buffer",
+    "page_bytes",
     "bits_per_element",
     "layout_bytes_per_token",
     "paged_write",

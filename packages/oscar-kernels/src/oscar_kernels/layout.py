@@ -33,6 +33,8 @@ __all__ = [
     "CacheLayout",
     "PagedKVCache",
     "allocate_cache",
+    "page_bytes",
+    "cache_from_page_buffer",
     "layout_bytes_per_token",
     "bits_per_element",
 ]
@@ -226,3 +228,62 @@ def bits_per_element(layout: CacheLayout, context_len: int | None = None) -> flo
     ``16 * (sink + recent) / L``.
     """
     return layout_bytes_per_token(layout, context_len) * 8 / (2 * layout.num_kv_heads * layout.head_dim)
+
+
+def page_bytes(layout: CacheLayout) -> int:
+    """Bytes of one INT2 page (K and V codes + bf16 scale/zero), what an engine allocates per block."""
+    h, ps = layout.num_kv_heads, layout.page_size
+    return 2 * h * ps * (layout.head_dim // 4) + 4 * h * ps * layout.num_groups * 2
+
+
+def cache_from_page_buffer(layout: CacheLayout, page_buffer: torch.Tensor, max_seqs: int) -> PagedKVCache:
+    """A :class:`PagedKVCache` whose INT2 tensors are views into an engine's page buffer.
+
+    Args:
+        layout: sizes.
+        page_buffer: ``[num_pages, page_bytes(layout)]`` uint8 (e.g. vLLM's per-layer KV
+            tensor viewed as bytes), last dim contiguous. Each page holds, in order,
+            ``k_codes | v_codes | k_scale | k_zero | v_scale | v_zero``, each head-major
+            ``[H_kv, page_size, ...]``.
+        max_seqs: rows of the BF16 window pools (allocated here, on the buffer's device).
+    Returns:
+        The cache; the kernels take the strides of these views as they are.
+    """
+    nb = page_bytes(layout)
+    check(page_buffer.dtype == torch.uint8, "dtype of page_buffer", torch.uint8, page_buffer.dtype)
+    check(
+        page_buffer.dim() == 2 and page_buffer.shape[1] == nb and page_buffer.stride(1) == 1,
+        "shape of page_buffer",
+        f"[num_pages, {nb}] with contiguous last dim",
+        tuple(page_buffer.shape),
+    )
+    check(
+        page_buffer.stride(0) % 2 == 0, "stride(0) of page_buffer", "even (bf16 views)", page_buffer.stride(0)
+    )
+    n = page_buffer.shape[0]
+    h, ps, d, ng = layout.num_kv_heads, layout.page_size, layout.head_dim, layout.num_groups
+    code_len = h * ps * (d // 4)
+    meta_len = h * ps * ng * 2
+    views = []
+    off = 0
+    for _ in range(2):
+        views.append(page_buffer[:, off : off + code_len].view(n, h, ps, d // 4))
+        off += code_len
+    for _ in range(4):
+        views.append(page_buffer[:, off : off + meta_len].view(torch.bfloat16).view(n, h, ps, ng))
+        off += meta_len
+    dev = page_buffer.device
+
+    def window(k: int) -> torch.Tensor:
+        return torch.zeros(max_seqs, h, k, d, dtype=torch.bfloat16, device=dev)
+
+    cache = PagedKVCache(
+        layout,
+        *views,
+        window(layout.sink_tokens),
+        window(layout.sink_tokens),
+        window(layout.recent_tokens),
+        window(layout.recent_tokens),
+    )
+    cache.validate()
+    return cache
