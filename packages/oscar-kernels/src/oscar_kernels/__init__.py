@@ -15,6 +15,7 @@ from .layout import (
     layout_bytes_per_token,
     page_bytes,
 )
+from .ops import decode_attention_op, register_ops
 from .paged_write import paged_write
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference import decode_attention_ref, extend_attention_ref, gather_rotated_kv, paged_write_ref
@@ -38,6 +39,8 @@ __all__ = [
     "choose_num_splits",
     "paged_bf16_decode",
     "extend_attention",
+    "decode_attention_op",
+    "register_ops",
     "ExpandedParams",
     "LayerQuantParams",
     "as_expanded",
