@@ -7,6 +7,7 @@ import torch
 
 from oscar_calib.schemes import (
     DEFAULT_SCHEMES,
+    OSCAR2_CLIP_POWER,
     RowCodec,
     SchemeContext,
     build_scheme,
@@ -99,14 +100,17 @@ def test_oscar2_centres_rotates_and_clips_per_head():
     s = build_scheme("oscar2", ctx(rot))
     k = x(2)
     lay = rot.for_layer(1)
-    for h in range(H):
-        y = (k[:, h] - lay.k_mean[h]) @ lay.k_rotation[h]
-        ref = fake_quantize_int2(y, D, float(lay.k_clip[h])) @ lay.k_rotation[h].T + lay.k_mean[h]
-        torch.testing.assert_close(s.fake_quantize_keys(1, k)[:, h], ref, atol=1e-5, rtol=1e-5)
+    for name, power in (("oscar2", OSCAR2_CLIP_POWER[0]), ("oscar2-calclip", 1.0)):
+        sch = build_scheme(name, ctx(rot))
+        for h in range(H):
+            y = (k[:, h] - lay.k_mean[h]) @ lay.k_rotation[h]
+            alpha = float(lay.k_clip[h]) ** power
+            ref = fake_quantize_int2(y, D, alpha) @ lay.k_rotation[h].T + lay.k_mean[h]
+            torch.testing.assert_close(sch.fake_quantize_keys(1, k)[:, h], ref, atol=1e-5, rtol=1e-5)
     # ablations differ from the full scheme and from each other
     outs = {
         n: build_scheme(n, ctx(rot)).fake_quantize_keys(1, k)
-        for n in ("oscar2", "oscar2-noclip", "oscar2-nocenter", "oscar2-norot")
+        for n in ("oscar2", "oscar2-calclip", "oscar2-noclip", "oscar2-nocenter", "oscar2-norot")
     }
     for a in outs:
         for b in outs:

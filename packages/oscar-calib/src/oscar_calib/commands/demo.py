@@ -19,8 +19,11 @@ DEMO_CALIBRATION = {"tokens": 4096, "seq_len": 1024, "granularity": "kv_head"}
 DEMO_EVAL = {
     "contexts": (2048,),
     "num_sequences": 2,
-    "needle_contexts": (1024,),
-    "needle_depths": (0.1, 0.5, 0.9),
+    # SmolLM2-135M itself finds the key in only about half of 512-token prompts and a third
+    # of 1024-token ones (bf16, held-out filler): short prompts, needles inside the INT2 region
+    "needle_contexts": (512,),
+    "needle_depths": (0.1, 0.25, 0.4),
+    "needle_trials": 2,
     "needle_schemes": ("bf16", "int2", "kivi2", "hadamard2", "oscar2"),
 }
 
