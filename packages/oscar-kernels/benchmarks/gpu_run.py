@@ -4,6 +4,7 @@ Usage (repo root, on the GPU machine)::
 
     bash packages/oscar-kernels/benchmarks/gpu_run.sh [--quick] [--skip-check] [--skip-bench] [--tune]
     bash packages/oscar-kernels/benchmarks/gpu_run.sh --experiment   # unpack / tile / split sweeps
+    bash packages/oscar-kernels/benchmarks/gpu_run.sh --fma          # impl="fma" vs "dot" vs SDPA (~3 min)
 
 Writes ``check.json``, ``bench.json`` and a log under ``--out``; prints a table last.
 """
@@ -632,6 +633,239 @@ def run_experiment(copy_gbs, log):
     return res
 
 
+# ----------------------------------------------------------------------------- impl="fma" vs "dot"
+FMA_CHECKS = [
+    # name, d, H_kv, gqa, page, group, lens   (random cache contents, no writes)
+    ("fma-mixed-128", 128, 8, 4, 64, None, [1, 63, 64, 320, 321, 1000, 4097]),
+    ("fma-d64-gqa8-g32", 64, 2, 8, 16, 32, [0, 17, 65, 500, 2049]),
+    ("fma-gqa3-g8", 64, 3, 3, 16, 8, [5, 300, 777]),
+    ("fma-gqa1-g32", 128, 4, 1, 32, 32, [321, 2000]),
+    ("fma-128k-gqa4", 128, 8, 4, 64, None, [131072, 100003]),
+    ("fma-128k-gqa8-d64", 64, 4, 8, 64, None, [131072, 65]),
+]
+
+
+def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1):
+    """A cache with random codes / scales / zeros / windows and scattered pages."""
+    bsz = len(lens)
+    pages_per = [max(1, math.ceil(n / lo.page_size)) for n in lens]
+    num_pages = sum(pages_per) + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    bt = torch.zeros(bsz, max(pages_per) + 1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(pages_per):
+        bt[b, :n] = perm[i : i + n].int()
+        i += n
+    ws = torch.randperm(bsz + 2, generator=gen)[:bsz].int()
+    cache = ok.allocate_cache(lo, num_pages, bsz + 2, DEV)
+    for t in (cache.k_codes, cache.v_codes):
+        t.random_(0, 256)
+    for t in (cache.k_scale, cache.v_scale):
+        t.uniform_(scale_lo, scale_hi)
+    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
+        t.normal_()
+    return cache, bt.to(DEV), ws.to(DEV)
+
+
+def check_impls(name, d, hkv, g, page, group, lens, seed, log):
+    """Decode with impl="dot" and impl="fma" (poisoned outputs) vs float64 over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group)
+    cache, bt, ws = random_cache(lo, lens, gen)
+    ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
+    res = {"case": name, "d": d, "H_kv": hkv, "gqa": g, "page": page, "group": lo.group, "lens": lens}
+    outs = {}
+    dec_mod._empty = _poison
+    try:
+        for impl in ("dot", "fma"):
+            outs[impl] = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", impl=impl).double()
+    finally:
+        dec_mod._empty = torch.empty
+    qr = ok.rotate_queries(q, ep).double()
+    errs = {"dot": 0.0, "fma": 0.0}
+    for b, n in enumerate(lens):
+        if n == 0:
+            for k in errs:
+                errs[k] = max(errs[k], float(outs[k][b].abs().max()))
+            continue
+        kk, vv = ok.gather_rotated_kv(cache, bt[b], int(ws[b]), n, n, dtype=torch.float64)
+        want = unrot64(dense64(qr[b : b + 1], kk, vv, 1 / math.sqrt(d)), ep)[0]
+        for k in errs:
+            errs[k] = max(errs[k], rel(outs[k][b], want))
+    res.update(
+        dot_rel_err=errs["dot"],
+        fma_rel_err=errs["fma"],
+        fma_vs_dot=rel(outs["fma"], outs["dot"]),
+        fma_finite=bool(torch.isfinite(outs["fma"]).all()),
+    )
+    res["pass"] = bool(res["fma_finite"] and errs["fma"] < 1e-2 and errs["dot"] < 1e-2)
+    log(json.dumps(res))
+    return res
+
+
+FMA_CFGS = [  # (block_n, num_warps, unpack) swept at 128k; the best per batch is reused at 32k
+    (32, 4, "asm"),
+    (64, 4, "asm"),
+    (128, 4, "asm"),
+    (32, 8, "asm"),
+    (64, 8, "asm"),
+    (128, 8, "asm"),
+    (64, 2, "asm"),
+    (64, 4, "convert"),
+]
+
+
+def bench_impls(ctx, bsz, copy_gbs, log, cfgs):
+    """Decode op (CUDA graph) for impl="dot" (committed default) and impl="fma" configs, vs SDPA."""
+    st = _int2_decode_setup(ctx, bsz)
+    cache, bt, sl, ws, ep, q = (st[k] for k in ("cache", "bt", "sl", "ws", "ep", "q"))
+    bw = copy_gbs * 1e9
+    row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": st["nbytes"], "bytes_bf16": bsz * 8 * ctx * 128 * 4}
+
+    def op(**kw):
+        return lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **kw)
+
+    row["dot_us"] = bench_graph_ms(op(impl="dot")) * 1e3
+    sweep = []
+    for bn, w, unpack in cfgs:
+        try:
+            us = bench_graph_ms(op(impl="fma", block_n=bn, num_warps=w, unpack=unpack)) * 1e3
+        except Exception:
+            log(f"  fma {bn}/{w}/{unpack} ctx={ctx} B={bsz} FAILED: {traceback.format_exc()[-800:]}")
+            continue
+        r = dict(block_n=bn, num_warps=w, unpack=unpack, us=us)
+        kern = dec_mod.LAST_COMPILED.get("decode_split")
+        if kern is not None:
+            r["n_regs"], r["n_spills"] = kern.n_regs, kern.n_spills
+        log(f"  fma ctx={ctx} B={bsz} {r}")
+        sweep.append(r)
+    row["fma_sweep"] = sweep
+    if sweep:
+        best = min(sweep, key=lambda r: r["us"])
+        row["fma_us"] = best["us"]
+        row["fma_cfg"] = {k: best[k] for k in ("block_n", "num_warps", "unpack")}
+        if bsz == 8 and DEV.type == "cuda":
+            ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", impl="fma", **row["fma_cfg"])
+            row["fma_diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
+            ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", impl="dot")
+            row["dot_diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
+    st = cache = None
+    torch.cuda.empty_cache()
+    k = torch.randn(bsz, 8, ctx, 128, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qs = q.unsqueeze(2)
+    F = torch.nn.functional
+    row["sdpa_us"] = bench_graph_ms(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)) * 1e3
+    k = v = None
+    torch.cuda.empty_cache()
+    row["dot_bw_frac"] = row["bytes_int2_path"] / (row["dot_us"] * 1e-6) / bw
+    row["sdpa_bw_frac"] = row["bytes_bf16"] / (row["sdpa_us"] * 1e-6) / bw
+    row["dot_x_sdpa"] = row["sdpa_us"] / row["dot_us"]
+    if "fma_us" in row:
+        row["fma_bw_frac"] = row["bytes_int2_path"] / (row["fma_us"] * 1e-6) / bw
+        row["fma_x_sdpa"] = row["sdpa_us"] / row["fma_us"]
+        row["fma_x_dot"] = row["dot_us"] / row["fma_us"]
+    log(json.dumps(row))
+    return row
+
+
+FMA_SHAPES = ((131072, 8), (131072, 1), (131072, 32), (32768, 8), (32768, 1), (32768, 32))
+
+
+def run_fma(copy_gbs, log, env, out_dir, budget_s=210.0, checks=None, shapes=FMA_SHAPES, top_ctx=131072):
+    """Checks of impl="fma", then decode benchmarks; stops starting new work after ``budget_s``.
+
+    The full config sweep runs at ``top_ctx`` for the first batch size; later shapes reuse
+    its best config (plus a few), smaller contexts the best of the same batch size.
+    """
+    t0 = time.time()
+    res = {"env": env, "checks": [], "decode": []}
+
+    def save():
+        json.dump(res, open(os.path.join(out_dir, "fma.json"), "w"), indent=1)
+
+    for i, c in enumerate(FMA_CHECKS if checks is None else checks):
+        t = time.time()
+        try:
+            r = check_impls(*c, seed=300 + i, log=log)
+        except Exception as e:
+            log(f"CHECK {c[0]} FAILED: {traceback.format_exc()}")
+            r = {"case": c[0], "pass": False, "error": repr(e)}
+        r["seconds"] = round(time.time() - t, 1)
+        res["checks"].append(r)
+        save()
+    log(f"checks done at {time.time() - t0:.0f}s")
+    best = {}
+    first = shapes[0][1]
+    for ctx, bsz in shapes:
+        if time.time() - t0 > budget_s:
+            log(f"time budget reached, skipping ctx={ctx} B={bsz}")
+            continue
+        cfgs = FMA_CFGS if ctx == top_ctx else [best.get(bsz, FMA_CFGS[1])]
+        if ctx == top_ctx and bsz != first and first in best:  # a smaller sweep after the first
+            cfgs = sorted({best[first], (64, 4, "asm"), (64, 8, "asm"), (128, 8, "asm")})
+        try:
+            r = bench_impls(ctx, bsz, copy_gbs, log, cfgs)
+        except Exception:
+            log(f"BENCH ctx={ctx} B={bsz} FAILED: {traceback.format_exc()}")
+            torch.cuda.empty_cache()
+            continue
+        if "fma_cfg" in r:
+            best[bsz] = tuple(r["fma_cfg"][k] for k in ("block_n", "num_warps", "unpack"))
+        res["decode"].append(r)
+        save()
+    res["seconds"] = round(time.time() - t0, 1)
+    save()
+    return res
+
+
+def print_fma_tables(res, copy_gbs):
+    print("\n== impl=fma checks (rel. err vs float64 over the cache; pass < 1e-2) ==")
+    for r in res["checks"]:
+        if "error" in r:
+            print(f"{r['case']:20s} ERROR {r['error'][:120]}")
+            continue
+        print(
+            _row(
+                "{case:20s} d={d:3d} gqa={gqa} grp={group:3d} pass={pass} fma={fma_rel_err:.1e} "
+                "dot={dot_rel_err:.1e} fma_vs_dot={fma_vs_dot:.1e} {seconds}s",
+                r,
+            )
+        )
+    print(f"\n== decode op, CUDA graph, Qwen3-8B shape (copy {copy_gbs:.0f} GB/s) ==")
+    print("ctx      B   dot_us  dot_bw%   fma_us  fma_bw%  sdpa_us  x_sdpa(dot) x_sdpa(fma) fma/dot  fma cfg")
+    for r in res["decode"]:
+        v = dict(r)
+        v.setdefault("fma_us", float("nan"))
+        v.setdefault("fma_bw_frac", float("nan"))
+        v.setdefault("fma_x_sdpa", float("nan"))
+        v.setdefault("fma_x_dot", float("nan"))
+        v["cfg"] = "/".join(str(x) for x in r.get("fma_cfg", {}).values())
+        v["dbw"], v["fbw"] = 100 * v["dot_bw_frac"], 100 * v["fma_bw_frac"]
+        print(
+            _row(
+                "{ctx:6d} {batch:3d} {dot_us:8.1f} {dbw:7.1f} {fma_us:8.1f} {fbw:7.1f} {sdpa_us:8.1f} "
+                "{dot_x_sdpa:11.2f} {fma_x_sdpa:11.2f} {fma_x_dot:7.2f}  {cfg}",
+                v,
+            )
+        )
+    print("\n== fma sweep (block_n/warps/unpack: us, regs, spills) ==")
+    for r in res["decode"]:
+        cells = [
+            f"{s['block_n']}/{s['num_warps']}/{s['unpack']}: {s['us']:.1f}" for s in r.get("fma_sweep", [])
+        ]
+        print(f"{r['ctx']:6d} B={r['batch']:2d}  " + "  ".join(cells))
+        regs = [f"{s.get('n_regs')}/{s.get('n_spills')}" for s in r.get("fma_sweep", [])]
+        print("            regs/spills " + " ".join(regs))
+    for r in res["decode"]:
+        for k in ("dot_diag", "fma_diag"):
+            if k in r:
+                print(k, r[k])
+    print(f"total {res.get('seconds')}s")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -640,6 +874,7 @@ def main():
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--experiment", action="store_true")
+    ap.add_argument("--fma", action="store_true", help='impl="fma" checks + decode benchmarks only')
     ap.add_argument("--cases", nargs="*", default=None)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -670,6 +905,10 @@ def main():
     copy_gbs = copy_bandwidth_gbs() if cuda else 1.0
     env["copy_GBps"] = copy_gbs
     log(f"copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    if a.fma:
+        res = run_fma(copy_gbs, log, env, a.out)
+        print_fma_tables(res, copy_gbs)
+        return
     if a.experiment:
         res = run_experiment(copy_gbs, log)
         json.dump({"env": env, **res}, open(os.path.join(a.out, "experiment.json"), "w"), indent=1)

@@ -12,15 +12,21 @@ def rel(a, b):
 
 @needs_triton
 @pytest.mark.parametrize(
+    "impl, unpack",
+    [("dot", "asm"), ("fma", "asm"), ("fma", "convert")],
+    ids=["dot", "fma", "fma-convert"],
+)
+@pytest.mark.parametrize(
     "d, h, g, page, group, granularity, splits",
     [
         (64, 2, 4, 16, None, "layer", 3),
-        (64, 1, 1, 8, 32, "kv_head", 1),
+        (64, 1, 1, 8, 32, "kv_head", 1),  # group = 2 quarters: folded per quarter
         (128, 2, 8, 16, None, "kv_head", 2),
-        (32, 3, 3, 4, 8, "layer", 5),
+        (32, 3, 3, 4, 8, "layer", 5),  # group = one quarter
+        (64, 2, 4, 8, 4, "layer", 2),  # group < quarter: per-element dequantisation
     ],
 )
-def test_decode_triton_matches_reference(d, h, g, page, group, granularity, splits):
+def test_decode_triton_matches_reference(d, h, g, page, group, granularity, splits, impl, unpack):
     gen = torch.Generator().manual_seed(d * g)
     lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=5, recent_tokens=12)
     # empty, shorter than the sink, = sink + recent, one over, page boundaries, longer
@@ -28,7 +34,19 @@ def test_decode_triton_matches_reference(d, h, g, page, group, granularity, spli
     cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, granularity, steps=2)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), h * g, d, generator=gen).bfloat16().to(DEVICE)
-    out = decode_attention(q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, block_n=16)
+    out = decode_attention(
+        q,
+        cache,
+        params,
+        bt,
+        sl,
+        ws,
+        backend="triton",
+        num_splits=splits,
+        block_n=16,
+        impl=impl,
+        unpack=unpack,
+    )
     ref = decode_attention_ref(q, cache, params.expand(h, d, cache.device), bt, sl, ws)
     assert torch.isfinite(out).all()
     assert out[0].abs().max() == 0  # empty sequence
@@ -48,6 +66,8 @@ def test_decode_input_errors():
         decode_attention(q, cache, params, bt, sl.float(), ws)
     with pytest.raises(OscarError, match="backend"):
         decode_attention(q, cache, params, bt, sl, ws, backend="cuda")
+    with pytest.raises(OscarError, match="impl"):
+        decode_attention(q, cache, params, bt, sl, ws, impl="wmma")
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")

@@ -4,7 +4,7 @@ Importing this package does not import Triton; kernels load on first use.
 """
 
 from ._backend import Backend, KernelUnavailableError, triton_available
-from .decode_attention import choose_num_splits, decode_attention, paged_bf16_decode
+from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention, paged_bf16_decode
 from .extend_attention import extend_attention
 from .layout import (
     CacheLayout,
@@ -36,6 +36,7 @@ __all__ = [
     "layout_bytes_per_token",
     "paged_write",
     "decode_attention",
+    "DECODE_IMPLS",
     "choose_num_splits",
     "paged_bf16_decode",
     "extend_attention",

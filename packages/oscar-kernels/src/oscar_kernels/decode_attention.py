@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from oscar_math import check
+
 from ._backend import Backend, dot_dtype, unpack_mode, use_triton
 from ._validate import check_index_tensor, check_queries
 from .layout import PagedKVCache
@@ -22,7 +24,14 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 #: the last compiled kernels (diagnostics for benchmarks: registers, spills, PTX)
 LAST_COMPILED: dict = {}
 
-__all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode"]
+__all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode", "DECODE_IMPLS"]
+
+#: INT2 tile loops of the decode kernel: ``dot`` (tensor cores via ``tl.dot``, GQA group
+#: padded to 16 rows) or ``fma`` (CUDA-core float32 FMA, group padded to a power of two)
+DECODE_IMPLS = ("dot", "fma")
+
+#: launch defaults per implementation: (block_n, num_warps)
+_DEFAULTS = {"dot": (128, 4), "fma": (64, 4)}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -60,11 +69,12 @@ def decode_attention(
     softmax_scale: float | None = None,
     num_splits: int | None = None,
     backend: Backend | str = "auto",
-    block_n: int = 128,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
     unpack: str = "asm",
     programs_per_sm: int = 8,
+    impl: str = "dot",
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -80,9 +90,15 @@ def decode_attention(
         num_splits: INT2 splits per (sequence, KV head); default
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
-        block_n, num_warps, num_stages: Triton tile size and launch options.
+        block_n, num_warps, num_stages: Triton tile size and launch options (``None``:
+            the default of ``impl``: 128/4 for ``dot``, 64/4 for ``fma``).
         programs_per_sm: split-count target of :func:`choose_num_splits`.
-        unpack: how INT2 codes become dot operands: ``asm`` (PTX ``prmt``), ``int16`` or ``convert``.
+        unpack: how INT2 codes become operands: ``asm`` (PTX ``prmt``), ``int16`` or
+            ``convert``; with ``impl="fma"`` ``asm``/``int16`` mean the exponent trick
+            (``1 + code/4`` in integer ops) and ``convert`` an int→float conversion.
+        impl: INT2 tile loop, one of :data:`DECODE_IMPLS`: ``dot`` (``tl.dot``) or
+            ``fma`` (CUDA-core FMA, dequantisation folded per token). Same results up
+            to float rounding; the BF16 windows follow the same choice.
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -97,7 +113,11 @@ def decode_attention(
         (bsz, block_table.shape[-1] if block_table.dim() == 2 else -1),
         cache.device,
     )
+    check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
+    unpack_mode(unpack)  # validates the name
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    block_n = _DEFAULTS[impl][0] if block_n is None else block_n
+    num_warps = _DEFAULTS[impl][1] if num_warps is None else num_warps
     if not use_triton(cache.device, backend):
         return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
@@ -119,6 +139,7 @@ def decode_attention(
         num_warps,
         num_stages,
         unpack=unpack,
+        impl=impl,
     )
     return unrotate_output(out, ep, q.dtype)
 
@@ -137,8 +158,10 @@ def _launch_decode(
     num_stages,
     bf16_pages=None,
     unpack="asm",
+    impl="dot",
 ):
     import triton
+    import triton.language as tl
 
     from ._backend import interpreting
     from .kernels.attention import decode_split_kernel, merge_splits_kernel
@@ -150,6 +173,9 @@ def _launch_decode(
     plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
     kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
+    fma = impl == "fma"
+    # tl.dot needs 16 rows; the FMA loop only a power of two
+    g_pad = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
     LAST_COMPILED["decode_split"] = decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
         q_rot,
         q_rot.stride(0),
@@ -186,7 +212,7 @@ def _launch_decode(
         lo.page_size,
         H_KV=lo.num_kv_heads,
         GQA=g,
-        G_PAD=max(16, triton.next_power_of_2(g)),
+        G_PAD=g_pad,
         HEAD_DIM=d,
         GROUP=lo.group,
         SINK=lo.sink_tokens if bf16_pages is None else 0,
@@ -196,8 +222,10 @@ def _launch_decode(
         BLOCK_N=block_n,
         BLOCK_W=64,
         PAGED_BF16=bf16_pages is not None,
-        DOT=dot_dtype(),
+        DOT=tl.float32 if fma else dot_dtype(),
         UNPACK=unpack_mode(unpack),
+        FMA=fma,
+        FUNPACK=0 if unpack == "convert" else 1,
         **opts,
     )
     out = _empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)
