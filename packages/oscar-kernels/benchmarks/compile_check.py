@@ -21,9 +21,20 @@ import tempfile
 
 
 def compile_decode(
-    impl: str, block_n: int, num_warps: int, gqa: int, d: int = 128, funpack: int = 1, arch: int = 90
+    impl: str,
+    block_n: int,
+    num_warps: int,
+    gqa: int,
+    d: int = 128,
+    funpack: int = 1,
+    arch: int = 90,
+    windows: bool = True,
 ) -> dict:
-    """Compile ``decode_split_kernel`` for ``sm_<arch>``; returns PTX counts and ptxas -v figures."""
+    """Compile ``decode_split_kernel`` for ``sm_<arch>``; returns PTX counts and ptxas -v figures.
+
+    ``windows=False`` compiles the INT2 tile loop alone (no sink / ring branches), so the
+    static instruction counts are those of one INT2 tile.
+    """
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -31,7 +42,7 @@ def compile_decode(
 
     from oscar_kernels.kernels.attention import decode_split_kernel
 
-    fma = impl == "fma"
+    fma = impl.startswith("fma")
     fn = decode_split_kernel
     ptr = {
         "q_ptr": "*bf16",
@@ -57,8 +68,8 @@ def compile_decode(
         G_PAD=triton.next_power_of_2(gqa) if fma else max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=d,
         GROUP=d,
-        SINK=64,
-        RECENT=256,
+        SINK=64 if windows else 0,
+        RECENT=256 if windows else 0,
         RING=256,
         NUM_SPLITS=16,
         BLOCK_N=block_n,
@@ -66,7 +77,7 @@ def compile_decode(
         PAGED_BF16=False,
         DOT=tl.float32 if fma else tl.bfloat16,
         UNPACK=0,
-        FMA=fma,
+        FMA={"dot": 0, "fma": 1, "fma-kt": 2}[impl],
         FUNPACK=funpack,
     )
     # as the runtime specialises the benchmark shape: every pointer and integer is a
@@ -95,6 +106,7 @@ def compile_decode(
             "bar.sync",
             "fma.rn.f32",
             "cvt.",
+            "shfl.sync",
         )
     }
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -135,11 +147,12 @@ def main() -> None:
     ap.add_argument("--gqa", type=int, nargs="*", default=[4])
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--funpack", type=int, default=1)
+    ap.add_argument("--no-windows", action="store_true", help="the INT2 tile loop alone")
     a = ap.parse_args()
     for g in a.gqa:
         for bn in a.block_n:
             for w in a.warps:
-                r = compile_decode(a.impl, bn, w, g, a.d, a.funpack)
+                r = compile_decode(a.impl, bn, w, g, a.d, a.funpack, windows=not a.no_windows)
                 print(f"impl={a.impl} gqa={g} d={a.d} block_n={bn} warps={w}: {r}", flush=True)
 
 

@@ -27,11 +27,12 @@ LAST_COMPILED: dict = {}
 __all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode", "DECODE_IMPLS"]
 
 #: INT2 tile loops of the decode kernel: ``dot`` (tensor cores via ``tl.dot``, GQA group
-#: padded to 16 rows) or ``fma`` (CUDA-core float32 FMA, group padded to a power of two)
-DECODE_IMPLS = ("dot", "fma")
+#: padded to 16 rows), ``fma`` (CUDA-core float32 FMA, group padded to a power of two),
+#: ``fma-kt`` (``fma`` with the key products laid out ``[heads, d/4, tokens]``)
+DECODE_IMPLS = ("dot", "fma", "fma-kt")
 
 #: launch defaults per implementation: (block_n, num_warps)
-_DEFAULTS = {"dot": (128, 4), "fma": (64, 4)}
+_DEFAULTS = {"dot": (128, 4), "fma": (64, 4), "fma-kt": (64, 8)}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -91,14 +92,15 @@ def decode_attention(
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages: Triton tile size and launch options (``None``:
-            the default of ``impl``: 128/4 for ``dot``, 64/4 for ``fma``).
+            the default of ``impl``: 128/4 for ``dot``, 64/4 for ``fma``, 64/8 for ``fma-kt``).
         programs_per_sm: split-count target of :func:`choose_num_splits`.
         unpack: how INT2 codes become operands: ``asm`` (PTX ``prmt``), ``int16`` or
             ``convert``; with ``impl="fma"`` ``asm``/``int16`` mean the exponent trick
             (``1 + code/4`` in integer ops) and ``convert`` an int→float conversion.
-        impl: INT2 tile loop, one of :data:`DECODE_IMPLS`: ``dot`` (``tl.dot``) or
-            ``fma`` (CUDA-core FMA, dequantisation folded per token). Same results up
-            to float rounding; the BF16 windows follow the same choice.
+        impl: INT2 tile loop, one of :data:`DECODE_IMPLS`: ``dot`` (``tl.dot``),
+            ``fma`` (CUDA-core FMA, dequantisation folded per token) or ``fma-kt``
+            (the same with the key sum inside each thread). Same results up to float
+            rounding; the BF16 windows follow the same choice.
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -173,7 +175,7 @@ def _launch_decode(
     plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
     kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    fma = impl == "fma"
+    fma = impl.startswith("fma")
     # tl.dot needs 16 rows; the FMA loop only a power of two
     g_pad = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
     LAST_COMPILED["decode_split"] = decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
@@ -224,7 +226,7 @@ def _launch_decode(
         PAGED_BF16=bf16_pages is not None,
         DOT=tl.float32 if fma else dot_dtype(),
         UNPACK=unpack_mode(unpack),
-        FMA=fma,
+        FMA={"dot": 0, "fma": 1, "fma-kt": 2}[impl],
         FUNPACK=0 if unpack == "convert" else 1,
         **opts,
     )

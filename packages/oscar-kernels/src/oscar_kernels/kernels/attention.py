@@ -286,19 +286,36 @@ def _fma_int2_scores(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FUNPACK: tl.constexpr,
+    FMA: tl.constexpr = 1,
 ):
-    """Scores ``[M, BLOCK_N]`` against an INT2 key tile ``kc [BLOCK_N, Q4]``, CUDA-core FMA."""
+    """Scores ``[M, BLOCK_N]`` against an INT2 key tile ``kc [BLOCK_N, Q4]``, CUDA-core FMA.
+
+    ``FMA`` 1: products ``[M, N, d/4]`` summed over the last axis; 2: ``[M, d/4, N]``
+    (same numbers, another register layout; group = d only).
+    """
     Q4: tl.constexpr = HEAD_DIM // 4
     if GROUP == HEAD_DIM:
         # q·(s*code + z) = (A*s)*(q·f) + (z + B*s)*sum(q): no per-element dequantisation
         s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
         # one reduction over the quarter axis for all four quarters (the reduction crosses
         # lanes; the products are plain FMAs)
-        prod = q0[:, None, :] * _fcodes(kc, 0, FUNPACK)[None, :, :]
-        prod += q1[:, None, :] * _fcodes(kc, 2, FUNPACK)[None, :, :]
-        prod += q2[:, None, :] * _fcodes(kc, 4, FUNPACK)[None, :, :]
-        prod += q3[:, None, :] * _fcodes(kc, 6, FUNPACK)[None, :, :]
-        r = tl.sum(prod, 2) * s[None, :] + qsum[:, None] * z[None, :]
+        if FMA == 2:
+            # product laid out [M, d/4, N]: Triton puts lanes along the tokens, so the sum
+            # over the head dim stays inside each thread (q replicated per thread)
+            kt = tl.trans(kc)
+            prod = q0[:, :, None] * _fcodes(kt, 0, FUNPACK)[None, :, :]
+            prod += q1[:, :, None] * _fcodes(kt, 2, FUNPACK)[None, :, :]
+            prod += q2[:, :, None] * _fcodes(kt, 4, FUNPACK)[None, :, :]
+            prod += q3[:, :, None] * _fcodes(kt, 6, FUNPACK)[None, :, :]
+            acc = tl.sum(prod, 1)
+        else:
+            # [M, N, d/4]: lanes along the head dim, the sum crosses lanes (shuffles)
+            prod = q0[:, None, :] * _fcodes(kc, 0, FUNPACK)[None, :, :]
+            prod += q1[:, None, :] * _fcodes(kc, 2, FUNPACK)[None, :, :]
+            prod += q2[:, None, :] * _fcodes(kc, 4, FUNPACK)[None, :, :]
+            prod += q3[:, None, :] * _fcodes(kc, 6, FUNPACK)[None, :, :]
+            acc = tl.sum(prod, 2)
+        r = acc * s[None, :] + qsum[:, None] * z[None, :]
     else:
         r = _fma_key_quarter(q0, kc, s_ptr, z_ptr, mrow, tmask, 0, Q4, GROUP, FUNPACK)
         r += _fma_key_quarter(q1, kc, s_ptr, z_ptr, mrow, tmask, 1, Q4, GROUP, FUNPACK)
@@ -534,7 +551,7 @@ def decode_split_kernel(
     PAGED_BF16: tl.constexpr,
     DOT: tl.constexpr,
     UNPACK: tl.constexpr,
-    FMA: tl.constexpr = False,
+    FMA: tl.constexpr = 0,
     FUNPACK: tl.constexpr = 1,
 ):
     """Program ``(b*H_kv + h, split)``: all ``GQA`` query heads of KV head ``h``.
@@ -544,7 +561,8 @@ def decode_split_kernel(
     ``NUM_SPLITS + 1`` the recent ring. Each writes its normalised partial output
     and log2-sum-exp to ``po [B, H_q, NUM_SPLITS + 2, d]`` / ``plse``.
     ``PAGED_BF16`` (benchmark baseline): pages hold bf16 rows ``[P, H, page, d]``.
-    ``FMA``: no ``tl.dot`` anywhere (``G_PAD`` may be < 16; ``DOT`` must be float32).
+    ``FMA`` (0/1/2 = off / ``fma`` / ``fma-kt``): no ``tl.dot`` anywhere (``G_PAD`` may
+    be < 16; ``DOT`` must be float32).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -583,7 +601,7 @@ def decode_split_kernel(
                 kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
                 if FMA:
                     s = _fma_int2_scores(
-                        q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, FUNPACK
+                        q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, FUNPACK, FMA
                     )
                 else:
                     s = _int2_scores(
