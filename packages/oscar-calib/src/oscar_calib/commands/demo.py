@@ -23,7 +23,7 @@ DEMO_EVAL = {
     # of 1024-token ones (bf16, held-out filler): short prompts, needles inside the INT2 region
     "needle_contexts": (512,),
     "needle_depths": (0.1, 0.25, 0.4),
-    "needle_trials": 2,
+    "needle_trials": 1,
     "needle_schemes": ("bf16", "int2", "kivi2", "hadamard2", "oscar2"),
 }
 
