@@ -29,6 +29,7 @@ def compile_decode(
     funpack: int = 1,
     arch: int = 90,
     windows: bool = True,
+    group: int | None = None,
 ) -> dict:
     """Compile ``decode_split_kernel`` for ``sm_<arch>``; returns PTX counts and ptxas -v figures.
 
@@ -67,7 +68,7 @@ def compile_decode(
         GQA=gqa,
         G_PAD=triton.next_power_of_2(gqa) if fma else max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=d,
-        GROUP=d,
+        GROUP=group or d,
         SINK=64 if windows else 0,
         RECENT=256 if windows else 0,
         RING=256,
@@ -148,12 +149,15 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--funpack", type=int, default=1)
     ap.add_argument("--no-windows", action="store_true", help="the INT2 tile loop alone")
+    ap.add_argument("--group", type=int, default=None, help="quantisation group (default d)")
     a = ap.parse_args()
     for g in a.gqa:
         for bn in a.block_n:
             for w in a.warps:
-                r = compile_decode(a.impl, bn, w, g, a.d, a.funpack, windows=not a.no_windows)
-                print(f"impl={a.impl} gqa={g} d={a.d} block_n={bn} warps={w}: {r}", flush=True)
+                r = compile_decode(a.impl, bn, w, g, a.d, a.funpack, windows=not a.no_windows, group=a.group)
+                print(
+                    f"impl={a.impl} gqa={g} d={a.d} group={a.group} block_n={bn} warps={w}: {r}", flush=True
+                )
 
 
 if __name__ == "__main__":
