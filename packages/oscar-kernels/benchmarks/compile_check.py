@@ -78,7 +78,7 @@ def compile_decode(
         PAGED_BF16=False,
         DOT=tl.float32 if fma else tl.bfloat16,
         UNPACK=0,
-        FMA={"dot": 0, "fma": 1, "fma-kt": 2}[impl],
+        FMA={"dot": 0, "fma": 1, "fma-kt": 2, "fma-t": 3}[impl],
         FUNPACK=funpack,
     )
     # as the runtime specialises the benchmark shape: every pointer and integer is a

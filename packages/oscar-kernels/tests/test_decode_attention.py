@@ -13,8 +13,8 @@ def rel(a, b):
 @needs_triton
 @pytest.mark.parametrize(
     "impl, unpack",
-    [("dot", "asm"), ("fma", "asm"), ("fma", "convert"), ("fma-kt", "asm")],
-    ids=["dot", "fma", "fma-convert", "fma-kt"],
+    [("dot", "asm"), ("fma", "asm"), ("fma", "convert"), ("fma-kt", "asm"), ("fma-t", "asm")],
+    ids=["dot", "fma", "fma-convert", "fma-kt", "fma-t"],
 )
 @pytest.mark.parametrize(
     "d, h, g, page, group, granularity, splits",

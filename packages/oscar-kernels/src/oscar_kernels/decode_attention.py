@@ -28,11 +28,12 @@ __all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode", "DECODE
 
 #: INT2 tile loops of the decode kernel: ``dot`` (tensor cores via ``tl.dot``, GQA group
 #: padded to 16 rows), ``fma`` (CUDA-core float32 FMA, group padded to a power of two),
-#: ``fma-kt`` (``fma`` with the key products laid out ``[heads, d/4, tokens]``)
-DECODE_IMPLS = ("dot", "fma", "fma-kt")
+#: ``fma-kt`` (``fma`` with the key products laid out ``[heads, d/4, tokens]``), ``fma-t``
+#: (``fma-kt`` plus the value products laid out ``[tokens, heads, d/4]``)
+DECODE_IMPLS = ("dot", "fma", "fma-kt", "fma-t")
 
 #: launch defaults per implementation: (block_n, num_warps)
-_DEFAULTS = {"dot": (128, 4), "fma": (64, 4), "fma-kt": (64, 8)}
+_DEFAULTS = {"dot": (128, 4), "fma": (64, 4), "fma-kt": (64, 8), "fma-t": (32, 4)}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -92,15 +93,16 @@ def decode_attention(
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages: Triton tile size and launch options (``None``:
-            the default of ``impl``: 128/4 for ``dot``, 64/4 for ``fma``, 64/8 for ``fma-kt``).
+            the default of ``impl``: see ``_DEFAULTS``).
         programs_per_sm: split-count target of :func:`choose_num_splits`.
         unpack: how INT2 codes become operands: ``asm`` (PTX ``prmt``), ``int16`` or
             ``convert``; with ``impl="fma"`` ``asm``/``int16`` mean the exponent trick
             (``1 + code/4`` in integer ops) and ``convert`` an int→float conversion.
         impl: INT2 tile loop, one of :data:`DECODE_IMPLS`: ``dot`` (``tl.dot``),
-            ``fma`` (CUDA-core FMA, dequantisation folded per token) or ``fma-kt``
-            (the same with the key sum inside each thread). Same results up to float
-            rounding; the BF16 windows follow the same choice.
+            ``fma`` (CUDA-core FMA, dequantisation folded per token), ``fma-kt``
+            (the same with the key sum inside each thread) or ``fma-t`` (key and
+            value sums inside threads). Same results up to float rounding; the BF16
+            windows follow the same choice (in the ``fma`` layout).
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -226,7 +228,7 @@ def _launch_decode(
         PAGED_BF16=bf16_pages is not None,
         DOT=tl.float32 if fma else dot_dtype(),
         UNPACK=unpack_mode(unpack),
-        FMA={"dot": 0, "fma": 1, "fma-kt": 2}[impl],
+        FMA={"dot": 0, "fma": 1, "fma-kt": 2, "fma-t": 3}[impl],
         FUNPACK=0 if unpack == "convert" else 1,
         **opts,
     )

@@ -299,7 +299,7 @@ def _fma_int2_scores(
         s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
         # one reduction over the quarter axis for all four quarters (the reduction crosses
         # lanes; the products are plain FMAs)
-        if FMA == 2:
+        if FMA >= 2:
             # product laid out [M, d/4, N]: Triton puts lanes along the tokens, so the sum
             # over the head dim stays inside each thread (q replicated per thread)
             kt = tl.trans(kc)
@@ -365,10 +365,23 @@ def _fma_int2_pv(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FUNPACK: tl.constexpr,
+    FMA: tl.constexpr = 1,
 ):
-    """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``, CUDA-core FMA."""
+    """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``, CUDA-core FMA.
+
+    ``FMA`` 3: products laid out ``[N, M, d/4]`` (the token sum is the leading axis, which
+    Triton keeps inside each thread) instead of ``[M, N, d/4]``; group = d only.
+    """
     Q4: tl.constexpr = HEAD_DIM // 4
-    if GROUP == HEAD_DIM:
+    if GROUP == HEAD_DIM and FMA == 3:
+        s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
+        pst = tl.trans(p * s[None, :])  # [N, M]
+        corr = tl.sum(p * z[None, :], 1)[:, None]
+        acc0 += tl.sum(pst[:, :, None] * _fcodes(vc, 0, FUNPACK)[:, None, :], 0) + corr
+        acc1 += tl.sum(pst[:, :, None] * _fcodes(vc, 2, FUNPACK)[:, None, :], 0) + corr
+        acc2 += tl.sum(pst[:, :, None] * _fcodes(vc, 4, FUNPACK)[:, None, :], 0) + corr
+        acc3 += tl.sum(pst[:, :, None] * _fcodes(vc, 6, FUNPACK)[:, None, :], 0) + corr
+    elif GROUP == HEAD_DIM:
         # p·(s*code + z) = (p*A*s)·f + sum(p*(z + B*s)), the same for all four quarters
         s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
         ps = p * s[None, :]
@@ -561,8 +574,8 @@ def decode_split_kernel(
     ``NUM_SPLITS + 1`` the recent ring. Each writes its normalised partial output
     and log2-sum-exp to ``po [B, H_q, NUM_SPLITS + 2, d]`` / ``plse``.
     ``PAGED_BF16`` (benchmark baseline): pages hold bf16 rows ``[P, H, page, d]``.
-    ``FMA`` (0/1/2 = off / ``fma`` / ``fma-kt``): no ``tl.dot`` anywhere (``G_PAD`` may
-    be < 16; ``DOT`` must be float32).
+    ``FMA`` (0/1/2/3 = off / ``fma`` / ``fma-kt`` / ``fma-t``): no ``tl.dot`` anywhere
+    (``G_PAD`` may be < 16; ``DOT`` must be float32).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -621,7 +634,20 @@ def decode_split_kernel(
                 vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
                 if FMA:
                     acc0, acc1, acc2, acc3 = _fma_int2_pv(
-                        p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, FUNPACK
+                        p,
+                        acc0,
+                        acc1,
+                        acc2,
+                        acc3,
+                        vc,
+                        vs_ptr,
+                        vz_ptr,
+                        mrow,
+                        tmask,
+                        GROUP,
+                        HEAD_DIM,
+                        FUNPACK,
+                        FMA,
                     )
                 else:
                     acc0, acc1, acc2, acc3 = _int2_pv(
