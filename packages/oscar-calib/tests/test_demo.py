@@ -24,6 +24,7 @@ def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
         demo,
         "DEMO_EVAL",
         {
+            "schemes": ("bf16", "int2", "kivi2", "hadamard2", "oscar2"),
             "contexts": (400,),
             "num_sequences": 1,
             "sink": 16,

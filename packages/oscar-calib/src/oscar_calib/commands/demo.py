@@ -17,6 +17,7 @@ __all__ = ["register", "run", "DEMO_CALIBRATION", "DEMO_EVAL"]
 DEMO_CALIBRATION = {"tokens": 4096, "seq_len": 1024, "granularity": "kv_head"}
 #: evaluation of the demo.
 DEMO_EVAL = {
+    "schemes": None,  # None: oscar_calib.schemes.DEFAULT_SCHEMES (every built-in scheme and ablation)
     "contexts": (2048,),
     "num_sequences": 2,
     # SmolLM2-135M itself finds the key in only about half of 512-token prompts and a third
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     )
     save_rotations(out / "rotations.safetensors", rotations)
     t = _stage(f"calibrate ({DEMO_CALIBRATION['tokens']} tokens)", t, times)
-    config = EvalConfig(schemes=DEFAULT_SCHEMES, **DEMO_EVAL)
+    settings = dict(DEMO_EVAL)
+    settings["schemes"] = settings.get("schemes") or DEFAULT_SCHEMES
+    config = EvalConfig(**settings)
     result = run_eval(
         model, tokenizer, rotations, config, progress=not args.quiet, model_name=model_name(args.model)
     )

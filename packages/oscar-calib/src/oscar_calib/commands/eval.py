@@ -10,8 +10,6 @@ __all__ = ["register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..schemes import DEFAULT_SCHEMES
-
     p = subparsers.add_parser(
         "eval",
         help="evaluate KV quantisation schemes (perplexity, KL, top-1, errors, passkey)",
@@ -28,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--context", type=int, nargs="+", default=[1024, 2048], metavar="N", help="context lengths"
     )
     p.add_argument(
-        "--schemes", nargs="+", default=list(DEFAULT_SCHEMES), metavar="NAME", help="schemes to compare"
+        "--schemes", nargs="+", metavar="NAME", help="schemes to compare (default: every built-in one)"
     )
     p.add_argument("--num-seqs", type=int, default=3, metavar="K", help="sequences per context (default 3)")
     p.add_argument("--sink", type=int, default=64, help="BF16 sink tokens (default 64)")
@@ -62,10 +60,11 @@ def run(args: argparse.Namespace) -> int:
 
     from ..evaluate import EvalConfig, format_table, run_eval
     from ..models import load_model, model_info, model_name
+    from ..schemes import DEFAULT_SCHEMES
 
     config = EvalConfig(
         contexts=tuple(args.context),
-        schemes=tuple(args.schemes),
+        schemes=tuple(args.schemes or DEFAULT_SCHEMES),
         num_sequences=args.num_seqs,
         sink=args.sink,
         recent=args.recent,
