@@ -787,7 +787,7 @@ def bench_impls(ctx, bsz, copy_gbs, log, cfgs):
 FMA_SHAPES = ((131072, 8), (131072, 1), (131072, 32), (32768, 8), (32768, 1), (32768, 32))
 
 
-def run_fma(copy_gbs, log, env, out_dir, budget_s=170.0, checks=None, shapes=FMA_SHAPES, top_ctx=131072):
+def run_fma(copy_gbs, log, env, out_dir, budget_s=150.0, checks=None, shapes=FMA_SHAPES, top_ctx=131072):
     """Checks of impl="fma", then decode benchmarks; stops starting new work after ``budget_s``.
 
     The full config sweep runs at ``top_ctx`` for the first batch size; later shapes reuse
