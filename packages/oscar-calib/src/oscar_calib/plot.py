@@ -12,8 +12,9 @@ def plot_result(result: Any, path: str | Path, context: str | int | None = None)
     """Write a PNG with four panels for one context length (default: the largest).
 
     Top: relative attention-logit error and output error per layer, one line per
-    scheme. Bottom: perplexity and KL(BF16 ‖ scheme) per scheme, bars with the std over
-    sequences as error bars (the BF16 perplexity as a dashed line).
+    scheme. Bottom: the paired perplexity increase over BF16 (or the perplexity when
+    there is no BF16 reference) and KL(BF16 ‖ scheme) per scheme, bars with the std over
+    sequences as error bars.
 
     Args:
         result: :class:`oscar_calib.evaluate.EvalResult` or its dict.
@@ -48,16 +49,25 @@ def plot_result(result: Any, path: str | Path, context: str | int | None = None)
     axes[0, 0].legend(fontsize=8, ncol=2)
     quant = [n for n in names if block[n]["bits_per_element"] < 16]
     ref = [n for n in names if block[n]["bits_per_element"] >= 16]
+    paired = all("delta_ppl" in block[n] for n in quant)
+    ppl_metric = "delta_ppl" if paired else "perplexity"
+    ppl_title = (
+        "perplexity increase over BF16, % (paired, mean ± std)" if paired else "perplexity (mean ± std)"
+    )
     for ax, metric, title in (
-        (axes[1, 0], "perplexity", "perplexity (mean ± std over sequences)"),
-        (axes[1, 1], "kl", "KL(BF16 ‖ scheme), nats/token"),
+        (axes[1, 0], ppl_metric, ppl_title),
+        (axes[1, 1], "kl", "KL(BF16 ‖ scheme), nats/token (mean ± std)"),
     ):
-        means = [block[n][metric]["mean"] for n in quant]
-        stds = [block[n][metric]["std"] for n in quant]
+        scale = 100.0 if metric == "delta_ppl" else 1.0
+        means = [block[n][metric]["mean"] * scale for n in quant]
+        stds = [block[n][metric]["std"] * scale for n in quant]
         bars = ax.bar(range(len(quant)), means, yerr=stds, capsize=3, color="tab:blue", alpha=0.8)
         for b, n in zip(bars, quant, strict=True):
-            if n.startswith("oscar2") and n == "oscar2":
+            if n == "oscar2":
                 b.set_color("tab:red")
+        if metric == "delta_ppl":
+            ax.axhline(5.0, ls=":", color="k", label="5% of BF16")
+            ax.legend(fontsize=8)
         if metric == "perplexity" and ref:
             ax.axhline(block[ref[0]][metric]["mean"], ls="--", color="k", label=f"{ref[0]}")
             ax.legend(fontsize=8)
