@@ -40,6 +40,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--num-seqs", type=int, default=4)
+    ap.add_argument("--needle-contexts", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--needle-trials", type=int, default=3)
+    ap.add_argument("--gen-contexts", type=int, nargs="+", default=[1024, 2048])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,9 +55,8 @@ def main() -> int:
     print(f"device {dev} ({name}), load {times['load']:.1f} s")
 
     t = time.perf_counter()
-    rot = calibrate(
-        model, tok, CalibrationConfig(tokens=args.tokens, seq_len=2048), model_name=model_name("smollm2")
-    )
+    calib = CalibrationConfig(tokens=args.tokens, seq_len=min(2048, args.tokens))
+    rot = calibrate(model, tok, calib, model_name=model_name("smollm2"))
     times["calibrate"] = time.perf_counter() - t
     save_rotations(out / "smollm2-gpu.safetensors", rot)
     print(f"calibrated on {args.tokens} tokens in {times['calibrate']:.1f} s")
@@ -65,18 +67,19 @@ def main() -> int:
         schemes=DEFAULT_SCHEMES,
         num_sequences=args.num_seqs,
         error_sequences=1,
-        needle_contexts=(1024, 2048),
+        needle_contexts=tuple(args.needle_contexts),
         needle_depths=(0.1, 0.25, 0.5),
-        needle_trials=3,
+        needle_trials=args.needle_trials,
     )
     result = run_eval(model, tok, rot, cfg, model_name=model_name("smollm2"))
     times["eval"] = time.perf_counter() - t
     (out / "eval.json").write_text(result.to_json())
+    print(format_table(result), flush=True)
 
     # generate() through the packed-INT2 OscarCache vs the plain cache, greedy
     heldout = split_text(builtin_text())[1]
     gen = []
-    for context in (1024, 2048):
+    for context in args.gen_contexts:
         for depth in (0.1, 0.3):
             key = str(10000 + (context * 7 + int(depth * 100)) % 89999)
             prompt = _passkey_prompt(heldout, tok, context, depth, key)
@@ -92,7 +95,6 @@ def main() -> int:
                     row["oscar2"]["bits_per_element"] = kw["past_key_values"].bits_per_element()
             gen.append(row)
     (out / "generate.json").write_text(json.dumps({"generate": gen, "times": times}, indent=1))
-    print(format_table(result))
     for r in gen:
         print(
             f"passkey ctx={r['context']} depth={r['depth']}: bf16 {r['bf16']['found']} "

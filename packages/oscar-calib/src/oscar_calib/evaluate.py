@@ -210,7 +210,9 @@ def run_eval(
             _log(progress, f"oscar eval: only {len(seqs)} held-out sequences of {context} tokens available")
         per: dict[str, dict[str, list[float]]] = {n: {"nll": [], "kl": [], "top1": []} for n in schemes}
         errors: dict[str, dict[int, LayerErrors]] = {n: {} for n in schemes}
+        device = next(model.parameters()).device
         for i, seq in enumerate(seqs):
+            seq = seq.to(device)
             ids = seq[None]
             ts = time.perf_counter()
             ref = final_hidden(model, ids)[0]

@@ -137,13 +137,14 @@ def run_needle_case(
         ``(correct, answer_text)``.
     """
     cache = make_cache()
-    hay = case.haystack[None]
+    device = next(model.parameters()).device
+    hay = case.haystack[None].to(device)
     kw = cache_kwarg(model, cache)
     with torch.no_grad():
         model(input_ids=hay, use_cache=True, **kw)
         out = model.generate(
-            case.input_ids[None],
-            attention_mask=torch.ones(1, case.context, dtype=torch.long),
+            case.input_ids[None].to(device),
+            attention_mask=torch.ones(1, case.context, dtype=torch.long, device=device),
             **kw,
             max_new_tokens=max_new_tokens,
             do_sample=False,
