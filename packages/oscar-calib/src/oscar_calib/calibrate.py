@@ -191,11 +191,11 @@ def rotations_from_statistics(
     }
     clip_report: dict[str, list[float]] = {"k_error_ratio": [], "v_error_ratio": []}
     for i in range(info.num_layers):
-        c_q = stats.query_cov[i].result(config.granularity)  # [G, d, d]
-        c_s = stats.value_cov[i].result(config.granularity)
+        c_q = stats.query_cov[i].result(config.granularity).cpu()  # [G, d, d]
+        c_s = stats.value_cov[i].result(config.granularity).cpu()
         R_k, lam_k = _rotation(c_q, gs, config)
         R_v, lam_v = _rotation(c_s, gs, config)
-        mean = stats.key_mean[i].result(config.granularity)  # [G, d]
+        mean = stats.key_mean[i].result(config.granularity).cpu()  # [G, d]
         sample = stats.samples[i]
         keys = _grouped(sample.keys.double(), g)  # [N, G, d]
         values = _grouped(sample.values.double(), g)
