@@ -20,9 +20,9 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``int2``                  per-token asymmetric min/max INT2, one group per row, no rotation
 ``kivi2``                 KIVI: keys per channel over 32-token blocks, values per token
 ``hadamard2``             seeded random-sign Hadamard rotation, per-token INT2
-``oscar2``                calibrated rotations + key centering + tempered calibrated clipping
-                          (``alpha ** 0.5``, see :data:`OSCAR2_CLIP_POWER`)
-``oscar2-calclip``        ``oscar2`` with the calibrated clip ratios as stored
+``oscar2``                calibrated rotations + key centering + the artifact's clip ratios as
+                          stored (tempered ``alpha ** 0.5`` by calibration: what engines serve)
+``oscar2-calclip``        ``oscar2`` with the untempered searched ratios ``alpha``
 ``oscar2-noclip``         ``oscar2`` without clipping
 ``oscar2-nocenter``       ``oscar2`` without key centering
 ``oscar2-nobitrev``       ``oscar2`` without the bit-reversal permutation (group < d only)
@@ -53,7 +53,6 @@ __all__ = [
     "remove_bit_reversal",
     "oscar_schemes",
     "DEFAULT_SCHEMES",
-    "OSCAR2_CLIP_POWER",
     "QUANTIZED_BITS",
 ]
 
@@ -373,25 +372,28 @@ def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
     )
 
 
-#: exponent applied to the artifact's calibrated clip ratios by ``oscar2`` (keys, values):
-#: ``alpha' = alpha ** p``. 1 uses the calibrated ratios as they are (``oscar2-calclip``),
-#: 0 disables clipping. Measured (docs/results.md): the calibrated ratios (~0.65 for keys on
-#: SmolLM2) minimise the per-row error the search sees but clip the rare large-norm keys
-#: that attention depends on; ``sqrt`` (~0.8) halves KL(bf16 ‖ scheme) on held-out text.
-OSCAR2_CLIP_POWER = (0.5, 0.5)
+def _stored_clip_power(rotations: Any) -> float:
+    """The artifact's ``clip_power`` (stored ratio = searched ** power; 1 if not recorded)."""
+    cal = getattr(rotations, "calibration", None) or {}
+    p = cal.get("clip_power", 1.0) if isinstance(cal, dict) else 1.0
+    return float(p) if isinstance(p, (int, float)) and p > 0 else 1.0
 
 
-def _tempered(clip: torch.Tensor | None, power: float) -> torch.Tensor | None:
+def _clip_for(clip: torch.Tensor | None, power: float | None, stored_power: float) -> torch.Tensor | None:
+    """Clip ratios for a scheme: ``power`` None = as stored (what engines serve); else the
+    *searched* ratio ``** power`` (0 = no clipping, 1 = the raw search result)."""
     if clip is None or power == 0:
         return None
-    return clip if power == 1 else clip.clamp(min=1e-6) ** power
+    if power is None or power == stored_power:
+        return clip
+    return clip.clamp(min=1e-6) ** (power / stored_power)
 
 
 def _oscar_factory(
     name: str,
     description: str,
     *,
-    clip_power: tuple[float, float] = OSCAR2_CLIP_POWER,
+    clip_power: tuple[float | None, float | None] = (None, None),
     center: bool = True,
     rotate: bool = True,
     bit_reversal: bool = True,
@@ -400,7 +402,9 @@ def _oscar_factory(
         rot = _require_rotations(ctx, name)
         gs = ctx.effective_group_size
 
-        def codec(kind: str, power: float) -> Callable[[int], RowCodec]:
+        stored = _stored_clip_power(rot)
+
+        def codec(kind: str, power: float | None) -> Callable[[int], RowCodec]:
             def build(i: int) -> RowCodec:
                 r = _layer_tensor(rot, i, f"{kind}_rotation") if rotate else None
                 if r is not None and not bit_reversal:
@@ -409,7 +413,7 @@ def _oscar_factory(
                     gs,
                     rotation=r,
                     mean=_layer_tensor(rot, i, f"{kind}_mean") if center else None,
-                    clip=_tempered(_layer_tensor(rot, i, f"{kind}_clip"), power),
+                    clip=_clip_for(_layer_tensor(rot, i, f"{kind}_clip"), power, stored),
                 )
 
             return build
@@ -457,12 +461,12 @@ def _specs() -> list[Any]:
         ),
         SchemeSpec(
             "oscar2",
-            "OSCAR: calibrated rotations + key centering + tempered calibrated clipping (sqrt of ratio)",
-            _oscar_factory("oscar2", "calibrated rotation + key centering + clip alpha**0.5"),
+            "OSCAR: calibrated rotations + key centering + calibrated clipping, as stored in the artifact",
+            _oscar_factory("oscar2", "calibrated rotation + key centering + stored clip (alpha**0.5)"),
         ),
         SchemeSpec(
             "oscar2-calclip",
-            "oscar2 with the calibrated clip ratios as stored (ablation)",
+            "oscar2 with the untempered searched clip ratios alpha (ablation)",
             _oscar_factory(
                 "oscar2-calclip", "calibrated rotation + centering + clip alpha", clip_power=(1, 1)
             ),
