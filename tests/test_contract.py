@@ -25,19 +25,20 @@ H_Q, H_KV, D, LAYERS = 4, 2, 64, 2
 SINK, RECENT = 8, 16
 
 
-def _random_rotations(tmp_path, group_size: int) -> Rotations:
+def _random_rotations(tmp_path, group_size: int, granularity: str) -> Rotations:
     g = torch.Generator().manual_seed(3)
+    G = H_KV if granularity == "kv_head" else 1
     layers = []
     for _ in range(LAYERS):
         rot = {}
         for kind in ("k", "v"):
-            a = torch.randn(H_KV, D, D, generator=g, dtype=torch.float64)
+            a = torch.randn(G, D, D, generator=g, dtype=torch.float64)
             lam, u = eigenbasis(a @ a.transpose(-1, -2))
             rot[f"{kind}_rotation"] = compose_rotation(u, group_size).float()
             rot[f"{kind}_eigenvalues"] = lam.float()
-        rot["k_clip"] = torch.tensor([0.8, 0.95])
-        rot["v_clip"] = torch.tensor([0.9, 1.0])
-        rot["k_mean"] = torch.randn(H_KV, D, generator=g)
+        rot["k_clip"] = torch.tensor([0.8, 0.95])[:G]
+        rot["v_clip"] = torch.tensor([0.9, 1.0])[:G]
+        rot["k_mean"] = torch.randn(G, D, generator=g)
         layers.append(rot)
     rotations = Rotations(
         model="contract-test",
@@ -47,7 +48,7 @@ def _random_rotations(tmp_path, group_size: int) -> Rotations:
         group_size=group_size,
         sink_tokens=SINK,
         recent_tokens=RECENT,
-        granularity="kv_head",
+        granularity=granularity,
         calibration={"source": "random"},
         **{name: [layer[name] for layer in layers] for name in layers[0]},
     )
@@ -59,7 +60,10 @@ def _random_rotations(tmp_path, group_size: int) -> Rotations:
 def _contract_fake_quant(x, rot, mean, clip, group_size):
     """[T, H, d] → [T, H, d] float64 straight from the documented contract."""
     out = torch.empty_like(x, dtype=torch.float64)
-    for h in range(x.shape[1]):
+    H = x.shape[1]
+    rot, clip = rot.expand(H, -1, -1), clip.expand(H)
+    mean = mean.expand(H, -1) if mean is not None else None
+    for h in range(H):
         xr = (x[:, h].double() - (mean[h].double() if mean is not None else 0)) @ rot[h].double()
         xq = fake_quantize_int2(xr.float(), group_size, float(clip[h])).double()
         out[:, h] = xq @ rot[h].double().T + (mean[h].double() if mean is not None else 0)
@@ -75,10 +79,13 @@ def _attend(q, k, v):
     return torch.einsum("ht,thd->hd", torch.softmax(logits, -1), vv)
 
 
-@pytest.fixture(params=[D, 32], ids=["group=d", "group=32"])
+@pytest.fixture(
+    params=[(D, "kv_head"), (32, "kv_head"), (D, "layer")],
+    ids=["group=d", "group=32", "granularity=layer"],
+)
 def setup(request, tmp_path):
-    gs = request.param
-    rotations = _random_rotations(tmp_path, gs)
+    gs, granularity = request.param
+    rotations = _random_rotations(tmp_path, gs, granularity)
     g = torch.Generator().manual_seed(11)
     T = SINK + RECENT + 37  # INT2 middle of 37 tokens, crossing a page boundary below
     k = torch.randn(T, H_KV, D, generator=g) * 2
@@ -115,14 +122,7 @@ def test_kernels_paged_cache_matches_contract(setup, backend):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by the e2e nox session)")
     rotations, gs, q, k, v, k_ref, v_ref = setup
-    layer = rotations.for_layer(1)
-    params = ok.LayerQuantParams(
-        k_rotation=layer.k_rotation,
-        v_rotation=layer.v_rotation,
-        k_mean=layer.k_mean,
-        k_clip=layer.k_clip,
-        v_clip=layer.v_clip,
-    )
+    params = ok.LayerQuantParams.from_rotations(rotations, 1)
     T = k.shape[0]
     layout = ok.CacheLayout(
         num_kv_heads=H_KV, head_dim=D, page_size=16, group_size=gs, sink_tokens=SINK, recent_tokens=RECENT

@@ -27,3 +27,20 @@ def test_invalid_params():
         LayerQuantParams(r, r, k_clip=1.5).expand(2, 16, torch.device("cpu"))
     with pytest.raises(OscarError, match="size of v_clip"):
         LayerQuantParams(r, r, v_clip=torch.ones(3)).expand(2, 16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
+def test_from_rotations_takes_a_layer_of_the_artifact(granularity):
+    from oscar_math.artifact import identity_rotations
+
+    rot = identity_rotations(
+        "m", num_layers=3, num_kv_heads=2, head_dim=16, granularity=granularity, k_clip=0.7, v_clip=0.9
+    )
+    p = LayerQuantParams.from_rotations(rot, 2)
+    assert p.granularity == granularity
+    ep = p.expand(2, 16, torch.device("cpu"))
+    assert torch.equal(ep.k_rotation[1], torch.eye(16))
+    assert torch.allclose(ep.k_clip, torch.tensor([0.7, 0.7]))
+    assert torch.allclose(ep.v_clip, torch.tensor([0.9, 0.9]))
+    with pytest.raises(OscarError, match="layer"):
+        LayerQuantParams.from_rotations(rot, 3)

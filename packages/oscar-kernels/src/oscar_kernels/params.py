@@ -10,6 +10,7 @@ output is un-rotated once by ``o_rot @ v_rotationᵀ``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +53,33 @@ class LayerQuantParams:
     k_mean: torch.Tensor | None = None
     k_clip: float | torch.Tensor = 1.0
     v_clip: float | torch.Tensor = 1.0
+
+    @classmethod
+    def from_rotations(cls, rotations: Any, layer: int) -> LayerQuantParams:
+        """Layer ``layer`` of an :class:`oscar_math.artifact.Rotations` (a loaded artifact).
+
+        ``layer`` granularity (``G = 1``) gives ``[d, d]`` rotations, ``kv_head`` gives
+        ``[H_kv, d, d]``; clip ratios and the key mean are taken as stored.
+        """
+        check(
+            isinstance(layer, int) and 0 <= layer < rotations.num_layers,
+            "layer",
+            f"an index in [0, {rotations.num_layers})",
+            layer,
+        )
+        lay = rotations.for_layer(layer)
+        squeeze = rotations.granularity == "layer"
+
+        def one(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t[0] if (t is not None and squeeze) else t
+
+        return cls(
+            k_rotation=one(lay.k_rotation),
+            v_rotation=one(lay.v_rotation),
+            k_mean=one(lay.k_mean),
+            k_clip=lay.k_clip,
+            v_clip=lay.v_clip,
+        )
 
     @property
     def granularity(self) -> str:
