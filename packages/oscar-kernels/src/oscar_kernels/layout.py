@@ -129,6 +129,20 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return self.k_codes.device
 
+    def kernel_operands(self, codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
+        """Pointers and strides every attention kernel takes, in their signature order.
+
+        ``codes`` replaces ``(k_codes, v_codes)`` (the BF16-pages baseline kernel reads
+        bf16 pages through the same skeleton).
+        """
+        kc, vc = (self.k_codes, self.v_codes) if codes is None else codes
+        return (
+            kc, vc, *kc.stride()[:3],
+            self.k_scale, self.k_zero, self.v_scale, self.v_zero, *self.k_scale.stride()[:3],
+            self.k_sink, self.v_sink, *self.k_sink.stride()[:3],
+            self.k_recent, self.v_recent, *self.k_recent.stride()[:3],
+        )  # fmt: skip
+
     def validate(self) -> None:
         """Check every tensor's shape and dtype against :attr:`layout`."""
         lo = self.layout
