@@ -158,3 +158,52 @@ def test_calibrate_smollm2_then_inspect(tmp_path, capsys):
     assert torch.isfinite(rot.k_clip[0]).all()
     assert main(["inspect", str(out)]) == 0
     assert "model         smollm2" in capsys.readouterr().out
+
+
+def test_serve_unknown_engine_is_one_line_error(capsys):
+    from oscar_calib.cli import main
+
+    assert main(["serve", "--engine", "nosuch", "m", "--rotations", "r.safetensors", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oscar serve: error: --engine 'nosuch': no such engine plugin"), err
+    assert len(err.splitlines()) == 1
+
+
+def test_serve_passes_unknown_arguments_to_the_launcher(monkeypatch):
+    import types
+
+    from oscar_calib.cli import main
+    from oscar_math import plugins
+    from oscar_math.hookspecs import EngineSpec
+
+    seen = {}
+    fake = types.ModuleType("oscar_fake_launcher")
+    fake.launch = lambda model, rotations, engine_args: seen.update(m=model, r=rotations, a=engine_args) or 7
+    monkeypatch.setitem(__import__("sys").modules, "oscar_fake_launcher", fake)
+    spec = EngineSpec(
+        name="fake",
+        module="json",
+        package="oscar-fake",
+        description="d",
+        launcher="oscar_fake_launcher:launch",
+    )
+    monkeypatch.setattr(plugins, "available_engines", lambda: [(spec, True, None)])
+    assert main(["serve", "--engine", "fake", "MODEL", "--rotations", "R", "--port", "8000", "-tp", "2"]) == 7
+    assert seen == {"m": "MODEL", "r": "R", "a": ["--port", "8000", "-tp", "2"]}
+
+
+def test_other_commands_still_reject_unknown_arguments(capsys):
+    from oscar_calib.cli import main
+
+    assert main(["engines", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_engine_spec_launcher_is_validated():
+    import pytest
+
+    from oscar_math.errors import OscarError
+    from oscar_math.hookspecs import EngineSpec
+
+    with pytest.raises(OscarError):
+        EngineSpec(name="x", module="x", package="p", description="d", launcher="no-colon")

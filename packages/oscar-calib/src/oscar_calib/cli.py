@@ -88,7 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oscar`` command; returns the exit status."""
     parser, handlers = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # Only `oscar serve` takes arguments it does not know: they go to the engine.
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "serve":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.engine_args = extra
     except SystemExit as exc:  # argparse already printed usage and a one-line error (or help)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:

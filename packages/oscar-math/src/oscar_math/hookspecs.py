@@ -67,12 +67,18 @@ class EngineSpec:
             whether the engine is available.
         package: distribution that provides the integration (e.g. ``oscar-vllm``).
         description: one line for listings.
+        launcher: ``"module:function"`` that starts the engine with OSCAR for
+            ``oscar serve``: ``function(model: str, rotations: str, engine_args: list[str]) -> int``
+            (exit status). It checks the artifact against the model before starting the
+            engine and raises :class:`~oscar_math.errors.OscarError` for bad input.
+            Empty: the integration cannot be launched from ``oscar serve``.
     """
 
     name: str
     module: str
     package: str
     description: str
+    launcher: str = ""
 
     def __post_init__(self) -> None:
         check(
@@ -86,6 +92,12 @@ class EngineSpec:
             "EngineSpec.module",
             "a module name",
             self.module,
+        )
+        check(
+            self.launcher == "" or (self.launcher.count(":") == 1 and all(self.launcher.split(":"))),
+            "EngineSpec.launcher",
+            "'' or 'module:function'",
+            self.launcher,
         )
 
 
