@@ -9,10 +9,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_calib.cache import OscarCache, SchemeCache
+from oscar_calib.needle import cache_kwarg
 from oscar_calib.schemes import SchemeContext, build_scheme
 from oscar_calib.simulate import Windows, simulate
 from oscar_math.bits import bits_per_element
 from oscar_math.rotation import hadamard_rotation
+
+# The harness passes the cache under the name this transformers release takes (`cache` in
+# 5.x): the deprecated `past_key_values` spelling would warn on every generate call.
+pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 
@@ -66,7 +71,7 @@ def test_huge_windows_equal_plain_generation():
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
     ref = model.generate(ids, max_new_tokens=12, do_sample=False)
     cache = OscarCache(scheme(), LAYERS, Windows(sink=4, recent=1000))
-    out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, **cache_kwarg(model, cache))
     assert torch.equal(out, ref)
     assert cache.layers[0].int2_keys is None and cache.get_seq_length() == 9 + 11
 
@@ -82,7 +87,7 @@ def test_generation_matches_simulated_decode(name):
         ids,
         max_new_tokens=20,
         do_sample=False,
-        past_key_values=cache,
+        **cache_kwarg(model, cache),
         output_logits=True,
         return_dict_in_generate=True,
     )

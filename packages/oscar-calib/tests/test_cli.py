@@ -205,3 +205,99 @@ def test_engine_spec_launcher_is_validated():
 
     with pytest.raises(OscarError):
         EngineSpec(name="x", module="x", package="p", description="d", launcher="no-colon")
+
+
+# --- output arguments, context limits: one line naming the user's argument, exit 2 ------------
+
+
+def test_demo_out_existing_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "results.txt"
+    taken.write_text("mine")
+    assert main(["demo", "--out", str(taken)]) == 2
+    _one_line_error(capsys, f"oscar demo: error: --out {taken}: is a file, expected a folder")
+    assert taken.read_text() == "mine"
+
+
+def test_calibrate_out_under_a_file_is_one_line(tmp_path, capsys):
+    taken = tmp_path / "FILE"
+    taken.write_text("mine")
+    out = taken / "x.safetensors"
+    # checked before the model is loaded: no model files exist here, and none are needed
+    assert main(["calibrate", str(tmp_path / "no-model"), "--out", str(out)]) == 2
+    _one_line_error(capsys, f"--out {out}: cannot create a folder at {taken}, a file is there")
+
+
+def test_calibrate_out_folder_names_the_argument_not_a_temp_file(tmp_path, capsys):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    assert main(["calibrate", "smollm2", "--out", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {folder}: is a folder; give a file name" in err and ".tmp" not in err
+    assert len(err.strip().splitlines()) == 1 and list(folder.iterdir()) == []
+
+
+def test_eval_plot_without_image_suffix_is_refused(tmp_path, capsys):
+    assert main(["eval", "smollm2", "--plot", str(tmp_path / "adir")]) == 2
+    _one_line_error(capsys, "--plot " + str(tmp_path / "adir") + ": expected a file name ending in .png")
+    assert main(["eval", "smollm2", "--json", str(tmp_path)]) == 2
+    _one_line_error(capsys, f"--json {tmp_path}: is a folder")
+
+
+def test_eval_context_past_the_model_limit_is_refused(monkeypatch, capsys):
+    from oscar_calib import models
+
+    loaded = []
+
+    def tiny(name, **kw):
+        loaded.append(name)
+        return tiny_random_model("llama", max_position_embeddings=512)
+
+    monkeypatch.setattr(models, "load_model", tiny)
+    assert main(["eval", "tiny", "--context", "256", "1024", "--needle-context"]) == 2
+    _one_line_error(
+        capsys, "--context 1024: longer than the model's context limit (max_position_embeddings 512)"
+    )
+    assert main(["eval", "tiny", "--context", "256", "--needle-context", "600"]) == 2
+    _one_line_error(capsys, "--needle-context 600: longer than")
+    assert main(["calibrate", "tiny", "--out", "unused.safetensors", "--seq-len", "1024"]) == 2
+    _one_line_error(capsys, "--seq-len 1024: longer than")
+    assert loaded == ["tiny"] * 3
+
+
+class _EnginesPlugin:
+    @hookimpl
+    def oscar_engines(self):
+        return [
+            EngineSpec(name="stubengine", module="json", package="oscar-stub", description="registry only"),
+            EngineSpec(
+                name="realengine",
+                module="json",
+                package="oscar-real",
+                description="serves",
+                launcher="json:dumps",
+            ),
+        ]
+
+
+def test_engines_marks_plugins_without_a_launcher_not_implemented(capsys):
+    pm = get_plugin_manager()
+    plugin = _EnginesPlugin()
+    pm.register(plugin, name="engines-status-test")
+    try:
+        assert main(["engines"]) == 0
+    finally:
+        pm.unregister(plugin)
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "not implemented" in lines["stubengine"]
+    assert " ready " in lines["realengine"] and "not implemented" not in lines["realengine"]
+    assert "cannot serve it yet" in out
+
+
+def test_engines_none_installed_names_the_repo_path(monkeypatch, capsys):
+    import oscar_math.plugins
+
+    monkeypatch.setattr(oscar_math.plugins, "available_engines", lambda: [])
+    assert main(["engines"]) == 0
+    out = capsys.readouterr().out
+    assert "pip install ./packages/oscar-vllm" in out and "pip install oscar-vllm " not in out

@@ -34,3 +34,6 @@ def test_plot_writes_png(tmp_path):
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     assert plot_result(result, tmp_path / "f2.png", context=512).exists()
+    # no suffix: matplotlib appends .png, and the returned path says so (the CLI prints it)
+    assert plot_result(result, tmp_path / "adir") == tmp_path / "adir.png"
+    assert (tmp_path / "adir.png").is_file() and not (tmp_path / "adir").exists()

@@ -290,3 +290,9 @@ def test_round_trip_property(tmp_path_factory, layers, heads, d, per_head, with_
     assert back.metadata() == rot.metadata() and back.calibration == rot.calibration
     assert set(back.tensors()) == set(rot.tensors())
     assert all(torch.equal(back.tensors()[n], t) for n, t in rot.tensors().items())
+
+
+def test_save_to_a_folder_names_the_folder_not_a_temp_file(tmp_path):
+    with pytest.raises(ArtifactError, match="expected a file name, got the folder") as info:
+        save_rotations(tmp_path, identity_rotations("m", 1, 1, 64))
+    assert ".tmp" not in str(info.value) and list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ artifact's per-head clip ratios, 2 bits per element plus a bf16 scale and zero p
 group). Tokens move from the recent window into INT2 as generation proceeds::
 
     cache = OscarCache.from_rotations(model, rotations)          # or from a scheme
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=16)
+    out = model.generate(ids, cache=cache, max_new_tokens=16)      # transformers < 5: past_key_values=
     cache.bits_per_element()                                       # what is stored
 
 :class:`SchemeCache` keeps exact K/V and serves any :class:`~oscar_calib.schemes.KVScheme`
@@ -170,7 +170,9 @@ class OscarLayer(DynamicLayer):
 
 
 class OscarCache(Cache):
-    """Mixed BF16 / packed-INT2 KV cache for ``model.generate(..., past_key_values=...)``.
+    """Mixed BF16 / packed-INT2 KV cache for ``model.generate(..., cache=...)`` (transformers 5).
+
+    Before transformers 5 the argument is called ``past_key_values``.
 
     Args:
         scheme: a per-token INT2 scheme (``oscar2``, ``int2``, ``hadamard2`` ...) whose

@@ -84,6 +84,8 @@ def plot_result(result: Any, path: str | Path, context: str | int | None = None)
     )
     fig.tight_layout()
     out = Path(path)
+    if not out.suffix:  # matplotlib would append ".png" itself: return the name it writes
+        out = out.with_name(out.name + ".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

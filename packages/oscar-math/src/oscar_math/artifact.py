@@ -275,6 +275,8 @@ def save_rotations(path: str | os.PathLike, rot: Rotations) -> Path:
     if not isinstance(rot, Rotations):
         raise ArtifactError(f"Invalid rot: expected Rotations, got {type(rot).__name__}")
     p = Path(path)
+    if p.is_dir():  # checked first: os.replace would name the temporary file instead
+        raise ArtifactError(f"Invalid path: expected a file name, got the folder '{path}'")
     p.parent.mkdir(parents=True, exist_ok=True)
     # write beside the target, then rename: a crash never leaves a half-written artifact
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)

@@ -7,10 +7,65 @@ returns the exit status. Plugins add commands through the ``oscar_cli_commands``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+
+from oscar_math.errors import OscarError
 
 BUILTIN_COMMANDS = ("calibrate", "eval", "demo", "inspect", "engines", "serve")
 
-__all__ = ["BUILTIN_COMMANDS", "format_table"]
+__all__ = ["BUILTIN_COMMANDS", "check_context", "check_output_dir", "check_output_file", "format_table"]
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The first existing non-folder among ``path``'s parents (it blocks creating ``path``)."""
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return parent
+    return None
+
+
+def check_output_file(option: str, value: str, *, suffixes: Sequence[str] = ()) -> Path:
+    """Check an output-file argument before any work is done; errors name ``option`` and ``value``.
+
+    The file may exist (it is replaced); it must not be a folder, and no existing file may
+    stand where one of its parent folders has to be created. ``suffixes`` (e.g.
+    ``(".png",)``): the name must end in one of them.
+    """
+    path = Path(value).expanduser()
+    if path.is_dir():
+        example = path / f"name{suffixes[0] if suffixes else ''}"
+        raise OscarError(f"{option} {value}: is a folder; give a file name, e.g. {example}")
+    blocker = _blocking_file(path)
+    if blocker is not None:
+        raise OscarError(f"{option} {value}: cannot create a folder at {blocker}, a file is there")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise OscarError(f"{option} {value}: expected a file name ending in {' or '.join(suffixes)}")
+    return path
+
+
+def check_output_dir(option: str, value: str) -> Path:
+    """Check an output-folder argument (created if missing); errors name ``option`` and ``value``."""
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise OscarError(f"{option} {value}: is a file, expected a folder (it is created if missing)")
+    blocker = _blocking_file(path)
+    if blocker is not None:
+        raise OscarError(f"{option} {value}: cannot create a folder at {blocker}, a file is there")
+    return path
+
+
+def check_context(option: str, lengths: Sequence[int], max_positions: int) -> None:
+    """Refuse token lengths past the model's ``max_position_embeddings`` (0: unknown, no limit).
+
+    Past that length RoPE positions were never trained: perplexity and the KV statistics
+    there measure a broken model, not the quantisation.
+    """
+    too_long = [n for n in lengths if max_positions and n > max_positions]
+    if too_long:
+        raise OscarError(
+            f"{option} {' '.join(map(str, too_long))}: longer than the model's context limit "
+            f"(max_position_embeddings {max_positions})"
+        )
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, align: str = "") -> str:

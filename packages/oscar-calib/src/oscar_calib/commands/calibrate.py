@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from oscar_math.artifact import save_rotations
 
     from ..calibrate import CalibrationConfig, calibrate
-    from ..models import load_model, model_name
+    from ..models import load_model, model_info, model_name
+    from . import check_context, check_output_file
 
+    out = check_output_file("--out", args.out)  # before the expensive pass, not after it
     config = CalibrationConfig(
         tokens=args.tokens,
         seq_len=args.seq_len,
@@ -55,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device)
+    check_context("--seq-len", [args.seq_len], model_info(model).max_positions)
     rotations = calibrate(
         model, tokenizer, config, model_name=model_name(args.model), progress=not args.quiet
     )
-    path = save_rotations(args.out, rotations)
+    path = save_rotations(out, rotations)
     seconds = time.perf_counter() - start
     cal = rotations.calibration
     k_clip = sum(float(c.mean()) for c in rotations.k_clip) / rotations.num_layers

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 __all__ = ["register", "run", "DEMO_CALIBRATION", "DEMO_EVAL"]
 
@@ -35,11 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="calibrate smollm2 and compare every scheme (CPU, a few minutes)",
         description=(
             "Calibrate SmolLM2-135M on the calibration part of the built-in text, evaluate "
-            "every KV scheme on the held-out part, print the table and write results.json "
-            "and results.png into DIR."
+            "every KV scheme on the held-out part, print the table and write the calibrated "
+            "artifact rotations.safetensors, results.json and results.png into DIR."
         ),
     )
-    p.add_argument("--out", default="oscar-demo", metavar="DIR", help="output folder (default ./oscar-demo)")
+    p.add_argument(
+        "--out",
+        default="oscar-demo",
+        metavar="DIR",
+        help="output folder for rotations.safetensors, results.json, results.png (default ./oscar-demo)",
+    )
     p.add_argument("--model", default="smollm2", help=argparse.SUPPRESS)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -61,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from ..models import load_model, model_name
     from ..plot import plot_result
     from ..schemes import DEFAULT_SCHEMES
+    from . import check_output_dir
 
-    out = Path(args.out)
+    out = check_output_dir("--out", args.out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t_all = t = time.perf_counter()

@@ -15,6 +15,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
 
 
+# Plugins live in this repository, not on a package index: install them from a checkout.
+_INSTALL_HINT = (
+    "pip install ./packages/oscar-vllm or ./packages/oscar-sglang from a checkout of the OSCAR repository"
+)
+
+
+def _status(spec: object) -> str:
+    # An integration without a launcher cannot start its engine: a registry entry only.
+    # Judged from the spec, not from engine names, so a plugin becomes "ready" by itself.
+    return "ready" if getattr(spec, "launcher", "") else "not implemented"
+
+
 def run(args: argparse.Namespace) -> int:
     from oscar_math.plugins import available_engines, plugin_load_errors
 
@@ -23,19 +35,25 @@ def run(args: argparse.Namespace) -> int:
     engines = available_engines()
     errors = plugin_load_errors()
     if not engines:
-        print("no engine plugins installed (pip install oscar-vllm or oscar-sglang)")
+        print(f"no engine plugins installed ({_INSTALL_HINT})")
     else:
         rows = [
             [
                 spec.name,
                 spec.package,
+                _status(spec),
                 spec.module,
                 "yes" if ok else "no",
                 "" if ok else (error or ""),
             ]
             for spec, ok, error in engines
         ]
-        print(format_table(["engine", "plugin package", "module", "imports", "error"], rows))
+        print(format_table(["engine", "plugin package", "status", "module", "imports", "error"], rows))
+        if any(_status(spec) != "ready" for spec, _, _ in engines):
+            print(
+                "not implemented: the plugin registers the engine but cannot serve it yet "
+                "('oscar serve' refuses it)"
+            )
     for name, error in sorted(errors.items()):
         print(f"plugin {name!r} failed to load: {error}")
     return 0

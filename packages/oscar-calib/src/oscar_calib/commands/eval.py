@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 __all__ = ["register", "run"]
 
@@ -61,7 +60,13 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluate import EvalConfig, format_table, run_eval
     from ..models import load_model, model_info, model_name
     from ..schemes import DEFAULT_SCHEMES
+    from . import check_context, check_output_file
 
+    # Output names are checked before minutes of evaluation, not after them.
+    json_path = check_output_file("--json", args.json) if args.json else None
+    plot_path = (
+        check_output_file("--plot", args.plot, suffixes=(".png", ".pdf", ".svg")) if args.plot else None
+    )
     config = EvalConfig(
         contexts=tuple(args.context),
         schemes=tuple(args.schemes or DEFAULT_SCHEMES),
@@ -80,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     info = model_info(model)
+    check_context("--context", args.context, info.max_positions)
+    check_context("--needle-context", args.needle_context or [], info.max_positions)
     rotations = None
     if args.rotations:  # validated against the model's geometry: a mismatch names the field
         rotations = load_rotations(
@@ -89,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, rotations, config, progress=not args.quiet, model_name=model_name(args.model)
     )
     print(format_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(result.to_json())
-        print(f"wrote {args.json}")
-    if args.plot:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(result.to_json())
+        print(f"wrote {json_path}")
+    if plot_path is not None:
         from ..plot import plot_result
 
-        print(f"wrote {plot_result(result, args.plot)}")
+        print(f"wrote {plot_result(result, plot_path)}")
     sys.stdout.flush()
     return 0
