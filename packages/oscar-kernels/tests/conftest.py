@@ -54,10 +54,11 @@ def make_params(hkv: int, d: int, granularity: str, gen: torch.Generator, exact:
 
     shape = (d, d) if granularity == "layer" else (hkv, d, d)
     rot = signed_hadamard if exact else rand_orth
+    rk, rv = rot(*shape, gen=gen), rot(*shape, gen=gen)
     mean = dyadic(hkv, d, gen=gen, scale=16, span=8) if exact else 0.5 * torch.randn(hkv, d, generator=gen)
     return LayerQuantParams(
-        rot(*shape, gen=gen),
-        rot(*shape, gen=gen),
+        rk,
+        rv,
         k_mean=mean,
         k_clip=0.8 + 0.2 * torch.rand(hkv, generator=gen),
         v_clip=0.9,
