@@ -33,7 +33,7 @@ def test_decode_rejects_bad_page_ids_and_window_rows(filled):
     for bad in (cache.num_pages, -1):
         b2 = bt.clone()
         b2[1, 3] = bad  # page 3 holds tokens 12.. of the 13-token sequence
-        with pytest.raises(OscarError, match=r"Invalid block_table: .* got %d at index \[1, 3\]" % bad):
+        with pytest.raises(OscarError, match=rf"Invalid block_table: .* got {bad} at index \[1, 3\]"):
             _decode(cache, params, b2, ws)
     b2 = bt.clone()
     b2[0, 2:] = -1  # entries past a sequence's last page are padding: not checked
