@@ -101,18 +101,21 @@ def test_packed_cache_equals_fake_quant_cache_with_long_prompt():
     sch = scheme("oscar2")
     win = Windows(sink=2, recent=4)
     ids = torch.randint(0, 97, (1, 15), generator=torch.Generator().manual_seed(5))
-    outs = []
-    for cache in (OscarCache(sch, LAYERS, win), SchemeCache(sch, LAYERS, win)):
+    outs, caches = [], (OscarCache(sch, LAYERS, win), SchemeCache(sch, LAYERS, win), None)
+    for cache in caches:  # None: plain generation, the unquantised reference
         g = model.generate(
             ids,
             max_new_tokens=8,
             do_sample=False,
-            cache=cache,
+            past_key_values=cache,
             output_logits=True,
             return_dict_in_generate=True,
         )
         outs.append(torch.stack(g.logits, 1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    # both caches were used (15 + 7 tokens seen) and quantisation changed the logits
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 15 + 7
+    assert (outs[0] - outs[2]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("group_size", [HEAD_DIM, 8])
