@@ -68,8 +68,9 @@ def test_extend_rejects_bad_ids(filled):
         run(cu=torch.tensor([0, 4, 5], dtype=torch.int32, device=DEVICE))  # chunk 4 > max_query_len 3
     with pytest.raises(OscarError, match="Invalid window_slots"):
         run(ws=torch.tensor([0, -2], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(IndexError):  # opted out per call: the torch reference indexes out of range
-        run(bt=b2, check_bounds=False)
+    if DEVICE.type == "cpu":  # on CUDA an out-of-range gather is a device assert that ends the process
+        with pytest.raises(IndexError):  # opted out per call: the torch reference indexes out of range
+            run(bt=b2, check_bounds=False)
 
 
 def test_write_rejects_bad_slots_positions_and_rows(filled):
