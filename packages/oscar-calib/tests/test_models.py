@@ -32,6 +32,7 @@ def test_cache_dir_env_override(tmp_path, monkeypatch):
 
 def test_missing_converter_package_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setenv("OSCAR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OSCAR_SMOLLM2_GGUF", raising=False)  # the override would find the file
     real = models.importlib.util.find_spec
     monkeypatch.setattr(
         models.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a)

@@ -69,6 +69,39 @@ def test_run_needle_case_through_generate():
         max_position_embeddings=1024,
     )
     model = LlamaForCausalLM(cfg).eval()
-    case = build_needle_cases(_CharTokenizer(), TEXT, [300], [0.5], seed=1)[0]
-    ok, answer = run_needle_case(model, _CharTokenizer(), case, DynamicCache, max_new_tokens=5)
-    assert isinstance(ok, bool) and len(answer) == 5
+    tok = _CharTokenizer()
+    case = build_needle_cases(tok, TEXT, [300], [0.5], seed=1)[0]
+    caches = []
+
+    def make_cache():
+        caches.append(DynamicCache())
+        return caches[-1]
+
+    ok, answer = run_needle_case(model, tok, case, make_cache, max_new_tokens=5)
+    # the haystack prefilled into the cache, then the prompt's tail: the same greedy answer
+    # as generating from the whole prompt at once
+    with torch.no_grad():
+        ref = model.generate(
+            case.input_ids[None],
+            attention_mask=torch.ones(1, case.context, dtype=torch.long),
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert answer == tok.decode(ref[0, case.context :]) and len(answer) == 5
+    assert len(caches) == 1 and caches[0].get_seq_length() == case.context + 5 - 1
+    assert ok == (answer_key(answer) == case.key)
+
+    class Answers(_CharTokenizer):  # scoring: whatever is generated, the decoded text decides
+        def __init__(self, text):
+            self.text = text
+
+        def decode(self, ids, skip_special_tokens=True):
+            return self.text
+
+    assert run_needle_case(model, Answers(f" {case.key}. Done"), case, DynamicCache, 5) == (
+        True,
+        f" {case.key}. Done",
+    )
+    wrong = f" {int(case.key) ^ 1:05d}."
+    assert run_needle_case(model, Answers(wrong), case, DynamicCache, 5) == (False, wrong)

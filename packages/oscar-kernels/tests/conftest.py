@@ -26,23 +26,65 @@ def rand_orth(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
 
 
-def make_params(hkv: int, d: int, granularity: str, gen: torch.Generator):
+def signed_hadamard(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    """Hadamard matrices with random row signs and column order: entries ``±1/sqrt(d)``,
+    exact in fp32 and tf32 when ``d`` is a power of 4 (16, 64, 256)."""
+    from oscar_math.hadamard import hadamard_matrix
+
+    d = shape[-1]
+    h = hadamard_matrix(d, torch.float32)
+    n = 1 if len(shape) == 2 else shape[0]
+    out = []
+    for _ in range(n):
+        sign = torch.randint(0, 2, (d, 1), generator=gen).float() * 2 - 1
+        out.append((sign * h)[:, torch.randperm(d, generator=gen)])
+    return out[0] if len(shape) == 2 else torch.stack(out)
+
+
+def dyadic(*shape: int, gen: torch.Generator, scale: int = 8, span: int = 32) -> torch.Tensor:
+    """Multiples of ``1/scale`` in ``[-span/scale, span/scale)``: exact in bf16, and their
+    sums of products with :func:`signed_hadamard` entries are exact in fp32 in any order."""
+    return torch.randint(-span, span, shape, generator=gen).float() / scale
+
+
+def make_params(hkv: int, d: int, granularity: str, gen: torch.Generator, exact: bool = False):
+    """Random rotations, key mean and clip ratios; ``exact``: rotations and mean for which
+    rotating dyadic keys is exact arithmetic (so any summation order gives the same bits)."""
     from oscar_kernels import LayerQuantParams
 
     shape = (d, d) if granularity == "layer" else (hkv, d, d)
+    rot = signed_hadamard if exact else rand_orth
+    rk, rv = rot(*shape, gen=gen), rot(*shape, gen=gen)
+    mean = dyadic(hkv, d, gen=gen, scale=16, span=8) if exact else 0.5 * torch.randn(hkv, d, generator=gen)
     return LayerQuantParams(
-        rand_orth(*shape, gen=gen),
-        rand_orth(*shape, gen=gen),
-        k_mean=torch.randn(hkv, d, generator=gen) * 0.5,
+        rk,
+        rv,
+        k_mean=mean,
         k_clip=0.8 + 0.2 * torch.rand(hkv, generator=gen),
         v_clip=0.9,
     )
 
 
-def fill_cache(layout, lens, gen, granularity="layer", backend="torch", steps=0):
+def fill_cache(
+    layout,
+    lens,
+    gen,
+    granularity="layer",
+    backend="torch",
+    steps=0,
+    cuts=None,
+    pad=0,
+    precise=False,
+    exact=False,
+):
     """Allocate a cache and write random tokens for sequences of ``lens`` (scattered pages).
 
     The last ``steps`` tokens of each sequence are written one decode step at a time.
+    ``cuts`` (instead of ``steps``): positions where a write ends and the next begins, the
+    same for every sequence (``[]`` = one prefill-only write). ``pad`` padding tokens
+    (slot -1, huge values, position 0 of sequence 0) are mixed into every write: they
+    must change nothing. ``exact``: :func:`make_params` ``exact`` rotations and dyadic
+    keys/values, so the rotation is exact arithmetic on every device.
     Returns ``(cache, params, block_table, window_slots, keys, values)``.
     """
     from oscar_kernels import allocate_cache, paged_write
@@ -60,10 +102,14 @@ def fill_cache(layout, lens, gen, granularity="layer", backend="torch", steps=0)
     cache = allocate_cache(layout, num_pages, len(lens) + 1, DEVICE)
     for t in (cache.k_codes, cache.v_codes):  # garbage, not zeros, where nothing was written
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
-    params = make_params(layout.num_kv_heads, layout.head_dim, granularity, gen)
+    params = make_params(layout.num_kv_heads, layout.head_dim, granularity, gen, exact)
     h, d = layout.num_kv_heads, layout.head_dim
-    keys = [(torch.randn(n, h, d, generator=gen) * 2 + 0.5).bfloat16().to(DEVICE) for n in lens]
-    values = [torch.randn(n, h, d, generator=gen).bfloat16().to(DEVICE) for n in lens]
+    if exact:
+        keys = [(dyadic(n, h, d, gen=gen) + 0.5).bfloat16().to(DEVICE) for n in lens]
+        values = [dyadic(n, h, d, gen=gen).bfloat16().to(DEVICE) for n in lens]
+    else:
+        keys = [(torch.randn(n, h, d, generator=gen) * 2 + 0.5).bfloat16().to(DEVICE) for n in lens]
+        values = [torch.randn(n, h, d, generator=gen).bfloat16().to(DEVICE) for n in lens]
 
     def write(first, last):
         rows = [(b, p) for b in range(len(lens)) for p in range(first[b], last[b])]
@@ -74,6 +120,15 @@ def fill_cache(layout, lens, gen, granularity="layer", backend="torch", steps=0)
         slots = bt[b_idx, pos // ps].long() * ps + pos % ps
         k = torch.stack([keys[b][p] for b, p in rows])
         v = torch.stack([values[b][p] for b, p in rows])
+        if pad:
+            # padding tokens go before row ``at`` (random), the real rows keep their order
+            at = torch.randint(0, len(rows) + 1, (pad,), generator=gen)
+            order = torch.argsort(torch.cat([torch.arange(len(rows)) * 2 + 1, at * 2]), stable=True)
+            junk = torch.full((pad, h, d), 1e4, dtype=k.dtype, device=k.device)
+            k, v = torch.cat([k, junk])[order], torch.cat([v, -junk])[order]
+            slots = torch.cat([slots, -torch.ones(pad, dtype=slots.dtype)])[order]
+            pos = torch.cat([pos, torch.zeros(pad, dtype=pos.dtype)])[order]
+            b_idx = torch.cat([b_idx, torch.zeros(pad, dtype=b_idx.dtype)])[order]
         paged_write(
             cache,
             params,
@@ -85,8 +140,17 @@ def fill_cache(layout, lens, gen, granularity="layer", backend="torch", steps=0)
             torch.tensor(last, dtype=torch.int32, device=DEVICE),
             ws.to(DEVICE),
             backend=backend,
+            precise=precise,
         )
 
+    if cuts is not None:
+        ends = sorted(set(cuts))
+        done = [0] * len(lens)
+        for e in [*ends, max(lens)]:
+            nxt = [min(n, max(c, e)) for n, c in zip(lens, done, strict=True)]
+            write(done, nxt)
+            done = nxt
+        return cache, params, bt.to(DEVICE), ws.to(DEVICE), keys, values
     pre = [max(0, n - steps) for n in lens]
     write([0] * len(lens), pre)
     for s in range(steps):

@@ -62,3 +62,26 @@ def test_cache_from_page_buffer_views_one_engine_allocation():
     )
     with pytest.raises(OscarError, match="shape of page_buffer"):
         cache_from_page_buffer(lo, buf[:, 1:], max_seqs=2)
+
+
+@pytest.mark.parametrize(
+    "h, d, page, group, sink, recent",
+    [(8, 128, 64, None, 64, 256), (3, 64, 16, 32, 5, 7), (2, 32, 4, 8, 0, 0)],
+)
+def test_bits_per_element_is_oscar_math_and_what_is_allocated(h, d, page, group, sink, recent):
+    """One definition (oscar_math.bits_per_element with the INT2 copy of the windows), and it
+    counts exactly the bytes allocate_cache holds for one sequence filling every page."""
+    from oscar_kernels import page_bytes
+    from oscar_math import bits_per_element as math_bits
+
+    lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=recent)
+    pages = 5
+    n = pages * page
+    cache = allocate_cache(lo, num_pages=pages, max_seqs=1)
+    stored = sum(getattr(cache, f).nbytes for f in vars(cache) if f != "layout")
+    assert bits_per_element(lo, n) == stored * 8 / (2 * h * d * n)
+    assert bits_per_element(lo, n) == math_bits(
+        n, d, group_size=group, sink_tokens=sink, recent_tokens=recent, int2_copy_of_windows=True
+    )
+    assert layout_bytes_per_token(lo) == page_bytes(lo) / page
+    assert layout_bytes_per_token(lo, n) * n == pytest.approx(stored, rel=1e-12)

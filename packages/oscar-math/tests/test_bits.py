@@ -55,3 +55,12 @@ def test_kivi_bits_pinned():
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(OscarError, match=name):
         bits_per_element(**kwargs)
+
+
+def test_int2_copy_of_windows_is_the_serving_cache():
+    # every token INT2 plus full BF16 window rows per sequence (oscar-kernels' paged cache)
+    assert bits_per_element(2048, 128, int2_copy_of_windows=True) == 2.25 + 320 * 16 / 2048 == 4.75
+    assert bits_per_element(2048, 64, int2_copy_of_windows=True) == 5.0  # SmolLM2 at 2k: vs 4.609
+    assert bits_per_element(2048, 64) == 4.609375
+    assert bits_per_element(10, 128, int2_copy_of_windows=True) == 2.25 + 320 * 16 / 10  # rows allocated
+    assert bits_per_element(1000, 128, sink_tokens=0, recent_tokens=0, int2_copy_of_windows=True) == 2.25

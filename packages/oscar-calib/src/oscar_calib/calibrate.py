@@ -46,11 +46,11 @@ CONFIG_VERSION = 1
 
 def tool_version() -> str:
     """``oscar-calib`` version string recorded in artifacts."""
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version("oscar-calib")
-    except Exception:  # running from a source tree
+    except PackageNotFoundError:  # running from a source tree, not installed
         from . import __version__
 
         return __version__

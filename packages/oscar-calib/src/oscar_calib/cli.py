@@ -25,17 +25,6 @@ __all__ = ["EXIT_USAGE", "build_parser", "main"]
 EXIT_USAGE = 2
 
 
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("oscar-calib")
-    except Exception:  # not installed as a distribution (running from a source tree)
-        from . import __version__
-
-        return __version__
-
-
 def _builtin_modules() -> list[Any]:
     modules = []
     for name in BUILTIN_COMMANDS:
@@ -54,7 +43,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         prog="oscar",
         description="OSCAR: 2-bit KV-cache quantisation with attention-aware rotations.",
     )
-    parser.add_argument("--version", action="version", version=f"oscar {_version()}")
+    from .calibrate import tool_version
+
+    parser.add_argument("--version", action="version", version=f"oscar {tool_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Any] = {}
     for module in _builtin_modules():
@@ -62,12 +53,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         module.register(subparsers)
         for name in set(subparsers.choices) - before:
             handlers[name] = module
-    try:
-        from oscar_math.plugins import add_plugin_commands
-    except ImportError:  # an oscar-math without the registry: built-in commands only
-        pass
-    else:
-        add_plugin_commands(subparsers)
+    from oscar_math.plugins import add_plugin_commands
+
+    add_plugin_commands(subparsers)
     return parser, handlers
 
 

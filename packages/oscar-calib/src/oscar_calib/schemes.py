@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from oscar_math import Int2Quantized, check, dequantize_int2, fake_quantize_int2, quantize_int2
+from oscar_math.hookspecs import hookimpl
 
 __all__ = [
     "RowCodec",
@@ -302,15 +303,8 @@ class SchemeContext:
 
 
 def _layer_tensor(rotations: Any, layer_idx: int, name: str) -> torch.Tensor | None:
-    """Read ``layers.{i}.{name}`` from a Rotations object (None if absent)."""
-    layers = getattr(rotations, "layers", None)
-    if hasattr(rotations, "for_layer"):  # oscar_math.artifact.Rotations
-        value = getattr(rotations.for_layer(layer_idx), name, None)
-    elif layers is not None:
-        layer = layers[layer_idx]
-        value = layer.get(name) if isinstance(layer, dict) else getattr(layer, name, None)
-    else:
-        value = getattr(rotations, "tensors", {}).get(f"layers.{layer_idx}.{name}")
+    """``layers.{i}.{name}`` of an :class:`oscar_math.artifact.Rotations` (None if absent)."""
+    value = getattr(rotations.for_layer(layer_idx), name, None)
     if value is None:
         return None
     return torch.as_tensor(value).float()
@@ -496,27 +490,15 @@ def _specs() -> list[Any]:
     ]
 
 
+@hookimpl
 def oscar_schemes() -> list[Any]:
     """Hook implementation: the built-in schemes (see the module docstring)."""
     return _specs()
 
 
-def _hookimpl_marker() -> Callable[[Callable], Callable]:
-    try:
-        from oscar_math.hookspecs import hookimpl
-    except ImportError:  # oscar-math without plugin support: plain function, no registration
-        return lambda f: f
-    return hookimpl
-
-
-oscar_schemes = _hookimpl_marker()(oscar_schemes)
-
-
 def _all_specs() -> dict[str, Any]:
-    try:
-        from oscar_math.plugins import available_schemes
-    except ImportError:  # oscar-math without plugin support: built-ins only
-        return {s.name: s for s in _specs()}
+    from oscar_math.plugins import available_schemes
+
     specs = dict(available_schemes())
     if "bf16" not in specs:  # entry point not installed (e.g. a source checkout): add built-ins directly
         for spec in _specs():

@@ -4,6 +4,7 @@ Importing this package does not import Triton; kernels load on first use.
 """
 
 from ._backend import Backend, KernelUnavailableError, triton_available
+from ._validate import set_bounds_checks
 from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention, paged_bf16_decode
 from .extend_attention import extend_attention
 from .layout import (
@@ -27,6 +28,7 @@ __all__ = [
     "Backend",
     "KernelUnavailableError",
     "triton_available",
+    "set_bounds_checks",
     "CacheLayout",
     "PagedKVCache",
     "allocate_cache",

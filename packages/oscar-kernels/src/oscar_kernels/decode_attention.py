@@ -9,7 +9,7 @@ import torch
 from oscar_math import check
 
 from ._backend import Backend, dot_dtype, unpack_mode, use_triton
-from ._validate import check_index_tensor, check_queries
+from ._validate import check_decode_bounds, check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import decode_attention_ref
@@ -117,6 +117,7 @@ def decode_attention(
         (bsz, block_table.shape[-1] if block_table.dim() == 2 else -1),
         cache.device,
     )
+    check_decode_bounds(cache, block_table, seq_lens, window_slots)  # off under graph capture, see _validate
     check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
     unpack_mode(unpack)  # validates the name
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)

@@ -9,7 +9,7 @@ import torch
 from oscar_math import check
 
 from ._backend import Backend, dot_dtype, interpreting, unpack_mode, use_triton
-from ._validate import check_index_tensor, check_queries
+from ._validate import check_extend_bounds, check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import extend_attention_ref
@@ -45,6 +45,7 @@ def extend_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     unpack: str = "asm",
+    check_bounds: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of new chunks (varlen batch) over their cached prefixes.
 
@@ -63,6 +64,9 @@ def extend_attention(
         block_table: ``[B, max_pages]`` int32; window_slots: ``[B]`` int32.
         max_query_len: host int, the longest chunk (sizes the grid).
         backend, block_m, block_n, num_warps, num_stages, unpack: as :func:`oscar_kernels.decode_attention`.
+        check_bounds: check that chunk offsets, prefix pages and window rows are in range
+            (one host synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s
+            setting, off while a CUDA graph is captured). Raises :class:`OscarError`.
     Returns:
         ``[T, H_q, d]`` in ``q.dtype``.
     """
@@ -79,6 +83,9 @@ def extend_attention(
     check(block_table.dim() == 2, "rank of block_table", 2, block_table.dim())
     check_index_tensor("block_table", block_table, (bsz, block_table.shape[1]), cache.device)
     check(max_query_len >= 0, "max_query_len", ">= 0", max_query_len)
+    check_extend_bounds(
+        cache, t, max_query_len, cu_seqlens_q, prefix_lens, block_table, window_slots, check_bounds
+    )
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     if not use_triton(cache.device, backend):
         return extend_attention_ref(

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_math import SCALE_DTYPE, check
+from oscar_math import SCALE_DTYPE, check, int2_bits_per_element
+from oscar_math import bits_per_element as math_bits_per_element
 
 __all__ = [
     "CacheLayout",
@@ -215,33 +216,38 @@ def allocate_cache(
     )
 
 
+def bits_per_element(layout: CacheLayout, context_len: int | None = None) -> float:
+    """Bits stored per cached K or V element, metadata and windows included.
+
+    ``oscar_math.bits_per_element`` with ``int2_copy_of_windows=True`` (the one
+    definition): every token is stored in INT2 and each sequence owns full BF16 window
+    rows, so the windows add ``16 * (sink + recent) / L`` to the INT2 cost
+    (2.25 at ``group_size = head_dim = 128``). With ``context_len=None``, the INT2 part
+    alone (the cost of a very long sequence).
+    """
+    d = layout.head_dim
+    if context_len is None:
+        return int2_bits_per_element(d, layout.group)
+    check(isinstance(context_len, int) and context_len >= 1, "context_len", "an integer >= 1", context_len)
+    return math_bits_per_element(
+        context_len,
+        d,
+        group_size=layout.group,
+        sink_tokens=layout.sink_tokens,
+        recent_tokens=layout.recent_tokens,
+        int2_copy_of_windows=True,
+    )
+
+
 def layout_bytes_per_token(layout: CacheLayout, context_len: int | None = None) -> float:
     """Bytes of K+V cache per token of one layer, all KV heads, metadata included.
 
-    Args:
-        layout: sizes.
-        context_len: with ``None``, only the paged INT2 part (codes + scale + zero),
-            i.e. the asymptotic cost of a very long sequence. With a length ``L``,
-            the per-sequence BF16 window rows (``sink + recent`` tokens of K and V,
-            allocated whatever the length) are spread over the ``L`` tokens.
+    :func:`bits_per_element` times the ``2 * H_kv * d`` elements of a token. With
+    ``context_len=None`` only the paged INT2 part (codes + scale + zero), i.e.
+    ``page_bytes(layout) / page_size``; with a length ``L`` the per-sequence BF16
+    window rows (allocated whatever the length) are spread over the ``L`` tokens.
     """
-    h, d = layout.num_kv_heads, layout.head_dim
-    meta_bits = 2 * 16 * layout.num_groups  # bf16 scale + zero per group
-    int2 = 2 * h * (2 * d + meta_bits) / 8.0  # K and V
-    if context_len is None:
-        return int2
-    check(context_len >= 1, "context_len", ">= 1", context_len)
-    window = 2 * h * layout.window_tokens * d * 2  # K and V, bf16
-    return int2 + window / context_len
-
-
-def bits_per_element(layout: CacheLayout, context_len: int | None = None) -> float:
-    """:func:`layout_bytes_per_token` in bits per cached K or V element.
-
-    2.25 at ``group_size = head_dim = 128`` without windows; the windows add
-    ``16 * (sink + recent) / L``.
-    """
-    return layout_bytes_per_token(layout, context_len) * 8 / (2 * layout.num_kv_heads * layout.head_dim)
+    return bits_per_element(layout, context_len) * 2 * layout.num_kv_heads * layout.head_dim / 8
 
 
 def page_bytes(layout: CacheLayout) -> int:

@@ -7,6 +7,7 @@ import torch
 from oscar_math import check
 
 from ._backend import Backend, interpreting, use_triton
+from ._validate import check_write_bounds
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.paged_write import paged_write_ref
@@ -83,6 +84,7 @@ def paged_write(
     precise: bool = False,
     block_t: int | None = None,
     num_warps: int = 4,
+    check_bounds: bool | None = None,
 ) -> None:
     """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K, one for V).
 
@@ -103,9 +105,14 @@ def paged_write(
         backend: ``auto`` | ``triton`` | ``torch``.
         precise: Triton only: full-fp32 (``ieee``) rotation instead of tf32.
         block_t, num_warps: Triton tokens per program (default 128 for d <= 128, else 32) and warps.
+        check_bounds: check that slots, sequence indices, positions and window rows of the
+            written tokens are in range (one host synchronisation; ``None`` =
+            :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
+            captured). Raises :class:`OscarError`.
     """
     lo = cache.layout
     _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
+    check_write_bounds(cache, slot_mapping, positions, seq_index, seq_lens, window_slots, check_bounds)
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     if key.shape[0] == 0:
         return

@@ -1,6 +1,6 @@
 """Bits per K/V element actually stored, metadata and BF16 windows included.
 
-The serving layout (DESIGN.md §1) keeps the first ``sink_tokens`` and the last
+The serving layout (docs/format.md, "Bits per element") keeps the first ``sink_tokens`` and the last
 ``recent_tokens`` tokens of a sequence in BF16 and stores everything between as
 INT2 codes plus one ``scale`` and one ``zero`` per group. The memory a budget must
 reserve is therefore *not* ``2 + 32 / group_size`` bits per element at short
@@ -66,20 +66,33 @@ def bits_per_element(
     code_bits: int = 2,
     scale_bits: int = 16,
     zero_bits: int = 16,
+    int2_copy_of_windows: bool = False,
 ) -> float:
     """Average bits stored per K (or V) element over a sequence of ``seq_len`` tokens.
 
-    ``min(seq_len, sink_tokens + recent_tokens)`` tokens are BF16 (16 bits); the
-    rest cost :func:`int2_bits_per_element`. Keys and values have the same layout,
-    so this is also the average over K and V.
+    The one definition of the figure; the two caches of the project differ in one
+    respect, named by ``int2_copy_of_windows``:
+
+    * ``False`` (the evaluation caches of ``oscar-calib``): ``min(seq_len, sink_tokens +
+      recent_tokens)`` tokens are BF16 (16 bits) and only the rest cost
+      :func:`int2_bits_per_element`.
+    * ``True`` (the paged serving cache of ``oscar-kernels``, see
+      ``oscar_kernels.bits_per_element``): *every* token is also stored in INT2, and
+      each sequence owns full BF16 window rows of ``sink_tokens + recent_tokens``
+      tokens whatever its length, so nothing moves when a token leaves the window.
+
+    Keys and values have the same layout, so this is also the average over K and V.
 
     Example: ``seq_len=2048, head_dim=128`` (group 128, windows 64 + 256) gives
-    ``(320 * 16 + 1728 * 2.25) / 2048 = 4.3984375``; at 131072 tokens 2.2836.
+    ``(320 * 16 + 1728 * 2.25) / 2048 = 4.3984375``; at 131072 tokens 2.2836. With
+    ``int2_copy_of_windows=True``: ``2.25 + 320 * 16 / 2048 = 4.75`` and 2.2891.
     """
     _check_common(seq_len, head_dim, sink_tokens, recent_tokens)
     q_bits = int2_bits_per_element(
         head_dim, group_size, code_bits=code_bits, scale_bits=scale_bits, zero_bits=zero_bits
     )
+    if int2_copy_of_windows:
+        return (seq_len * q_bits + (sink_tokens + recent_tokens) * BF16_BITS) / seq_len
     n_bf16 = min(seq_len, sink_tokens + recent_tokens)
     n_int2 = seq_len - n_bf16
     return (n_bf16 * BF16_BITS + n_int2 * q_bits) / seq_len

@@ -53,9 +53,9 @@ def compose_rotation(
     the permutation of eigen-directions *before* a group-wise Hadamard that gives every
     group a balanced mix of high- and low-eigenvalue directions; the Hadamard then
     spreads each group's energy evenly over its coordinates (``diag(Hᵀ Λ_g H) =
-    mean(Λ_g)``), so min/max quantisation sees no outlier coordinate. This is
-    DESIGN.md's ``R = U·H·P`` written for row vectors with ``P`` acting on
-    eigen-directions. With ``group_size == d`` the permutation is the identity.
+    mean(Λ_g)``), so min/max quantisation sees no outlier coordinate. This is the
+    OSCAR paper's (arXiv 2605.17757) ``R = U·H·P`` (docs/math.md) written for row
+    vectors with ``P`` acting on eigen-directions. With ``group_size == d`` the permutation is the identity.
 
     Args:
         U: ``[..., d, d]`` orthogonal eigenbasis, columns sorted by descending eigenvalue.

@@ -1,0 +1,150 @@
+"""Regression tests of the suite's power: plant known bugs in a copy and expect a failure.
+
+Each mutation below is a bug that once passed every test of this package. The check
+copies ``src/`` and ``tests/`` to a temporary directory, applies one mutation by exact
+text replacement (a mutation whose text is no longer in the source fails the check
+loudly: update it with the code), runs only the few tests that must catch it with the
+copy first on ``PYTHONPATH``, and requires that run to fail. A control run of the same
+tests on the unmutated copy must pass, so a broken environment is not mistaken for a
+caught bug.
+
+    python packages/oscar-kernels/tests/mutation_check.py            # all mutations
+    python packages/oscar-kernels/tests/mutation_check.py ring       # names containing "ring"
+
+Run by the ``kernels`` nox session after the test suite (CPU, Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]  # packages/oscar-kernels
+TIMEOUT_S = 300  # per pytest run; each targets a handful of tests
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the package root
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments that must fail on the mutant
+
+
+MUTATIONS = (
+    Mutation(
+        "write-round-bf16-truncates",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536",
+        "bits = bits & -65536",
+        ("tests/test_paged_write.py::test_triton_write_is_exact_when_the_rotation_is",),
+    ),
+    Mutation(
+        "write-ring-window-off-by-one",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "m = valid & (pos >= SINK) & (pos >= length - RECENT)",
+        "m = valid & (pos >= SINK) & (pos > length - RECENT)",
+        ("tests/test_write_windows.py", "-k", "triton and (prefill-only or cut-at)"),
+    ),
+    Mutation(
+        "rotate-queries-transposed",
+        "src/oscar_kernels/rotate.py",
+        "return _per_head_matmul(x, ep.k_rotation).reshape(q.shape).to(dtype)",
+        "return _per_head_matmul(x, ep.k_rotation.transpose(-1, -2)).reshape(q.shape).to(dtype)",
+        ("tests/test_oracle.py", "-k", "torch"),
+    ),
+    Mutation(
+        "reference-ring-window-off-by-one",
+        "src/oscar_kernels/reference/paged_write.py",
+        "m = (pos >= lo.sink_tokens) & (pos >= length - lo.recent_tokens)",
+        "m = (pos >= lo.sink_tokens) & (pos > length - lo.recent_tokens)",
+        ("tests/test_write_windows.py", "-k", "reference and prefill-only"),
+    ),
+)
+
+
+def _copy(dst: Path) -> Path:
+    root = dst / "oscar-kernels"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache")
+    for part in ("src", "tests"):
+        shutil.copytree(PACKAGE / part, root / part, ignore=ignore)
+    return root
+
+
+def _apply(root: Path, m: Mutation) -> None:
+    f = root / m.path
+    text = f.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise SystemExit(
+            f"mutation {m.name}: expected the text once in {m.path}, found it {n} times: {m.old!r} "
+            "(the code changed: update the mutation in tests/mutation_check.py)"
+        )
+    f.write_text(text.replace(m.old, m.new))
+
+
+def _pytest(root: Path, args: tuple[str, ...]) -> tuple[int, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TRITON_INTERPRET", "1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {TIMEOUT_S} s"
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    return r.returncode, lines[-1] if lines else ""
+
+
+def _imports_copy(root: Path) -> bool:
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    out = subprocess.run(
+        [sys.executable, "-c", "import oscar_kernels; print(oscar_kernels.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return out.startswith(str(root))
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not argv or any(a in m.name for a in argv)]
+    if not chosen:
+        print(f"no mutation matches {argv}; names: {[m.name for m in MUTATIONS]}")
+        return 2
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="oscar-mutants-") as tmp:
+        control = _copy(Path(tmp) / "control")
+        if not _imports_copy(control):
+            print("the copy is not what `import oscar_kernels` loads (PYTHONPATH is shadowed)")
+            return 2
+        for m in chosen:
+            _apply(_copy(Path(tmp) / m.name), m)  # every mutation's text must still exist
+        for m in chosen:
+            t0 = time.time()
+            rc, last = _pytest(control, m.tests)
+            if rc != 0:
+                print(f"CONTROL FAILED  {m.name}: the unmutated tests fail ({last}); fix them first")
+                failed.append(m.name)
+                continue
+            rc, last = _pytest(Path(tmp) / m.name / "oscar-kernels", m.tests)
+            caught = rc == 1  # 1 = tests failed; anything else (crash, timeout, no tests) is not a catch
+            print(f"{'caught   ' if caught else 'SURVIVED '} {m.name:<34} {time.time() - t0:6.1f} s  {last}")
+            if not caught:
+                failed.append(m.name)
+    if failed:
+        print(f"{len(failed)} of {len(chosen)} mutations not caught: {failed}")
+        return 1
+    print(f"all {len(chosen)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
