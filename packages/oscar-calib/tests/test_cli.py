@@ -138,15 +138,7 @@ def test_format_table_aligns():
     assert lines[2].endswith("  1.5") and lines[3].endswith("10.25")
 
 
-<<<<<<< HEAD
-def _smollm2_available() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
-
-
-@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
-=======
 @needs_smollm2
->>>>>>> issue-12
 def test_calibrate_smollm2_then_inspect(tmp_path, capsys):
     out = tmp_path / "smollm2.safetensors"
     args = ["calibrate", "smollm2", "--out", str(out), "--tokens", "512", "--seq-len", "256"]

@@ -7,15 +7,7 @@ import json
 from conftest import needs_smollm2
 
 
-<<<<<<< HEAD
-def _smollm2_available() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
-
-
-@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
-=======
 @needs_smollm2
->>>>>>> issue-12
 def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
     from oscar_calib.cli import main
     from oscar_calib.commands import demo

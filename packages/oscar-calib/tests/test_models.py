@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_smollm2
 
 from oscar_calib import models
 from oscar_calib.models import (
@@ -184,13 +185,7 @@ def test_unsupported_family_rejected():
         model_info(Fake())
 
 
-def _smollm2_available() -> bool:
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
-
-
-@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
+@needs_smollm2
 def test_smollm2_loads_from_cache_and_predicts_text():
     model, tok = load_model("smollm2")
     info = model_info(model)
