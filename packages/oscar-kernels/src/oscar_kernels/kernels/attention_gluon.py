@@ -98,7 +98,14 @@ if gluon is not None:
 
     @gluon.jit
     def _load_qt(
-        q_ptr, qrow, J: gl.constexpr, inv_f, Q4: gl.constexpr, LB: gl.constexpr, DT: gl.constexpr, PERM: gl.constexpr
+        q_ptr,
+        qrow,
+        J: gl.constexpr,
+        inv_f,
+        Q4: gl.constexpr,
+        LB: gl.constexpr,
+        DT: gl.constexpr,
+        PERM: gl.constexpr,
     ):
         """Quarter ``J`` of the queries as a B operand ``[Q4, NP]`` (``q_j / f_j`` in ``DT``).
 
@@ -260,6 +267,7 @@ if gluon is not None:
         plse_ptr,
         sm_scale_log2,
         page_size,
+        NUM_SPLITS,
         H_KV: gl.constexpr,
         GQA: gl.constexpr,
         NP: gl.constexpr,
@@ -267,13 +275,13 @@ if gluon is not None:
         SINK: gl.constexpr,
         RECENT: gl.constexpr,
         RING: gl.constexpr,
-        NUM_SPLITS: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_W: gl.constexpr,
         KW: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """Program ``(b*H_kv + h, split)``; splits as in ``attention.decode_split_kernel``."""
+        """Program ``(b*H_kv + h, split)``; splits as in ``attention.decode_split_kernel``
+        (``NUM_SPLITS`` is a run-time argument here: one compiled kernel serves every batch)."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
         )
@@ -287,7 +295,7 @@ if gluon is not None:
         ROWL: gl.constexpr = gl.SliceLayout(1, MMA)  # per token of a score tile
         COLL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
         Q4: gl.constexpr = HEAD_DIM // 4
-        NT: gl.constexpr = NUM_SPLITS + 2
+        NT = NUM_SPLITS + 2
         pid = gl.program_id(0)
         split = gl.program_id(1)
         b = pid // H_KV
@@ -334,9 +342,9 @@ if gluon is not None:
             for t0 in range(lo, hi, BLOCK_N):
                 # the next tile is requested before this one is computed
                 kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
-                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi, page_size,
-                    h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV,
-                    ROWL,
+                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
+                    page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                    BLOCK_N, Q4, BLK, BLV, ROWL,
                 )  # fmt: skip
                 st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
                 st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
@@ -405,3 +413,56 @@ if gluon is not None:
         gl.store(optr + 2 * Q4, a2 * inv[None, :], mask=om)
         gl.store(optr + 3 * Q4, a3 * inv[None, :], mask=om)
         gl.store(plse_ptr + prow, lse, mask=n < GQA)
+
+
+def compile_decode_gluon(
+    arch: int = 90,
+    gqa: int = 4,
+    head_dim: int = 128,
+    block_n: int = 64,
+    num_warps: int = 1,
+    windows: bool = True,
+):
+    """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
+    the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
+
+    The signature is specialised as the runtime specialises the benchmark shape: every
+    pointer and integer divisible by 16 except the scale/zero token stride, which is 1.
+    """
+    if gluon is None:
+        raise RuntimeError(f"triton.experimental.gluon is unavailable ({GLUON_IMPORT_ERROR})")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = decode_split_kernel_gluon
+    ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
+    ptr.update(dict.fromkeys(("bt_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
+    ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
+    consts = dict(
+        H_KV=8,
+        GQA=gqa,
+        NP=max(8, triton.next_power_of_2(gqa)),
+        HEAD_DIM=head_dim,
+        SINK=64 if windows else 0,
+        RECENT=256 if windows else 0,
+        RING=256,
+        BLOCK_N=block_n,
+        BLOCK_W=64,
+        KW=8,
+        num_warps=num_warps,
+        stride_st=1,
+    )
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name == "NUM_SPLITS":
+            sig[name] = "i32"
+        elif name == "sm_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = ptr.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
