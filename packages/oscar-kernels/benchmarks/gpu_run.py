@@ -691,9 +691,12 @@ def main():
                 torch.cuda.empty_cache()
                 return None
 
-        dec = [safe(bench_decode, c, b, copy_gbs, log, tune if c == 131072 else None) for c, b in shapes]
-        bench["decode"] = [r for r in dec if r]
-        json.dump(bench, open(os.path.join(a.out, "bench.json"), "w"), indent=1)
+        bench["decode"] = []
+        for c, b in shapes:  # saved after every shape: a cut-off call keeps what it measured
+            r = safe(bench_decode, c, b, copy_gbs, log, tune if c == 131072 else None)
+            if r:
+                bench["decode"].append(r)
+            json.dump(bench, open(os.path.join(a.out, "bench.json"), "w"), indent=1)
         if a.decode_only:
             print_tables(checks, bench, copy_gbs)
             return
