@@ -165,8 +165,8 @@ def decode_attention(
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages, programs_per_sm: tile size, launch options and
             split-count target of :func:`choose_num_splits` (``None``: the kernel's default,
-            see ``_DEFAULTS``; the Gluon kernel ignores ``num_stages``: it double-buffers
-            in registers).
+            see ``_DEFAULTS``; for the Gluon kernel ``num_stages >= 2`` means the next tile's
+            loads are issued before the current tile is computed, 1 that they are not).
         unpack: how the ``tl`` kernel turns INT2 codes into operands: ``asm`` (PTX
             ``prmt``), ``int16`` or ``convert`` (the Gluon kernel always uses its PTX unpack).
         impl: ``auto`` (Gluon where :func:`gluon_unavailable_reason` is ``None``, else
@@ -274,8 +274,8 @@ def _launch_decode(
             RECENT=lo.recent_tokens,
             RING=max(1, lo.recent_tokens),
             BLOCK_N=block_n,
-            BLOCK_W=64,
-            KW=8,
+            BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
+            PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             num_warps=num_warps,
         )
     else:

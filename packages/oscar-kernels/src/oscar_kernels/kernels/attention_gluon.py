@@ -64,7 +64,12 @@ if gluon is not None:
             is_pure=True,
             pack=1,
         )
-        x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [BLOCK_N, Q4/4, 2, 2]
+        x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [BLOCK_N, W, 2 (a), 2 (b)]: e_(2a+b)
+        # word w = 8v + 2c + u (BLK: lane c holds words 2c, 2c+1 of every 8) → logical
+        # k = 32v + 16u + 8a + 2c + b, which is exactly the k of lane c in the A operand
+        # (k_width 2: k = 2c, 2c+1, 2c+8, 2c+9 per 16): the conversion to LA moves nothing
+        x = gl.reshape(x, [BLOCK_N, Q4 // 32, 4, 2, 2, 2])
+        x = gl.permute(x, [0, 1, 3, 4, 2, 5])
         return gl.convert_layout(gl.reshape(x, [BLOCK_N, Q4]), LA)
 
     @gluon.jit
@@ -109,12 +114,13 @@ if gluon is not None:
     ):
         """Quarter ``J`` of the queries as a B operand ``[Q4, NP]`` (``q_j / f_j`` in ``DT``).
 
-        ``PERM``: element order ``0, 2, 1, 3`` inside every four (the order of :func:`_unpack_k`).
+        ``PERM``: in the order of the unpacked key tile (:func:`_unpack_k`).
         """
         dq = gl.arange(0, Q4, layout=gl.SliceLayout(1, LB))
-        if PERM:
-            lo2 = dq % 4
-            dq = dq + (lo2 == 1).to(gl.int32) - (lo2 == 2).to(gl.int32)
+        if PERM:  # logical k of the unpacked key tile → element of the quarter (_unpack_k)
+            w = 8 * (dq // 32) + 2 * ((dq // 2) % 4) + (dq // 16) % 2
+            i = 2 * ((dq // 8) % 2) + dq % 2  # asm output order: bytes 0, 2, 1, 3
+            dq = 4 * w + i + (i == 1).to(gl.int32) - (i == 2).to(gl.int32)
         x = gl.load(q_ptr + qrow[None, :] + J * Q4 + dq[:, None], mask=qrow[None, :] >= 0, other=0.0)
         return (x.to(gl.float32) * inv_f).to(DT)
 
@@ -277,7 +283,7 @@ if gluon is not None:
         RING: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_W: gl.constexpr,
-        KW: gl.constexpr,
+        PREFETCH: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``; splits as in ``attention.decode_split_kernel``
@@ -285,13 +291,15 @@ if gluon is not None:
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
         )
-        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW)
-        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW)
+        # k_width counts elements per 32 bits: 2 for 16-bit operands (the probe's 4 and 8 are
+        # for 8/4-bit types and made mma_v2 pair the wrong k of A and B on the H200)
+        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         # code words: keys 2 words (8 bytes) per thread and row, values 1 word per thread and
-        # token, 8 tokens per thread; both own exactly the elements of their A operand (LA), so
-        # the conversion after the unpack moves no data between threads
+        # token, token pairs 2c, 2c+1 (+8): both own exactly the elements of their A operand
+        # (LA, k_width 2), so the conversion after the unpack moves no data between threads
         BLK: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [num_warps, 1], [1, 0])
-        BLV: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [num_warps, 1], [0, 1])
+        BLV: gl.constexpr = gl.BlockedLayout([2, 1], [4, 8], [num_warps, 1], [0, 1])
         ROWL: gl.constexpr = gl.SliceLayout(1, MMA)  # per token of a score tile
         COLL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
         Q4: gl.constexpr = HEAD_DIM // 4
@@ -335,17 +343,25 @@ if gluon is not None:
             bt_row = b * stride_bt
             kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
             vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-            kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi, page_size, h,
-                stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, ROWL,
-            )  # fmt: skip
-            for t0 in range(lo, hi, BLOCK_N):
-                # the next tile is requested before this one is computed
-                kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
-                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
-                    page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+            if PREFETCH:
+                kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi, page_size, h,
+                    stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
                     BLOCK_N, Q4, BLK, BLV, ROWL,
                 )  # fmt: skip
+            for t0 in range(lo, hi, BLOCK_N):
+                if PREFETCH:  # the next tile is requested before this one is computed
+                    kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
+                        page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                        BLOCK_N, Q4, BLK, BLV, ROWL,
+                    )  # fmt: skip
+                else:  # fewer registers, more resident programs instead
+                    kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi, page_size,
+                        h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                        BLOCK_N, Q4, BLK, BLV, ROWL,
+                    )  # fmt: skip
                 st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
                 st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
                 st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
@@ -364,13 +380,14 @@ if gluon is not None:
                 a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
                 a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
                 a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
-                kc = kc_n
-                vc = vc_n
-                ks = ks_n
-                kz = kz_n
-                vs = vs_n
-                vz = vz_n
-                ms = ms_n
+                if PREFETCH:
+                    kc = kc_n
+                    vc = vc_n
+                    ks = ks_n
+                    kz = kz_n
+                    vs = vs_n
+                    vz = vz_n
+                    ms = ms_n
             off = lps * 512.0
             a0 = (a0 - off[None, :]) * 2.0 + lpz[None, :]
             a1 = (a1 - off[None, :]) * 0.5 + lpz[None, :]
@@ -422,6 +439,7 @@ def compile_decode_gluon(
     block_n: int = 64,
     num_warps: int = 1,
     windows: bool = True,
+    prefetch: bool = True,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -448,8 +466,8 @@ def compile_decode_gluon(
         RECENT=256 if windows else 0,
         RING=256,
         BLOCK_N=block_n,
-        BLOCK_W=64,
-        KW=8,
+        BLOCK_W=32,
+        PREFETCH=prefetch,
         num_warps=num_warps,
         stride_st=1,
     )
