@@ -3,7 +3,7 @@
 Usage (repo root, on the GPU machine)::
 
     bash packages/oscar-kernels/benchmarks/gpu_run.sh [--quick] [--skip-check] [--skip-bench] [--tune]
-    bash packages/oscar-kernels/benchmarks/gpu_run.sh --tune --decode-only   # Gluon tile / split sweep
+    bash packages/oscar-kernels/benchmarks/gpu_run.sh --gluon --tune --decode-only  # Gluon kernel on
 
 Writes ``check.json``, ``bench.json`` and a log under ``--out``; prints a table last.
 """
@@ -536,7 +536,7 @@ def _ptx_diag(kern):
 
 # ----------------------------------------------------------------------------- impl="gluon" vs "tl"
 IMPL_CHECKS = [
-    # name, d, H_kv, gqa, page, group, lens   (random cache contents, no writes)
+    # name, d, H_kv, gqa, page, group, lens[, mode, (sink, recent)]   (random cache contents, no writes)
     ("impl-mixed-128", 128, 8, 4, 64, None, [0, 1, 63, 64, 320, 321, 385, 1000, 4097]),
     ("impl-gqa8-d128", 128, 2, 8, 16, None, [0, 17, 65, 500, 2049]),
     ("impl-gqa3-d128", 128, 3, 3, 32, None, [5, 300, 777, 3000]),
@@ -544,11 +544,22 @@ IMPL_CHECKS = [
     ("impl-gqa16-d128-page8", 128, 1, 16, 8, None, [1, 700, 1234]),
     ("impl-128k-gqa4", 128, 8, 4, 64, None, [131072, 100003]),
     ("impl-128k-gqa8", 128, 4, 8, 64, None, [131072, 65]),
+    # discriminating cases (which part of a kernel is wrong): windows alone, INT2 alone,
+    # the value path alone (all scores 0: uniform attention), the key path alone (INT2
+    # values = their zero point, so the output depends on the scores but not on value codes)
+    ("dbg-windows-only", 128, 2, 4, 16, None, [1, 17, 64, 200, 320], "random", (64, 256)),
+    ("dbg-int2-only", 128, 2, 4, 16, None, [1, 17, 64, 200, 2000], "random", (0, 0)),
+    ("dbg-v-only", 128, 2, 4, 16, None, [1, 300, 2000], "v-only", (64, 256)),
+    ("dbg-k-only", 128, 2, 4, 16, None, [1, 300, 2000], "k-only", (64, 256)),
 ]
 
 
-def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1):
-    """A cache with random codes / scales / zeros / windows and scattered pages."""
+def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1, mode="random"):
+    """A cache with random codes / scales / zeros / windows and scattered pages.
+
+    ``mode``: ``random``; ``v-only`` (keys all zero: every score 0); ``k-only`` (value
+    scales 0: an INT2 value is its zero point, whatever its codes).
+    """
     bsz = len(lens)
     pages_per = [max(1, math.ceil(n / lo.page_size)) for n in lens]
     num_pages = sum(pages_per) + 3
@@ -566,23 +577,32 @@ def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1):
         t.uniform_(scale_lo, scale_hi)
     for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
         t.normal_()
+    if mode == "v-only":
+        for t in (cache.k_scale, cache.k_zero, cache.k_sink, cache.k_recent):
+            t.zero_()
+    elif mode == "k-only":
+        cache.v_scale.zero_()
     return cache, bt.to(DEV), ws.to(DEV)
 
 
-def check_impls(name, d, hkv, g, page, group, lens, seed, log, cfgs=None):
+def check_impls(name, d, hkv, g, page, group, lens, mode="random", win=(64, 256), *, seed, log, cfgs=None):
     """Decode with impl="tl" and impl="gluon" (each Gluon launch config of ``cfgs``; outputs
     NaN-poisoned) vs float64 attention over the cache contents."""
     gen = torch.Generator().manual_seed(seed)
-    lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group)
-    cache, bt, ws = random_cache(lo, lens, gen)
+    lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group, sink_tokens=win[0], recent_tokens=win[1])
+    cache, bt, ws = random_cache(lo, lens, gen, mode=mode)
     ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     q = torch.randn(len(lens), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
     res = {"case": name, "d": d, "H_kv": hkv, "gqa": g, "page": page, "group": lo.group, "lens": lens}
     outs = {}
     runs = {"tl": dict(impl="tl")}
-    for c in cfgs or [{}]:
-        runs["gluon" + "".join(f"/{k}={v}" for k, v in c.items())] = dict(impl="gluon", **c)
+    why = dec_mod.gluon_unavailable_reason(cache, q)
+    if why is None:
+        for c in cfgs or [{}]:
+            runs["gluon" + "".join(f"/{k}={v}" for k, v in c.items())] = dict(impl="gluon", **c)
+    else:
+        res["gluon_skipped"] = why
     dec_mod._empty = _poison
     try:
         for key, kw in runs.items():
@@ -632,10 +652,17 @@ def main():
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--decode-only", action="store_true", help="skip the write / prefill benchmarks")
+    ap.add_argument(
+        "--gluon",
+        action="store_true",
+        help="switch the experimental Gluon decode kernel on (OSCAR_GLUON_DECODE=1)",
+    )
     ap.add_argument("--shapes", nargs="*", default=None, help="decode shapes as CTX:B (default all nine)")
     ap.add_argument("--cases", nargs="*", default=None)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.gluon:
+        os.environ["OSCAR_GLUON_DECODE"] = "1"
     global OUT_DIR
     OUT_DIR = a.out
     logf = open(os.path.join(a.out, "gpu_run.log"), "a")

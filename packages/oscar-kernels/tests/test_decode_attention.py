@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -198,3 +199,13 @@ def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows):
     assert "prmt.b32" in ptx and "0x60006000" in ptx  # the in-register unpack
     assert "st.shared" not in ptx  # codes and unpacked operands never go through shared memory
     assert "ld.global.v2.b32" in ptx  # key codes: 8 bytes per load
+    # operand order: the query is permuted on the assumption that an mma register of the
+    # key tile pairs bytes 0 and 2 of a code word (e0, e1 of the first lop3 of the unpack);
+    # pairing e0 with e2 (bytes 0 and 1) is the bug the H200 showed on 2026-11-30
+    m = re.search(
+        r"and\.b32 t, %r\d+, 0x00030003; or\.b32 t, t, 0x60006000; mov\.b32 \{(%rs\d+), (%rs\d+)\}, t;", ptx
+    )
+    assert m, "key unpack not found in the PTX"
+    e0, e1 = m.groups()
+    pairs = re.findall(r"mov\.b32\s+%r\d+, \{" + e0 + r", (%rs\d+)\}", ptx)
+    assert pairs == [e1], (e0, e1, pairs)

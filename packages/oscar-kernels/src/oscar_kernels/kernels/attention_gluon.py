@@ -64,7 +64,8 @@ if gluon is not None:
             is_pure=True,
             pack=1,
         )
-        x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [BLOCK_N, W, 2 (a), 2 (b)]: e_(2a+b)
+        # join appends the new dim last: join(join(e0, e2), join(e1, e3))[..., a, b] = e_(2a+b)
+        x = gl.join(gl.join(e0, e2), gl.join(e1, e3))  # [BLOCK_N, W, 2 (a), 2 (b)]
         # word w = 8v + 2c + u (BLK: lane c holds words 2c, 2c+1 of every 8) → logical
         # k = 32v + 16u + 8a + 2c + b, which is exactly the k of lane c in the A operand
         # (k_width 2: k = 2c, 2c+1, 2c+8, 2c+9 per 16): the conversion to LA moves nothing
@@ -92,7 +93,7 @@ if gluon is not None:
             is_pure=True,
             pack=2,
         )
-        x = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [BLOCK_N, Q4/4, 2, 2]: (t, w, i)
+        x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [BLOCK_N, W, 2, 2]: [t, w, a, b] = o_(2a+b)
         x = gl.permute(x, [2, 3, 1, 0])  # (i, w, t)
         return gl.convert_layout(gl.reshape(x, [Q4, BLOCK_N]), LA)
 
