@@ -185,15 +185,15 @@ def _gluon_ptx_or_skip(**kw) -> str:
 
 @needs_triton
 @pytest.mark.parametrize(
-    "gqa, d, block_n, windows",
-    [(4, 128, 64, True), (8, 256, 32, False)],
-    ids=["qwen3-8b-shape", "gqa8-d256-int2-only"],
+    "gqa, d, block_n, windows, one_page",
+    [(4, 128, 64, True, True), (8, 256, 32, False, False)],
+    ids=["qwen3-8b-shape", "gqa8-d256-int2-only-any-page"],
 )
-def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows):
+def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
     """A syntax, layout or PTX error in the Gluon kernel fails CPU CI: compile it for sm_90
     (ptx only; no ptxas needed) and check the tile loop is what it should be: tensor-core
     ``mma.sync``, the PTX unpack, and no shared-memory round trip of the code operands."""
-    ptx = _gluon_ptx_or_skip(gqa=gqa, head_dim=d, block_n=block_n, windows=windows)
+    ptx = _gluon_ptx_or_skip(gqa=gqa, head_dim=d, block_n=block_n, windows=windows, one_page=one_page)
     assert "mma.sync.aligned.m16n8k16" in ptx
     assert ".f16.f16" in ptx  # INT2 operands are fp16 (the unpack target)
     assert "prmt.b32" in ptx and "0x60006000" in ptx  # the in-register unpack

@@ -284,6 +284,8 @@ def _launch_decode(
             BLOCK_N=block_n,
             BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
+            # every tile inside one page: tiles start at sink + k·block_n
+            ONE_PAGE=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,
             num_warps=num_warps,
         )
     else:

@@ -159,30 +159,56 @@ if gluon is not None:
         BLK: gl.constexpr,
         BLV: gl.constexpr,
         ROWL: gl.constexpr,
+        ONE_PAGE: gl.constexpr,
     ):
         """Load one INT2 tile: key and value code words ``[BLOCK_N, Q4/4]`` int32 (keys 8 bytes,
         values 4 bytes per thread and load) and per-token scale/zero; masked past ``hi``."""
         W4: gl.constexpr = Q4 // 4
-        tk = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
-        mk = tk < hi
-        pk = gl.load(bt_ptr + bt_row + tk // page_size, mask=mk, other=0).to(gl.int64)
-        rk = (pk * stride_cp + h * stride_ch + (tk % page_size) * stride_ct) // 4
-        wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
-        kc = gl.load(kw_ptr + rk[:, None] + wk[None, :], mask=mk[:, None], other=0)
-        tv = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLV))
-        mv = tv < hi
-        pv = gl.load(bt_ptr + bt_row + tv // page_size, mask=mv, other=0).to(gl.int64)
-        rv = (pv * stride_cp + h * stride_ch + (tv % page_size) * stride_ct) // 4
-        wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
-        vc = gl.load(vw_ptr + rv[:, None] + wv[None, :], mask=mv[:, None], other=0)
-        ts = t0 + gl.arange(0, BLOCK_N, layout=ROWL)
-        ms = ts < hi
-        ps = gl.load(bt_ptr + bt_row + ts // page_size, mask=ms, other=0).to(gl.int64)
-        rs = ps * stride_sp + h * stride_sh + (ts % page_size) * stride_st
-        ks = gl.load(ks_ptr + rs, mask=ms, other=0.0).to(gl.float32)
-        kz = gl.load(kz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
-        vs = gl.load(vs_ptr + rs, mask=ms, other=0.0).to(gl.float32)
-        vz = gl.load(vz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+        if ONE_PAGE:
+            # the tile lies inside one page (page_size % BLOCK_N == 0, tiles start at multiples
+            # of BLOCK_N): one block-table entry and 32-bit offsets from a scalar base replace
+            # a per-token division, remainder and 64-bit address computation
+            pg = gl.load(bt_ptr + bt_row + t0 // page_size, mask=t0 < hi, other=0).to(gl.int64)
+            off = t0 % page_size
+            ct4 = stride_ct // 4
+            wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
+            lk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
+            cbase = (pg * stride_cp + h * stride_ch + off * stride_ct) // 4
+            mk = (t0 + lk) < hi
+            kc = gl.load(kw_ptr + cbase + (lk * ct4)[:, None] + wk[None, :], mask=mk[:, None], other=0)
+            wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
+            lv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLV))
+            mv = (t0 + lv) < hi
+            vc = gl.load(vw_ptr + cbase + (lv * ct4)[:, None] + wv[None, :], mask=mv[:, None], other=0)
+            ls = gl.arange(0, BLOCK_N, layout=ROWL)
+            ms = (t0 + ls) < hi
+            sbase = pg * stride_sp + h * stride_sh + off * stride_st
+            rs = ls * stride_st
+            ks = gl.load(ks_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+            kz = gl.load(kz_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+            vs = gl.load(vs_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+            vz = gl.load(vz_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+        else:
+            tk = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
+            mk = tk < hi
+            pk = gl.load(bt_ptr + bt_row + tk // page_size, mask=mk, other=0).to(gl.int64)
+            rk = (pk * stride_cp + h * stride_ch + (tk % page_size) * stride_ct) // 4
+            wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
+            kc = gl.load(kw_ptr + rk[:, None] + wk[None, :], mask=mk[:, None], other=0)
+            tv = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLV))
+            mv = tv < hi
+            pv = gl.load(bt_ptr + bt_row + tv // page_size, mask=mv, other=0).to(gl.int64)
+            rv = (pv * stride_cp + h * stride_ch + (tv % page_size) * stride_ct) // 4
+            wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
+            vc = gl.load(vw_ptr + rv[:, None] + wv[None, :], mask=mv[:, None], other=0)
+            ts = t0 + gl.arange(0, BLOCK_N, layout=ROWL)
+            ms = ts < hi
+            ps = gl.load(bt_ptr + bt_row + ts // page_size, mask=ms, other=0).to(gl.int64)
+            rs = ps * stride_sp + h * stride_sh + (ts % page_size) * stride_st
+            ks = gl.load(ks_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+            kz = gl.load(kz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+            vs = gl.load(vs_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+            vz = gl.load(vz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
         return kc, vc, ks, kz, vs, vz, ms
 
     @gluon.jit
@@ -285,6 +311,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr,
         BLOCK_W: gl.constexpr,
         PREFETCH: gl.constexpr,
+        ONE_PAGE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``; splits as in ``attention.decode_split_kernel``
@@ -348,20 +375,20 @@ if gluon is not None:
                 kc, vc, ks, kz, vs, vz, ms = _int2_tile(
                     kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi, page_size, h,
                     stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                    BLOCK_N, Q4, BLK, BLV, ROWL,
+                    BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                 )  # fmt: skip
             for t0 in range(lo, hi, BLOCK_N):
                 if PREFETCH:  # the next tile is requested before this one is computed
                     kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
                         kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
                         page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                        BLOCK_N, Q4, BLK, BLV, ROWL,
+                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                     )  # fmt: skip
                 else:  # fewer registers, more resident programs instead
                     kc, vc, ks, kz, vs, vz, ms = _int2_tile(
                         kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi, page_size,
                         h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                        BLOCK_N, Q4, BLK, BLV, ROWL,
+                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                     )  # fmt: skip
                 st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
                 st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
@@ -441,6 +468,7 @@ def compile_decode_gluon(
     num_warps: int = 1,
     windows: bool = True,
     prefetch: bool = True,
+    one_page: bool = True,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -469,6 +497,7 @@ def compile_decode_gluon(
         BLOCK_N=block_n,
         BLOCK_W=32,
         PREFETCH=prefetch,
+        ONE_PAGE=one_page,
         num_warps=num_warps,
         stride_st=1,
     )
