@@ -1,14 +1,14 @@
-"""Compile the decode split kernel for sm_90 without a GPU and report what ptxas says.
+"""Compile a decode split kernel for sm_90 without a GPU and report what ptxas says.
 
-A dry run for the H200 script: catches Triton lowering errors of a kernel variant, and
-shows registers / spills / instruction counts, using the ``ptxas`` shipped in the
-Triton wheel. The local Triton may differ from the device's (3.6), so treat the
-numbers as indicative.
+A dry run for the H200 script: catches lowering errors of a kernel variant, and shows
+registers / spills / instruction counts, using the ``ptxas`` shipped in the Triton wheel.
+The local Triton (3.9) may differ from the device's (3.6), so treat the numbers as
+indicative.
 
 Usage::
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \\
-        python packages/oscar-kernels/benchmarks/compile_check.py [--impl fma] [--block-n 64] ...
+        python packages/oscar-kernels/benchmarks/compile_check.py [--impl gluon|tl] [--block-n 32 64] ...
 """
 
 from __future__ import annotations
@@ -19,54 +19,38 @@ import re
 import subprocess
 import tempfile
 
+PTX_KEYS = (
+    "mma.sync",
+    "wgmma",
+    "prmt.b32",
+    "ldmatrix",
+    "st.shared",
+    "ld.shared",
+    "bar.sync",
+    "shfl.sync",
+    "cvt.",
+    "ld.global.v2.b32",
+    "ld.global.b32",
+    "ld.global.b16",
+    "ld.global.b8",
+)
 
-def compile_decode(
-    impl: str,
-    block_n: int,
-    num_warps: int,
-    gqa: int,
-    d: int = 128,
-    funpack: int = 1,
-    arch: int = 90,
-    windows: bool = True,
-    group: int | None = None,
-) -> dict:
-    """Compile ``decode_split_kernel`` for ``sm_<arch>``; returns PTX counts and ptxas -v figures.
 
-    ``windows=False`` compiles the INT2 tile loop alone (no sink / ring branches), so the
-    static instruction counts are those of one INT2 tile.
-    """
+def _compile_tl(block_n: int, num_warps: int, gqa: int, d: int, windows: bool, group: int | None, arch: int):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from oscar_kernels.kernels.attention import decode_split_kernel
+    from oscar_kernels.kernels.attention import decode_split_kernel as fn
 
-    fma = impl.startswith("fma")
-    fn = decode_split_kernel
-    ptr = {
-        "q_ptr": "*bf16",
-        "kc_ptr": "*u8",
-        "vc_ptr": "*u8",
-        "ks_ptr": "*bf16",
-        "kz_ptr": "*bf16",
-        "vs_ptr": "*bf16",
-        "vz_ptr": "*bf16",
-        "ksink_ptr": "*bf16",
-        "vsink_ptr": "*bf16",
-        "kring_ptr": "*bf16",
-        "vring_ptr": "*bf16",
-        "bt_ptr": "*i32",
-        "seqlen_ptr": "*i32",
-        "wslot_ptr": "*i32",
-        "po_ptr": "*fp32",
-        "plse_ptr": "*fp32",
-    }
+    ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
+    ptr.update(dict.fromkeys(("bt_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
+    ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
     consts = dict(
         H_KV=8,
         GQA=gqa,
-        G_PAD=triton.next_power_of_2(gqa) if fma else max(16, triton.next_power_of_2(gqa)),
+        G_PAD=max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=d,
         GROUP=group or d,
         SINK=64 if windows else 0,
@@ -76,40 +60,49 @@ def compile_decode(
         BLOCK_N=block_n,
         BLOCK_W=64,
         PAGED_BF16=False,
-        DOT=tl.float32 if fma else tl.bfloat16,
+        DOT=tl.bfloat16,
         UNPACK=0,
-        FMA={"dot": 0, "fma": 1, "fma-kt": 2, "fma-t": 3}[impl],
-        FUNPACK=funpack,
+        stride_st=1,  # as the runtime specialises the benchmark shape
     )
-    # as the runtime specialises the benchmark shape: every pointer and integer is a
-    # multiple of 16 except the scale/zero token stride, which is 1 (a constant)
-    consts["stride_st"] = 1
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
-            continue
-        sig[name] = ptr.get(name, "fp32" if name == "sm_scale_log2" else "i32")
-        if name != "sm_scale_log2":
+        elif name == "sm_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = ptr.get(name, "*bf16" if name.endswith("_ptr") else "i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    target = GPUTarget("cuda", arch, 32)
-    k = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": 2})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def compile_decode(
+    impl: str,
+    block_n: int,
+    num_warps: int,
+    gqa: int,
+    d: int = 128,
+    arch: int = 90,
+    windows: bool = True,
+    group: int | None = None,
+    prefetch: bool = True,
+) -> dict:
+    """Compile the ``tl`` or ``gluon`` decode split kernel for ``sm_<arch>``; PTX counts and ptxas -v.
+
+    ``windows=False`` compiles the INT2 tile loop alone (no sink / ring branches), so the
+    static instruction counts are those of one INT2 tile (plus prologue / epilogue).
+    """
+    import triton
+
+    if impl == "gluon":
+        from oscar_kernels.kernels.attention_gluon import compile_decode_gluon
+
+        k = compile_decode_gluon(arch, gqa, d, block_n, num_warps, windows, prefetch)
+    else:
+        k = _compile_tl(block_n, num_warps, gqa, d, windows, group, arch)
     ptx = k.asm["ptx"]
-    out = {
-        k_: ptx.count(k_)
-        for k_ in (
-            "mma.sync",
-            "wgmma",
-            "ldmatrix",
-            "st.shared",
-            "ld.shared",
-            "bar.sync",
-            "fma.rn.f32",
-            "cvt.",
-            "shfl.sync",
-        )
-    }
+    out = {key: ptx.count(key) for key in PTX_KEYS}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     # Triton 3.9 emits PTX 9.x, which only the newer bundled ptxas accepts
     ptxas = next(
@@ -142,22 +135,23 @@ def compile_decode(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", default="fma")
-    ap.add_argument("--block-n", type=int, nargs="*", default=[32, 64, 128])
-    ap.add_argument("--warps", type=int, nargs="*", default=[4])
+    ap.add_argument("--impl", default="gluon", choices=("gluon", "tl"))
+    ap.add_argument("--block-n", type=int, nargs="*", default=[32, 64])
+    ap.add_argument("--warps", type=int, nargs="*", default=None, help="default: 1 (gluon), 4 (tl)")
     ap.add_argument("--gqa", type=int, nargs="*", default=[4])
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--funpack", type=int, default=1)
     ap.add_argument("--no-windows", action="store_true", help="the INT2 tile loop alone")
-    ap.add_argument("--group", type=int, default=None, help="quantisation group (default d)")
+    ap.add_argument("--no-prefetch", action="store_true", help="gluon: no register double buffering")
+    ap.add_argument("--group", type=int, default=None, help="quantisation group (default d; tl only)")
     a = ap.parse_args()
+    warps = a.warps or [1 if a.impl == "gluon" else 4]
     for g in a.gqa:
         for bn in a.block_n:
-            for w in a.warps:
-                r = compile_decode(a.impl, bn, w, g, a.d, a.funpack, windows=not a.no_windows, group=a.group)
-                print(
-                    f"impl={a.impl} gqa={g} d={a.d} group={a.group} block_n={bn} warps={w}: {r}", flush=True
+            for w in warps:
+                r = compile_decode(
+                    a.impl, bn, w, g, a.d, windows=not a.no_windows, group=a.group, prefetch=not a.no_prefetch
                 )
+                print(f"impl={a.impl} gqa={g} d={a.d} block_n={bn} warps={w}: {r}", flush=True)
 
 
 if __name__ == "__main__":

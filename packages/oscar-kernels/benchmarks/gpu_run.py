@@ -3,8 +3,7 @@
 Usage (repo root, on the GPU machine)::
 
     bash packages/oscar-kernels/benchmarks/gpu_run.sh [--quick] [--skip-check] [--skip-bench] [--tune]
-    bash packages/oscar-kernels/benchmarks/gpu_run.sh --experiment   # unpack / tile / split sweeps
-    bash packages/oscar-kernels/benchmarks/gpu_run.sh --fma          # impl="fma" vs "dot" vs SDPA (~3 min)
+    bash packages/oscar-kernels/benchmarks/gpu_run.sh --gluon --tune --decode-only  # Gluon kernel on
 
 Writes ``check.json``, ``bench.json`` and a log under ``--out``; prints a table last.
 """
@@ -225,6 +224,7 @@ def check_case(
     o = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", unpack=unpack).double()
     dec_mod._empty = torch.empty
     res["decode_finite"] = bool(torch.isfinite(o).all())
+    res["decode_impl"] = dec_mod.resolve_launch(cache, q)[0]
     qr = ok.rotate_queries(q, ep).double()
     e_tight = e_raw = e_quant = 0.0
     for b, n in enumerate(lens):
@@ -309,7 +309,7 @@ def run_checks(log, quick, only=None):
             r = {"case": c[0], "pass": False, "error": repr(e)}
         r["seconds"] = round(time.time() - t, 1)
         results.append(r)
-    if not only or "mixed-128-ieee" in only:
+    if only and "mixed-128-ieee" in only:  # the write's precise mode: not decode, run on request
         # full-fp32 rotation in the write: code mismatch vs the reference should drop to ~0
         r = check_case(*CASES[0][:1], *CASES[0][1:], seed=100, log=log, precise=True)
         r["case"] = "mixed-128-ieee"
@@ -341,7 +341,7 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     bytes_win = bsz * hkv * lo.window_tokens * d * 2 * 2
     bytes_bf16 = bsz * hkv * ctx * d * 2 * 2
     row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": bytes_int2 + bytes_win, "bytes_bf16": bytes_bf16}
-    cfgs = tune or [dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=8)]
+    cfgs = tune or [{}]
     best = None
     for cfg in cfgs:
         ms = bench_ms(lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
@@ -349,50 +349,33 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
         if best is None or ms < best[0]:
             best = (ms, cfg)
     ms, cfg = best
-    row["int2_cfg"] = cfg
+    impl, bn, nw, pps = dec_mod.resolve_launch(cache, q, cfg.get("impl", "auto"), cfg.get("block_n"),
+                                               cfg.get("num_warps"), cfg.get("programs_per_sm"))  # fmt: skip
+    row["int2_cfg"] = dict(impl=impl, block_n=bn, num_warps=nw, programs_per_sm=pps)
     row["int2_ms"] = ms
     row["int2_graph_ms"] = bench_graph_ms(
         lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg)
     )
+    if impl != "tl":  # the portable kernel, same run (the "before" kernel)
+        row["tl_graph_ms"] = bench_graph_ms(
+            lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", impl="tl")
+        )
     # kernels only (split + merge, q already rotated)
     q_rot = ok.rotate_queries(q, ep)
-    ns = ok.choose_num_splits(bsz, hkv, ctx, DEV, cfg["block_n"], cfg.get("programs_per_sm", 4))
+    ns = ok.choose_num_splits(bsz, hkv, ctx, DEV, bn, pps)
     row["num_splits"] = ns
+
+    def kernels():
+        return dec_mod._launch_decode(q_rot, cache, bt, sl, ws, 1 / math.sqrt(d), g, ns, bn, nw, 2, impl=impl)
+
+    kernels()
     kern = dec_mod.LAST_COMPILED.get("decode_split")
     if kern is not None and ctx == 131072 and bsz == 8:
-        ptx = kern.asm.get("ptx", "")
-        diag = {
-            k: ptx.count(k)
-            for k in (
-                "prmt.b32",
-                "cvt.",
-                "ld.shared",
-                "st.shared",
-                "ldmatrix",
-                "mma.sync",
-                "wgmma",
-                "ld.global",
-            )
-        }
-        diag.update(n_regs=kern.n_regs, n_spills=kern.n_spills)
-        row["decode_kernel_diag"] = diag
+        row["decode_kernel_diag"] = _ptx_diag(kern)
         with open(os.path.join(OUT_DIR, "decode_split.ptx"), "w") as f:
-            f.write(ptx)
-    row["int2_kernels_ms"] = bench_ms(
-        lambda: dec_mod._launch_decode(
-            q_rot,
-            cache,
-            bt,
-            sl,
-            ws,
-            1 / math.sqrt(d),
-            g,
-            ns,
-            cfg["block_n"],
-            cfg["num_warps"],
-            cfg["num_stages"],
-        )
-    )
+            f.write(kern.asm.get("ptx", ""))
+    row["int2_kernels_ms"] = bench_ms(kernels)
+    row["int2_kernels_graph_ms"] = bench_graph_ms(kernels)
     cache = None
     # BF16 baselines
     k = torch.randn(bsz, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
@@ -418,6 +401,7 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     row["speedup_vs_sdpa"] = row["sdpa_bf16_ms"] / row["int2_ms"]
     row["speedup_vs_sdpa_graph"] = row["sdpa_bf16_ms"] / row["int2_graph_ms"]
     row["speedup_vs_paged_bf16"] = row["paged_bf16_ms"] / row["int2_ms"]
+    row["int2_kernels_graph_bw_frac"] = row["bytes_int2_path"] / (row["int2_kernels_graph_ms"] * 1e-3) / bw
     log(json.dumps(row))
     return row
 
@@ -528,125 +512,54 @@ def _int2_decode_setup(ctx, bsz, hkv=8, g=4, d=128, page=64):
 
 
 def _ptx_diag(kern):
+    """Static counts of a compiled kernel: what the tile loop is made of, registers, spills."""
     ptx = kern.asm.get("ptx", "")
     keys = (
         "prmt.b32",
+        "lop3",
         "st.shared",
-        "ld.shared.b8",
+        "ld.shared",
         "ldmatrix",
         "mma.sync",
         "wgmma",
         "bar.sync",
-        "cvt.rn.bf16",
+        "shfl.sync",
+        "ld.global.v2.b32",
+        "ld.global.b32",
+        "ld.global.b16",
+        "ld.global.b8",
     )
     out = {k: ptx.count(k) for k in keys}
     out.update(n_regs=kern.n_regs, n_spills=kern.n_spills)
     return out
 
 
-def run_experiment(copy_gbs, log):
-    """Compare INT2 unpack strategies and tile configs (kernels only), and write-kernel tiles."""
-    res = {"checks": [], "decode": [], "write": []}
-    for unpack in ():
-        try:
-            r = check_case(*CASES[0], seed=100, log=log, unpack=unpack)
-        except Exception as e:
-            log(f"check {unpack} FAILED: {traceback.format_exc()}")
-            r = {"case": CASES[0][0], "pass": False, "error": repr(e), "seconds": 0}
-        r["case"] = f"{CASES[0][0]}-{unpack}"
-        r.setdefault("seconds", 0)
-        res["checks"].append(r)
-    cfgs = [(bn, w, 2, pps) for bn in (64, 128, 256) for w in (1, 2, 4) for pps in (4, 8, 16)]
-    for ctx, bsz in ((131072, 8), (131072, 1)):
-        st = _int2_decode_setup(ctx, bsz)
-        for unpack in ("asm",):
-            for bn, w, stages, pps in cfgs:
-                ns = ok.choose_num_splits(bsz, 8, ctx, DEV, bn, pps)
-                try:
-                    ms = bench_ms(
-                        lambda bn=bn, w=w, stages=stages, ns=ns, unpack=unpack, st=st: dec_mod._launch_decode(
-                            st["q_rot"],
-                            st["cache"],
-                            st["bt"],
-                            st["sl"],
-                            st["ws"],
-                            0.088,
-                            st["g"],
-                            ns,
-                            bn,
-                            w,
-                            stages,
-                            unpack=unpack,
-                        )
-                    )
-                except Exception:
-                    log(f"decode {unpack} {bn} {w} {stages} FAILED: {traceback.format_exc()[-600:]}")
-                    continue
-                row = dict(
-                    ctx=ctx,
-                    batch=bsz,
-                    unpack=unpack,
-                    block_n=bn,
-                    num_warps=w,
-                    num_stages=stages,
-                    num_splits=ns,
-                    us=ms * 1e3,
-                    bw_frac=st["nbytes"] / (ms * 1e-3) / (copy_gbs * 1e9),
-                )
-                if ctx == 131072 and bsz == 8 and bn == 128 and stages == 2 and pps == 8:
-                    row["diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
-                log(json.dumps(row))
-                res["decode"].append(row)
-        st = None
-        torch.cuda.empty_cache()
-    n, hkv, d = 65536, 8, 128
-    lo = ok.CacheLayout(hkv, d, page_size=64)
-    cache = ok.allocate_cache(lo, n // 64 + 1, 1, DEV)
-    ep = make_params(hkv, d, "layer", torch.Generator().manual_seed(0)).expand(hkv, d, DEV)
-    k = torch.randn(n, hkv, d, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    slots = torch.randperm((n // 64 + 1) * 64, device=DEV)[:n]
-    pos = torch.arange(n, device=DEV, dtype=torch.int32) + 100000
-    sidx = torch.zeros(n, dtype=torch.int32, device=DEV)
-    sl = torch.tensor([200000], dtype=torch.int32, device=DEV)
-    ws = torch.zeros(1, dtype=torch.int32, device=DEV)
-    nbytes = n * hkv * (2 * d * 2 + 2 * (d // 4 + 4))
-    for bt_, w in ((128, 4), (64, 2), (32, 1), (64, 1), (128, 2)):
-        try:
-            ms = bench_ms(
-                lambda bt_=bt_, w=w: ok.paged_write(
-                    cache, ep, k, v, slots, pos, sidx, sl, ws, backend="triton", block_t=bt_, num_warps=w
-                )
-            )
-        except Exception:
-            log(f"write {bt_} {w} FAILED: {traceback.format_exc()[-600:]}")
-            continue
-        row = dict(
-            block_t=bt_,
-            num_warps=w,
-            us=ms * 1e3,
-            bw_frac=nbytes / (ms * 1e-3) / (copy_gbs * 1e9),
-            diag=_ptx_diag(wr_mod.LAST_COMPILED["paged_write"]),
-        )
-        log(json.dumps(row))
-        res["write"].append(row)
-    return res
-
-
-# ----------------------------------------------------------------------------- impl="fma" vs "dot"
-FMA_CHECKS = [
-    # name, d, H_kv, gqa, page, group, lens   (random cache contents, no writes)
-    ("fma-mixed-128", 128, 8, 4, 64, None, [1, 63, 64, 320, 321, 1000, 4097]),
-    ("fma-d64-gqa8-g32", 64, 2, 8, 16, 32, [0, 17, 65, 500, 2049]),
-    ("fma-gqa3-g8", 64, 3, 3, 16, 8, [5, 300, 777]),
-    ("fma-gqa1-g32", 128, 4, 1, 32, 32, [321, 2000]),
-    ("fma-128k-gqa4", 128, 8, 4, 64, None, [131072, 100003]),
-    ("fma-128k-gqa8-d64", 64, 4, 8, 64, None, [131072, 65]),
+# ----------------------------------------------------------------------------- impl="gluon" vs "tl"
+IMPL_CHECKS = [
+    # name, d, H_kv, gqa, page, group, lens[, mode, (sink, recent)]   (random cache contents, no writes)
+    ("impl-mixed-128", 128, 8, 4, 64, None, [0, 1, 63, 64, 320, 321, 385, 1000, 4097]),
+    ("impl-gqa8-d128", 128, 2, 8, 16, None, [0, 17, 65, 500, 2049]),
+    ("impl-gqa3-d128", 128, 3, 3, 32, None, [5, 300, 777, 3000]),
+    ("impl-gqa1-d256", 256, 2, 1, 16, None, [321, 2000, 99]),
+    ("impl-gqa16-d128-page8", 128, 1, 16, 8, None, [1, 700, 1234]),
+    ("impl-128k-gqa4", 128, 8, 4, 64, None, [131072, 100003]),
+    ("impl-128k-gqa8", 128, 4, 8, 64, None, [131072, 65]),
+    # discriminating cases (which part of a kernel is wrong): windows alone, INT2 alone,
+    # the value path alone (all scores 0: uniform attention), the key path alone (INT2
+    # values = their zero point, so the output depends on the scores but not on value codes)
+    ("dbg-windows-only", 128, 2, 4, 16, None, [1, 17, 64, 200, 320], "random", (64, 256)),
+    ("dbg-int2-only", 128, 2, 4, 16, None, [1, 17, 64, 200, 2000], "random", (0, 0)),
+    ("dbg-v-only", 128, 2, 4, 16, None, [1, 300, 2000], "v-only", (64, 256)),
+    ("dbg-k-only", 128, 2, 4, 16, None, [1, 300, 2000], "k-only", (64, 256)),
 ]
 
 
-def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1):
-    """A cache with random codes / scales / zeros / windows and scattered pages."""
+def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1, mode="random"):
+    """A cache with random codes / scales / zeros / windows and scattered pages.
+
+    ``mode``: ``random``; ``v-only`` (keys all zero: every score 0); ``k-only`` (value
+    scales 0: an INT2 value is its zero point, whatever its codes).
+    """
     bsz = len(lens)
     pages_per = [max(1, math.ceil(n / lo.page_size)) for n in lens]
     num_pages = sum(pages_per) + 3
@@ -664,27 +577,40 @@ def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1):
         t.uniform_(scale_lo, scale_hi)
     for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
         t.normal_()
+    if mode == "v-only":
+        for t in (cache.k_scale, cache.k_zero, cache.k_sink, cache.k_recent):
+            t.zero_()
+    elif mode == "k-only":
+        cache.v_scale.zero_()
     return cache, bt.to(DEV), ws.to(DEV)
 
 
-def check_impls(name, d, hkv, g, page, group, lens, seed, log):
-    """Decode with impl="dot" and impl="fma" (poisoned outputs) vs float64 over the cache."""
+def check_impls(name, d, hkv, g, page, group, lens, mode="random", win=(64, 256), *, seed, log, cfgs=None):
+    """Decode with impl="tl" and impl="gluon" (each Gluon launch config of ``cfgs``; outputs
+    NaN-poisoned) vs float64 attention over the cache contents."""
     gen = torch.Generator().manual_seed(seed)
-    lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group)
-    cache, bt, ws = random_cache(lo, lens, gen)
+    lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group, sink_tokens=win[0], recent_tokens=win[1])
+    cache, bt, ws = random_cache(lo, lens, gen, mode=mode)
     ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     q = torch.randn(len(lens), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
     res = {"case": name, "d": d, "H_kv": hkv, "gqa": g, "page": page, "group": lo.group, "lens": lens}
     outs = {}
+    runs = {"tl": dict(impl="tl")}
+    why = dec_mod.gluon_unavailable_reason(cache, q)
+    if why is None:
+        for c in cfgs or [{}]:
+            runs["gluon" + "".join(f"/{k}={v}" for k, v in c.items())] = dict(impl="gluon", **c)
+    else:
+        res["gluon_skipped"] = why
     dec_mod._empty = _poison
     try:
-        for impl in ok.DECODE_IMPLS:
-            outs[impl] = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", impl=impl).double()
+        for key, kw in runs.items():
+            outs[key] = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **kw).double()
     finally:
         dec_mod._empty = torch.empty
     qr = ok.rotate_queries(q, ep).double()
-    errs = dict.fromkeys(ok.DECODE_IMPLS, 0.0)
+    errs = dict.fromkeys(outs, 0.0)
     for b, n in enumerate(lens):
         if n == 0:
             for k in errs:
@@ -696,194 +622,26 @@ def check_impls(name, d, hkv, g, page, group, lens, seed, log):
             errs[k] = max(errs[k], rel(outs[k][b], want))
     res.update(
         rel_err=errs,
-        vs_dot={k: rel(o, outs["dot"]) for k, o in outs.items() if k != "dot"},
-        finite=all(bool(torch.isfinite(o).all()) for o in outs.values()),
+        vs_tl={k: rel(o, outs["tl"]) for k, o in outs.items() if k != "tl"},
+        finite={k: bool(torch.isfinite(o).all()) for k, o in outs.items()},
     )
-    res["pass"] = bool(res["finite"] and max(errs.values()) < 1e-2)
+    res["pass"] = bool(all(res["finite"].values()) and max(errs.values()) < 1e-2)
     log(json.dumps(res))
     return res
 
 
-FMA_CFGS = [  # (impl, block_n, num_warps, unpack) swept at 128k B = 8; the best reused elsewhere
-    ("fma", 32, 4, "asm"),
-    ("fma", 64, 4, "asm"),
-    ("fma", 32, 8, "asm"),
-    ("fma", 64, 8, "asm"),
-    ("fma", 128, 8, "asm"),
-    ("fma", 64, 4, "convert"),
-    ("fma-kt", 32, 4, "asm"),
-    ("fma-kt", 64, 4, "asm"),
-    ("fma-kt", 32, 8, "asm"),
-    ("fma-kt", 64, 8, "asm"),
-    ("fma-t", 16, 4, "asm"),
-    ("fma-t", 32, 4, "asm"),
-    ("fma-t", 64, 4, "asm"),
-    ("fma-t", 32, 8, "asm"),
-    ("fma-t", 64, 8, "asm"),
-    ("fma-t", 32, 2, "asm"),
-]
-_CFG_KEYS = ("impl", "block_n", "num_warps", "unpack")
-
-
-def bench_impls(ctx, bsz, copy_gbs, log, cfgs):
-    """Decode op (CUDA graph) for impl="dot" (committed default) and the FMA configs, vs SDPA."""
-    st = _int2_decode_setup(ctx, bsz)
-    cache, bt, sl, ws, ep, q = (st[k] for k in ("cache", "bt", "sl", "ws", "ep", "q"))
-    bw = copy_gbs * 1e9
-    row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": st["nbytes"], "bytes_bf16": bsz * 8 * ctx * 128 * 4}
-
-    def op(**kw):
-        return lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **kw)
-
-    row["dot_us"] = bench_graph_ms(op(impl="dot")) * 1e3
-    sweep = []
-    for cfg in cfgs:
-        kw = dict(zip(_CFG_KEYS, cfg, strict=True))
-        try:
-            us = bench_graph_ms(op(**kw)) * 1e3
-        except Exception:
-            log(f"  {cfg} ctx={ctx} B={bsz} FAILED: {traceback.format_exc()[-800:]}")
-            continue
-        r = dict(kw, us=us)
-        kern = dec_mod.LAST_COMPILED.get("decode_split")
-        if kern is not None:
-            r["n_regs"], r["n_spills"] = kern.n_regs, kern.n_spills
-        log(f"  fma ctx={ctx} B={bsz} {r}")
-        sweep.append(r)
-    row["fma_sweep"] = sweep
-    if sweep:
-        best = min(sweep, key=lambda r: r["us"])
-        row["fma_us"] = best["us"]
-        row["fma_cfg"] = {k: best[k] for k in _CFG_KEYS}
-        for impl in ok.DECODE_IMPLS[1:]:
-            mine = [r["us"] for r in sweep if r["impl"] == impl]
-            if mine:
-                row[f"{impl}_best_us"] = min(mine)
-        if bsz == 8 and DEV.type == "cuda":
-            ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **row["fma_cfg"])
-            row["fma_diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
-            ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", impl="dot")
-            row["dot_diag"] = _ptx_diag(dec_mod.LAST_COMPILED["decode_split"])
-    st = cache = None
-    torch.cuda.empty_cache()
-    k = torch.randn(bsz, 8, ctx, 128, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    qs = q.unsqueeze(2)
-    F = torch.nn.functional
-    row["sdpa_us"] = bench_graph_ms(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)) * 1e3
-    k = v = None
-    torch.cuda.empty_cache()
-    row["dot_bw_frac"] = row["bytes_int2_path"] / (row["dot_us"] * 1e-6) / bw
-    row["sdpa_bw_frac"] = row["bytes_bf16"] / (row["sdpa_us"] * 1e-6) / bw
-    row["dot_x_sdpa"] = row["sdpa_us"] / row["dot_us"]
-    if "fma_us" in row:
-        row["fma_bw_frac"] = row["bytes_int2_path"] / (row["fma_us"] * 1e-6) / bw
-        row["fma_x_sdpa"] = row["sdpa_us"] / row["fma_us"]
-        row["fma_x_dot"] = row["dot_us"] / row["fma_us"]
-    log(json.dumps(row))
-    return row
-
-
-FMA_SHAPES = ((131072, 8), (131072, 1), (131072, 32), (32768, 8), (32768, 1), (32768, 32))
-
-
-def run_fma(copy_gbs, log, env, out_dir, budget_s=150.0, checks=None, shapes=FMA_SHAPES, top_ctx=131072):
-    """Checks of impl="fma", then decode benchmarks; stops starting new work after ``budget_s``.
-
-    The full config sweep runs at ``top_ctx`` for the first batch size; later shapes reuse
-    its best config (plus a few), smaller contexts the best of the same batch size.
-    """
-    t0 = time.time()
-    res = {"env": env, "checks": [], "decode": []}
-
-    def save():
-        json.dump(res, open(os.path.join(out_dir, "fma.json"), "w"), indent=1)
-
-    for i, c in enumerate(FMA_CHECKS if checks is None else checks):
+def run_impl_checks(log, cfgs=None):
+    out = []
+    for i, c in enumerate(IMPL_CHECKS):
         t = time.time()
         try:
-            r = check_impls(*c, seed=300 + i, log=log)
+            r = check_impls(*c, seed=300 + i, log=log, cfgs=cfgs)
         except Exception as e:
             log(f"CHECK {c[0]} FAILED: {traceback.format_exc()}")
             r = {"case": c[0], "pass": False, "error": repr(e)}
         r["seconds"] = round(time.time() - t, 1)
-        res["checks"].append(r)
-        save()
-    log(f"checks done at {time.time() - t0:.0f}s")
-    best = {}
-    first = shapes[0][1]
-    for ctx, bsz in shapes:
-        if time.time() - t0 > budget_s:
-            log(f"time budget reached, skipping ctx={ctx} B={bsz}")
-            continue
-        cfgs = FMA_CFGS if ctx == top_ctx else [best.get(bsz, FMA_CFGS[1])]
-        if ctx == top_ctx and bsz != first and first in best:  # a smaller sweep after the first
-            extra = [("fma", 64, 4, "asm"), ("fma-kt", 64, 8, "asm"), ("fma-t", 32, 4, "asm")]
-            cfgs = sorted({best[first], *extra})
-        try:
-            r = bench_impls(ctx, bsz, copy_gbs, log, cfgs)
-        except Exception:
-            log(f"BENCH ctx={ctx} B={bsz} FAILED: {traceback.format_exc()}")
-            torch.cuda.empty_cache()
-            continue
-        if "fma_cfg" in r:
-            best[bsz] = tuple(r["fma_cfg"][k] for k in _CFG_KEYS)
-        res["decode"].append(r)
-        save()
-    res["seconds"] = round(time.time() - t0, 1)
-    save()
-    return res
-
-
-def print_fma_tables(res, copy_gbs):
-    print("\n== FMA decode checks (rel. err vs float64 over the cache; pass < 1e-2) ==")
-    for r in res["checks"]:
-        if "error" in r:
-            print(f"{r['case']:20s} ERROR {r['error'][:120]}")
-            continue
-        errs = " ".join(f"{k}={e:.1e}" for k, e in r["rel_err"].items())
-        vs = " ".join(f"{k}={e:.1e}" for k, e in r["vs_dot"].items())
-        print(
-            f"{r['case']:18s} d={r['d']:3d} gqa={r['gqa']} grp={r['group']:3d} pass={r['pass']} "
-            f"err: {errs} | vs dot: {vs} {r['seconds']}s"
-        )
-    print(f"\n== decode op, CUDA graph, Qwen3-8B shape (copy {copy_gbs:.0f} GB/s) ==")
-    print(
-        "ctx      B   dot_us  dot_bw%   fma_us fma-kt_us  fma-t_us best_bw%  sdpa_us x_sdpa(dot) "
-        "x_sdpa(best) best/dot  best cfg (impl/block_n/warps/unpack)"
-    )
-    for r in res["decode"]:
-        v = dict(r)
-        v.setdefault("fma_us", float("nan"))
-        v["f1"] = r.get("fma_best_us", float("nan"))
-        v["f2"] = r.get("fma-kt_best_us", float("nan"))
-        v["f3"] = r.get("fma-t_best_us", float("nan"))
-        v.setdefault("fma_bw_frac", float("nan"))
-        v.setdefault("fma_x_sdpa", float("nan"))
-        v.setdefault("fma_x_dot", float("nan"))
-        v["cfg"] = "/".join(str(x) for x in r.get("fma_cfg", {}).values())
-        v["dbw"], v["fbw"] = 100 * v["dot_bw_frac"], 100 * v["fma_bw_frac"]
-        print(
-            _row(
-                "{ctx:6d} {batch:3d} {dot_us:8.1f} {dbw:7.1f} {f1:8.1f} {f2:9.1f} {f3:9.1f} {fbw:7.1f} "
-                "{sdpa_us:8.1f} {dot_x_sdpa:11.2f} {fma_x_sdpa:12.2f} {fma_x_dot:8.2f}  {cfg}",
-                v,
-            )
-        )
-    print("\n== fma sweep (impl/block_n/warps/unpack: us [regs/spills]) ==")
-    for r in res["decode"]:
-        cells = [
-            f"{s['impl']}/{s['block_n']}/{s['num_warps']}/{s['unpack']}: {s['us']:.1f} "
-            f"[{s.get('n_regs')}/{s.get('n_spills')}]"
-            for s in r.get("fma_sweep", [])
-        ]
-        for i in range(0, len(cells), 4):
-            print(f"{r['ctx']:6d} B={r['batch']:2d}  " + "  ".join(cells[i : i + 4]))
-    for r in res["decode"]:
-        for k in ("dot_diag", "fma_diag"):
-            if k in r:
-                print(k, r[k])
-    print(f"total {res.get('seconds')}s")
+        out.append(r)
+    return out
 
 
 def main():
@@ -893,11 +651,18 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--experiment", action="store_true")
-    ap.add_argument("--fma", action="store_true", help='impl="fma" checks + decode benchmarks only')
+    ap.add_argument("--decode-only", action="store_true", help="skip the write / prefill benchmarks")
+    ap.add_argument(
+        "--gluon",
+        action="store_true",
+        help="switch the experimental Gluon decode kernel on (OSCAR_GLUON_DECODE=1)",
+    )
+    ap.add_argument("--shapes", nargs="*", default=None, help="decode shapes as CTX:B (default all nine)")
     ap.add_argument("--cases", nargs="*", default=None)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.gluon:
+        os.environ["OSCAR_GLUON_DECODE"] = "1"
     global OUT_DIR
     OUT_DIR = a.out
     logf = open(os.path.join(a.out, "gpu_run.log"), "a")
@@ -925,53 +690,25 @@ def main():
     copy_gbs = copy_bandwidth_gbs() if cuda else 1.0
     env["copy_GBps"] = copy_gbs
     log(f"copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
-    if a.fma:
-        res = run_fma(copy_gbs, log, env, a.out)
-        print_fma_tables(res, copy_gbs)
-        return
-    if a.experiment:
-        res = run_experiment(copy_gbs, log)
-        json.dump({"env": env, **res}, open(os.path.join(a.out, "experiment.json"), "w"), indent=1)
-        print("\n== experiment ==")
-        for r in res["checks"]:
-            print(
-                r["case"],
-                "pass",
-                r["pass"],
-                r.get("decode_rel_err_vs_f64_cache"),
-                r.get("extend_rel_err_vs_f64_cache"),
-            )
-        for r in res["decode"]:
-            print(
-                f"{r['ctx']:6d} B={r['batch']:2d} {r['unpack']:7s} bn={r['block_n']:3d} w={r['num_warps']} "
-                f"st={r['num_stages']} ns={r['num_splits']:3d} {r['us']:8.1f} us "
-                f"bw {100 * r['bw_frac']:4.1f}%"
-            )
-        for r in res["write"]:
-            print(
-                f"write bt={r['block_t']} w={r['num_warps']} {r['us']:8.1f} us bw {100 * r['bw_frac']:4.1f}%",
-                r["diag"],
-            )
-        for r in res["decode"]:
-            if "diag" in r:
-                print(r["unpack"], r["num_warps"], r["diag"])
-        return
     checks = []
     if not a.skip_check:
         checks = run_checks(log, a.quick, a.cases)
         json.dump({"env": env, "checks": checks}, open(os.path.join(a.out, "check.json"), "w"), indent=1)
+        impl_cfgs = [{}] if not a.tune else [dict(block_n=32, num_stages=1), {}]
+        checks += run_impl_checks(log, impl_cfgs)
+        json.dump({"env": env, "checks": checks}, open(os.path.join(a.out, "check.json"), "w"), indent=1)
     bench = {"env": env}
     if not a.skip_bench:
         tune = None
-        if a.tune:
+        if a.tune:  # Gluon launch configurations swept at 128k (the best is reported)
             tune = [
-                dict(block_n=bn, num_warps=w, num_stages=s)
-                for bn in (64, 128)
-                for w in (4, 8)
-                for s in (2, 3)
+                dict(block_n=bn, num_stages=st, programs_per_sm=pps)
+                for bn, st in ((32, 2), (64, 2), (32, 1), (64, 1))
+                for pps in (16, 32)
             ]
-        ctxs = [8192, 32768, 131072]
-        bs = [1, 8, 32]
+        shapes = [(c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)]
+        if a.shapes:
+            shapes = [tuple(int(x) for x in sh.split(":")) for sh in a.shapes]
 
         def safe(fn, *args, **kw):
             try:
@@ -981,12 +718,15 @@ def main():
                 torch.cuda.empty_cache()
                 return None
 
-        dec = [
-            safe(bench_decode, c, b, copy_gbs, log, tune if (c == 131072 and b in (1, 8)) else None)
-            for c in ctxs
-            for b in bs
-        ]
-        bench["decode"] = [r for r in dec if r]
+        bench["decode"] = []
+        for c, b in shapes:  # saved after every shape: a cut-off call keeps what it measured
+            r = safe(bench_decode, c, b, copy_gbs, log, tune if (c, b) == (131072, 8) else None)
+            if r:
+                bench["decode"].append(r)
+            json.dump(bench, open(os.path.join(a.out, "bench.json"), "w"), indent=1)
+        if a.decode_only:
+            print_tables(checks, bench, copy_gbs)
+            return
         bench["write"] = [r for r in (safe(bench_write, n, copy_gbs, log) for n in (32, 4096, 65536)) if r]
         pre = (safe(bench_prefill, p, c, log) for p, c in ((8192 - 2048, 2048), (32768 - 4096, 4096)))
         bench["prefill"] = [r for r in pre if r]
@@ -1005,6 +745,10 @@ def print_tables(checks, bench, copy_gbs):
         if "error" in r:
             print(f"{r['case']:16s} ERROR {r['error'][:100]}")
             continue
+        if "rel_err" in r:  # impl checks: every kernel vs float64 over the cache
+            errs = " ".join(f"{k}={e:.1e}" for k, e in r["rel_err"].items())
+            print(f"{r['case']:22s} pass={r['pass']} d={r['d']} gqa={r['gqa']} {errs} {r['seconds']}s")
+            continue
         print(
             _row(
                 "{case:16s} pass={pass} dec_err={decode_rel_err_vs_f64_cache:.1e} "
@@ -1017,21 +761,29 @@ def print_tables(checks, bench, copy_gbs):
         return
     print(f"\n== decode (copy {copy_gbs:.0f} GB/s) ==")
     print(
-        "ctx     B  int2_us graph_us kern_us bw%  sdpa_us sdpa_bw% pagedbf16_us  x_sdpa x_sdpa_graph x_paged"
+        "ctx     B  int2_us graph_us kern_us kgraph_us bw%  tl_graph_us sdpa_us sdpa_bw% pagedbf16_us "
+        " x_sdpa x_sdpa_graph x_paged  cfg"
     )
     for r in bench["decode"]:
         v = {
             k: (x * 1e3 if k.endswith("_ms") else x * 100 if k.endswith("_frac") else x) for k, x in r.items()
         }
+        v.setdefault("tl_graph_ms", float("nan"))
+        v["cfg"] = "/".join(str(x) for x in r["int2_cfg"].values()) + f"/ns={r['num_splits']}"
         print(
             _row(
                 "{ctx:6d} {batch:3d} {int2_ms:8.1f} {int2_graph_ms:8.1f} {int2_kernels_ms:7.1f} "
-                "{int2_bw_frac:4.0f} "
+                "{int2_kernels_graph_ms:8.1f} {int2_kernels_graph_bw_frac:4.0f} {tl_graph_ms:9.1f} "
                 "{sdpa_bf16_ms:8.1f} {sdpa_bw_frac:6.0f} {paged_bf16_ms:10.1f} {speedup_vs_sdpa:7.2f} "
-                "{speedup_vs_sdpa_graph:7.2f} {speedup_vs_paged_bf16:7.2f}",
+                "{speedup_vs_sdpa_graph:7.2f} {speedup_vs_paged_bf16:7.2f}  {cfg}",
                 v,
             )
         )
+    for r in bench["decode"]:
+        if "decode_kernel_diag" in r:
+            print("decode kernel (128k x 8):", r["decode_kernel_diag"])
+    if "write" not in bench:
+        return
     print("\n== write ==")
     for r in bench["write"]:
         v = {

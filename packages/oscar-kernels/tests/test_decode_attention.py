@@ -1,8 +1,15 @@
+import json
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import DEVICE, fill_cache, needs_triton
+from conftest import DEVICE, HAS_TRITON, fill_cache, needs_triton
 
 from oscar_kernels import CacheLayout, KernelUnavailableError, decode_attention, decode_attention_ref
+from oscar_kernels.decode_attention import gluon_unavailable_reason
 from oscar_math import OscarError
 
 
@@ -11,11 +18,7 @@ def rel(a, b):
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    "impl, unpack",
-    [("dot", "asm"), ("fma", "asm"), ("fma", "convert"), ("fma-kt", "asm"), ("fma-t", "asm")],
-    ids=["dot", "fma", "fma-convert", "fma-kt", "fma-t"],
-)
+@pytest.mark.parametrize("impl", ["tl", "gluon"])
 @pytest.mark.parametrize(
     "d, h, g, page, group, granularity, splits",
     [
@@ -24,14 +27,18 @@ def rel(a, b):
         (128, 2, 8, 16, None, "kv_head", 2),
         (32, 3, 3, 4, 8, "layer", 5),  # group = one quarter
         (64, 2, 4, 8, 4, "layer", 2),  # group < quarter: per-element dequantisation
+        (128, 1, 3, 8, None, "layer", 4),  # GQA 3 padded to 8 columns (Gluon)
+        (256, 2, 1, 16, None, "kv_head", 2),  # d = 256: two words per row and thread (Gluon)
     ],
 )
-def test_decode_triton_matches_reference(d, h, g, page, group, granularity, splits, impl, unpack):
+def test_decode_triton_matches_reference(d, h, g, page, group, granularity, splits, impl):
     gen = torch.Generator().manual_seed(d * g)
     lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=5, recent_tokens=12)
     # empty, shorter than the sink, = sink + recent, one over, page boundaries, longer
     lens = [0, 3, 17, 18, 2 * page, 2 * page + 1, 83]
     cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, granularity, steps=2)
+    if impl == "gluon" and (why := gluon_unavailable_reason(cache)) is not None:
+        pytest.skip(f"Gluon kernel cannot run here: {why}")
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), h * g, d, generator=gen).bfloat16().to(DEVICE)
     out = decode_attention(
@@ -43,9 +50,8 @@ def test_decode_triton_matches_reference(d, h, g, page, group, granularity, spli
         ws,
         backend="triton",
         num_splits=splits,
-        block_n=16,
+        block_n=16 if impl == "tl" else 32,
         impl=impl,
-        unpack=unpack,
     )
     ref = decode_attention_ref(q, cache, params.expand(h, d, cache.device), bt, sl, ws)
     assert torch.isfinite(out).all()
@@ -67,7 +73,11 @@ def test_decode_input_errors():
     with pytest.raises(OscarError, match="backend"):
         decode_attention(q, cache, params, bt, sl, ws, backend="cuda")
     with pytest.raises(OscarError, match="impl"):
-        decode_attention(q, cache, params, bt, sl, ws, impl="wmma")
+        decode_attention(q, cache, params, bt, sl, ws, impl="fma")
+    if DEVICE.type == "cpu" and HAS_TRITON:
+        # head_dim 32 (and the interpreter/CPU) cannot take the Gluon kernel: a clear refusal
+        with pytest.raises(KernelUnavailableError, match="impl='tl'"):
+            decode_attention(q, cache, params, bt, sl, ws, backend="triton", impl="gluon")
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")
@@ -140,3 +150,62 @@ def test_decode_and_write_on_engine_buffer_views():
     o_ref = decode_attention_ref(q, view, params.expand(2, 64, view.device), bt, sl, ws)
     for b in range(3):
         assert rel(o_view[b], o_ref[b]) < 1e-2
+
+
+_COMPILE = """
+import json, sys
+from oscar_kernels.kernels.attention_gluon import GLUON_IMPORT_ERROR, compile_decode_gluon
+if GLUON_IMPORT_ERROR is not None:
+    print("SKIP installed Triton has no Gluon: " + GLUON_IMPORT_ERROR)
+    sys.exit(0)
+try:
+    from triton.backends.compiler import GPUTarget  # noqa: F401
+except ImportError as e:
+    print(f"SKIP installed Triton cannot target CUDA offline: {e}")
+    sys.exit(0)
+sys.stdout.write(compile_decode_gluon(arch=90, **json.loads(sys.argv[1])).asm["ptx"])
+"""
+
+
+def _gluon_ptx_or_skip(**kw) -> str:
+    """PTX of the Gluon decode kernel for sm_90, compiled without a GPU, or skip with the reason.
+
+    In a fresh process: kernels run earlier under ``TRITON_INTERPRET=1`` leave Triton's
+    language module patched, which breaks a later real compile in the same process.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(kw)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    if r.stdout.startswith("SKIP "):
+        pytest.skip(r.stdout[5:].strip())
+    return r.stdout
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "gqa, d, block_n, windows, one_page",
+    [(4, 128, 64, True, True), (8, 256, 32, False, False)],
+    ids=["qwen3-8b-shape", "gqa8-d256-int2-only-any-page"],
+)
+def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
+    """A syntax, layout or PTX error in the Gluon kernel fails CPU CI: compile it for sm_90
+    (ptx only; no ptxas needed) and check the tile loop is what it should be: tensor-core
+    ``mma.sync``, the PTX unpack, and no shared-memory round trip of the code operands."""
+    ptx = _gluon_ptx_or_skip(gqa=gqa, head_dim=d, block_n=block_n, windows=windows, one_page=one_page)
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    assert ".f16.f16" in ptx  # INT2 operands are fp16 (the unpack target)
+    assert "prmt.b32" in ptx and "0x60006000" in ptx  # the in-register unpack
+    assert "st.shared" not in ptx  # codes and unpacked operands never go through shared memory
+    assert "ld.global.v2.b32" in ptx  # key codes: 8 bytes per load
+    # operand order: the query is permuted on the assumption that an mma register of the
+    # key tile pairs bytes 0 and 2 of a code word (e0, e1 of the first lop3 of the unpack);
+    # pairing e0 with e2 (bytes 0 and 1) is the bug the H200 showed on 2026-11-30
+    m = re.search(
+        r"and\.b32 t, %r\d+, 0x00030003; or\.b32 t, t, 0x60006000; mov\.b32 \{(%rs\d+), (%rs\d+)\}, t;", ptx
+    )
+    assert m, "key unpack not found in the PTX"
+    e0, e1 = m.groups()
+    pairs = re.findall(r"mov\.b32\s+%r\d+, \{" + e0 + r", (%rs\d+)\}", ptx)
+    assert pairs == [e1], (e0, e1, pairs)

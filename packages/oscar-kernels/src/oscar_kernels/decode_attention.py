@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from oscar_math import check
 
-from ._backend import Backend, dot_dtype, unpack_mode, use_triton
+from ._backend import Backend, KernelUnavailableError, dot_dtype, unpack_mode, use_triton
 from ._validate import check_decode_bounds, check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
@@ -24,16 +25,23 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 #: the last compiled kernels (diagnostics for benchmarks: registers, spills, PTX)
 LAST_COMPILED: dict = {}
 
-__all__ = ["decode_attention", "choose_num_splits", "paged_bf16_decode", "DECODE_IMPLS"]
+__all__ = [
+    "decode_attention",
+    "choose_num_splits",
+    "paged_bf16_decode",
+    "gluon_unavailable_reason",
+    "DECODE_IMPLS",
+]
 
-#: INT2 tile loops of the decode kernel: ``dot`` (tensor cores via ``tl.dot``, GQA group
-#: padded to 16 rows), ``fma`` (CUDA-core float32 FMA, group padded to a power of two),
-#: ``fma-kt`` (``fma`` with the key products laid out ``[heads, d/4, tokens]``), ``fma-t``
-#: (``fma-kt`` plus the value products laid out ``[tokens, heads, d/4]``)
-DECODE_IMPLS = ("dot", "fma", "fma-kt", "fma-t")
+#: decode kernels: ``auto`` (``gluon`` where it serves the call, else ``tl``), ``gluon`` (Triton
+#: Gluon, NVIDIA sm_80+, codes loaded straight into ``mma`` fragments; ``GROUP == HEAD_DIM``,
+#: ``HEAD_DIM % 128 == 0``; experimental and off unless ``OSCAR_GLUON_DECODE=1`` until a GPU
+#: run passes the accuracy checks) or ``tl`` (portable ``tl.dot`` kernel, any group size,
+#: also runs under the Triton interpreter)
+DECODE_IMPLS = ("auto", "gluon", "tl")
 
-#: launch defaults per implementation: (block_n, num_warps)
-_DEFAULTS = {"dot": (128, 4), "fma": (64, 4), "fma-kt": (64, 8), "fma-t": (32, 4)}
+#: launch defaults per kernel: (block_n, num_warps, programs_per_sm)
+_DEFAULTS = {"gluon": (64, 1, 16), "tl": (128, 4, 8)}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -61,6 +69,77 @@ def choose_num_splits(
     return int(min(want, cap, 256))
 
 
+def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None) -> str | None:
+    """Why the Gluon decode kernel cannot serve ``cache`` (``None``: it can).
+
+    Host-side facts only (dtype, shapes, strides, device capability), so the choice is the
+    same on every step and under CUDA-graph capture.
+    """
+    from ._backend import interpreting
+
+    lo = cache.layout
+    if os.environ.get("OSCAR_GLUON_DECODE", "0") != "1":
+        return (
+            "the Gluon decode kernel is experimental: its last H200 run failed the accuracy checks "
+            "(an operand-order bug, fixed since but not yet re-verified on a GPU); "
+            "set OSCAR_GLUON_DECODE=1 to run it"
+        )
+    if interpreting():
+        return "the Triton interpreter does not run Gluon kernels"
+    if cache.device.type != "cuda":
+        return f"Gluon needs a CUDA device, got {cache.device}"
+    from .kernels.attention_gluon import GLUON_IMPORT_ERROR
+
+    if GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon is unavailable ({GLUON_IMPORT_ERROR})"
+    if torch.version.hip is not None:
+        return "the Gluon kernel uses NVIDIA mma_v2 and PTX"
+    major, _ = torch.cuda.get_device_capability(cache.device)
+    if major < 8:
+        return f"Gluon mma_v2 needs sm_80+, got sm_{major}x"
+    if lo.head_dim % 128 != 0:
+        return f"head_dim {lo.head_dim} is not a multiple of 128"
+    if lo.group != lo.head_dim:
+        return f"group_size {lo.group} < head_dim {lo.head_dim} (per-group scales: tl path)"
+    if (
+        any(st % 4 for st in cache.k_codes.stride()[:3])
+        or cache.k_codes.data_ptr() % 4
+        or cache.v_codes.data_ptr() % 4
+    ):
+        return "code pages are not 4-byte aligned (the kernel loads 32-bit code words)"
+    if q is not None and triton_next_pow2(q.shape[1] // lo.num_kv_heads) > 64:
+        return "GQA group > 64"
+    return None
+
+
+def resolve_launch(
+    cache: PagedKVCache,
+    q: torch.Tensor | None,
+    impl: str = "auto",
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    programs_per_sm: int | None = None,
+) -> tuple[str, int, int, int]:
+    """The kernel (``gluon`` / ``tl``) and launch options a decode call will use."""
+    check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
+    if impl != "tl":
+        why = gluon_unavailable_reason(cache, q)
+        if impl == "gluon" and why is not None:
+            raise KernelUnavailableError(f"Invalid impl: impl='gluon' cannot run here: {why}; use impl='tl'")
+        impl = "tl" if why is not None else "gluon"
+    dflt = _DEFAULTS[impl]
+    return (
+        impl,
+        dflt[0] if block_n is None else block_n,
+        dflt[1] if num_warps is None else num_warps,
+        dflt[2] if programs_per_sm is None else programs_per_sm,
+    )
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: PagedKVCache,
@@ -75,8 +154,8 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     unpack: str = "asm",
-    programs_per_sm: int = 8,
-    impl: str = "dot",
+    programs_per_sm: int | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -92,17 +171,15 @@ def decode_attention(
         num_splits: INT2 splits per (sequence, KV head); default
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
-        block_n, num_warps, num_stages: Triton tile size and launch options (``None``:
-            the default of ``impl``: see ``_DEFAULTS``).
-        programs_per_sm: split-count target of :func:`choose_num_splits`.
-        unpack: how INT2 codes become operands: ``asm`` (PTX ``prmt``), ``int16`` or
-            ``convert``; with ``impl="fma"`` ``asm``/``int16`` mean the exponent trick
-            (``1 + code/4`` in integer ops) and ``convert`` an int→float conversion.
-        impl: INT2 tile loop, one of :data:`DECODE_IMPLS`: ``dot`` (``tl.dot``),
-            ``fma`` (CUDA-core FMA, dequantisation folded per token), ``fma-kt``
-            (the same with the key sum inside each thread) or ``fma-t`` (key and
-            value sums inside threads). Same results up to float rounding; the BF16
-            windows follow the same choice (in the ``fma`` layout).
+        block_n, num_warps, num_stages, programs_per_sm: tile size, launch options and
+            split-count target of :func:`choose_num_splits` (``None``: the kernel's default,
+            see ``_DEFAULTS``; for the Gluon kernel ``num_stages >= 2`` means the next tile's
+            loads are issued before the current tile is computed, 1 that they are not).
+        unpack: how the ``tl`` kernel turns INT2 codes into operands: ``asm`` (PTX
+            ``prmt``), ``int16`` or ``convert`` (the Gluon kernel always uses its PTX unpack).
+        impl: ``auto`` (Gluon where :func:`gluon_unavailable_reason` is ``None``, else
+            ``tl``), ``gluon`` (error where it cannot run) or ``tl``. Same results up to
+            float rounding.
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -121,10 +198,11 @@ def decode_attention(
     check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
     unpack_mode(unpack)  # validates the name
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
-    block_n = _DEFAULTS[impl][0] if block_n is None else block_n
-    num_warps = _DEFAULTS[impl][1] if num_warps is None else num_warps
     if not use_triton(cache.device, backend):
         return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
+    impl, block_n, num_warps, programs_per_sm = resolve_launch(
+        cache, q, impl, block_n, num_warps, programs_per_sm
+    )
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
     q_rot = rotate_queries(q, ep)
     if num_splits is None:
@@ -163,10 +241,9 @@ def _launch_decode(
     num_stages,
     bf16_pages=None,
     unpack="asm",
-    impl="dot",
+    impl="tl",
 ):
     import triton
-    import triton.language as tl
 
     from ._backend import interpreting
     from .kernels.attention import decode_split_kernel, merge_splits_kernel
@@ -177,11 +254,8 @@ def _launch_decode(
     po = _empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
     plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
     kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
-    opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    fma = impl.startswith("fma")
-    # tl.dot needs 16 rows; the FMA loop only a power of two
-    g_pad = triton.next_power_of_2(g) if fma else max(16, triton.next_power_of_2(g))
-    LAST_COMPILED["decode_split"] = decode_split_kernel[(bsz * lo.num_kv_heads, nt)](
+    grid = (bsz * lo.num_kv_heads, nt)
+    common = (
         q_rot,
         q_rot.stride(0),
         q_rot.stride(1),
@@ -194,24 +268,47 @@ def _launch_decode(
         plse,
         scale * math.log2(math.e),
         lo.page_size,
-        H_KV=lo.num_kv_heads,
-        GQA=g,
-        G_PAD=g_pad,
-        HEAD_DIM=d,
-        GROUP=lo.group,
-        SINK=lo.sink_tokens if bf16_pages is None else 0,
-        RECENT=lo.recent_tokens if bf16_pages is None else 0,
-        RING=max(1, lo.recent_tokens),
-        NUM_SPLITS=num_splits,
-        BLOCK_N=block_n,
-        BLOCK_W=64,
-        PAGED_BF16=bf16_pages is not None,
-        DOT=tl.float32 if fma else dot_dtype(),
-        UNPACK=unpack_mode(unpack),
-        FMA={"dot": 0, "fma": 1, "fma-kt": 2, "fma-t": 3}[impl],
-        FUNPACK=0 if unpack == "convert" else 1,
-        **opts,
     )
+    if impl == "gluon":
+        from .kernels.attention_gluon import decode_split_kernel_gluon
+
+        LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
+            *common,
+            num_splits,
+            H_KV=lo.num_kv_heads,
+            GQA=g,
+            NP=max(8, triton.next_power_of_2(g)),
+            HEAD_DIM=d,
+            SINK=lo.sink_tokens,
+            RECENT=lo.recent_tokens,
+            RING=max(1, lo.recent_tokens),
+            BLOCK_N=block_n,
+            BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
+            PREFETCH=num_stages >= 2,  # register double buffering of the next tile
+            # every tile inside one page: tiles start at sink + k·block_n
+            ONE_PAGE=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,
+            num_warps=num_warps,
+        )
+    else:
+        opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
+        LAST_COMPILED["decode_split"] = decode_split_kernel[grid](
+            *common,
+            H_KV=lo.num_kv_heads,
+            GQA=g,
+            G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot needs 16 rows
+            HEAD_DIM=d,
+            GROUP=lo.group,
+            SINK=lo.sink_tokens if bf16_pages is None else 0,
+            RECENT=lo.recent_tokens if bf16_pages is None else 0,
+            RING=max(1, lo.recent_tokens),
+            NUM_SPLITS=num_splits,
+            BLOCK_N=block_n,
+            BLOCK_W=64,
+            PAGED_BF16=bf16_pages is not None,
+            DOT=dot_dtype(),
+            UNPACK=unpack_mode(unpack),
+            **opts,
+        )
     out = _empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)
     merge_splits_kernel[(bsz * hq,)](po, plse, out, NT=nt, NT_PAD=triton.next_power_of_2(nt), HEAD_DIM=d)
     return out

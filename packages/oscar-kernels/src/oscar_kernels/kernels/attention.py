@@ -12,15 +12,8 @@ folded out of the inner products: ``q·(c*s + z) = s*(q·c) + z*sum(q)`` and
 ``p·(c*s + z) = (p*s)·c + sum(p*z)``, so the tensor cores see raw codes.
 ``DOT`` is the dot operand dtype (bf16 on GPU, float32 in the interpreter).
 
-``FMA`` (decode only) replaces every ``tl.dot`` by float32 broadcast-multiply-and-sum
-on the CUDA cores: the GQA group is padded to a power of two only (not to 16 rows for
-the tensor cores) and the unpacked codes never go through shared memory as a dot
-operand. Codes become float32 ``f`` with ``code = A*f + B`` (``FUNPACK`` 0: int→float
-conversion, ``A, B = 1, 0``; 1: the code put under the exponent of 1.0,
-``f = 1 + code/4``, three integer ops and no conversion, ``A, B = 4, -4``), so
-``s*code + z = (A*s)*f + (z + B*s)`` and scale/zero are applied per token (or per
-token and quarter when ``GROUP < HEAD_DIM``), never per element unless
-``GROUP < HEAD_DIM/4``.
+The decode kernel for NVIDIA sm_80+ is in ``attention_gluon.py``; this one is the portable
+path (any group size, other GPUs, the interpreter).
 """
 
 from __future__ import annotations
@@ -213,210 +206,15 @@ def _int2_pv(
 
 
 @triton.jit
-def _fcodes(c, SHIFT: tl.constexpr, FUNPACK: tl.constexpr):
-    """``(c >> SHIFT) & 3`` of a uint8 tile as float32 ``f`` with ``code = A*f + B`` (:func:`_meta`)."""
-    if FUNPACK == 0:
-        r = ((c >> SHIFT) & 3).to(tl.float32)
-    else:
-        # code into the top two mantissa bits of 1.0: f = 1 + code/4 exactly
-        r = (((c.to(tl.int32) << (21 - SHIFT)) & 0x600000) | 0x3F800000).to(tl.float32, bitcast=True)
-    return r
-
-
-@triton.jit
-def _meta(s_ptr, z_ptr, off, mask, FUNPACK: tl.constexpr):
-    """Scale/zero at ``s_ptr + off`` folded for :func:`_fcodes`: ``(A*s, z + B*s)`` float32."""
-    s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    if FUNPACK != 0:
-        z = z - 4.0 * s
-        s = 4.0 * s
-    return s, z
-
-
-@triton.jit
-def _fma_qk(q, x):
-    """``q [M, K] · x [N, K]ᵀ`` → ``[M, N]`` float32 on the CUDA cores (no ``tl.dot``)."""
-    return tl.sum(q[:, None, :] * x[None, :, :], 2)
-
-
-@triton.jit
-def _fma_pv(p, x):
-    """``p [M, N] @ x [N, K]`` → ``[M, K]`` float32 on the CUDA cores (no ``tl.dot``)."""
-    return tl.sum(p[:, :, None] * x[None, :, :], 1)
-
-
-@triton.jit
-def _fma_key_quarter(
-    q_i,
-    kc,
-    s_ptr,
-    z_ptr,
-    mrow,
-    tmask,
-    I: tl.constexpr,
-    Q4: tl.constexpr,
-    GROUP: tl.constexpr,
-    FUNPACK: tl.constexpr,
-):
-    """``q_i · dequant(kc)_i`` → ``[M, N]`` for quarter ``I`` (``GROUP < HEAD_DIM``)."""
-    f = _fcodes(kc, 2 * I, FUNPACK)
-    if GROUP >= Q4:  # the quarter lies inside one group: fold per token
-        s, z = _meta(s_ptr, z_ptr, mrow + (I * Q4) // GROUP, tmask, FUNPACK)
-        r = _fma_qk(q_i, f) * s[None, :] + tl.sum(q_i, 1)[:, None] * z[None, :]
-    else:  # several groups per quarter: dequantise per element
-        j = tl.arange(0, Q4)
-        s, z = _meta(s_ptr, z_ptr, mrow[:, None] + (j[None, :] + I * Q4) // GROUP, tmask[:, None], FUNPACK)
-        r = _fma_qk(q_i, f * s + z)
-    return r
-
-
-@triton.jit
-def _fma_int2_scores(
-    q0,
-    q1,
-    q2,
-    q3,
-    qsum,
-    kc,
-    s_ptr,
-    z_ptr,
-    mrow,
-    tmask,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    FUNPACK: tl.constexpr,
-    FMA: tl.constexpr = 1,
-):
-    """Scores ``[M, BLOCK_N]`` against an INT2 key tile ``kc [BLOCK_N, Q4]``, CUDA-core FMA.
-
-    ``FMA`` 1: products ``[M, N, d/4]`` summed over the last axis; 2: ``[M, d/4, N]``
-    (same numbers, another register layout; group = d only).
-    """
-    Q4: tl.constexpr = HEAD_DIM // 4
-    if GROUP == HEAD_DIM:
-        # q·(s*code + z) = (A*s)*(q·f) + (z + B*s)*sum(q): no per-element dequantisation
-        s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
-        # one reduction over the quarter axis for all four quarters (the reduction crosses
-        # lanes; the products are plain FMAs)
-        if FMA >= 2:
-            # product laid out [M, d/4, N]: Triton puts lanes along the tokens, so the sum
-            # over the head dim stays inside each thread (q replicated per thread)
-            kt = tl.trans(kc)
-            prod = q0[:, :, None] * _fcodes(kt, 0, FUNPACK)[None, :, :]
-            prod += q1[:, :, None] * _fcodes(kt, 2, FUNPACK)[None, :, :]
-            prod += q2[:, :, None] * _fcodes(kt, 4, FUNPACK)[None, :, :]
-            prod += q3[:, :, None] * _fcodes(kt, 6, FUNPACK)[None, :, :]
-            acc = tl.sum(prod, 1)
-        else:
-            # [M, N, d/4]: lanes along the head dim, the sum crosses lanes (shuffles)
-            prod = q0[:, None, :] * _fcodes(kc, 0, FUNPACK)[None, :, :]
-            prod += q1[:, None, :] * _fcodes(kc, 2, FUNPACK)[None, :, :]
-            prod += q2[:, None, :] * _fcodes(kc, 4, FUNPACK)[None, :, :]
-            prod += q3[:, None, :] * _fcodes(kc, 6, FUNPACK)[None, :, :]
-            acc = tl.sum(prod, 2)
-        r = acc * s[None, :] + qsum[:, None] * z[None, :]
-    else:
-        r = _fma_key_quarter(q0, kc, s_ptr, z_ptr, mrow, tmask, 0, Q4, GROUP, FUNPACK)
-        r += _fma_key_quarter(q1, kc, s_ptr, z_ptr, mrow, tmask, 1, Q4, GROUP, FUNPACK)
-        r += _fma_key_quarter(q2, kc, s_ptr, z_ptr, mrow, tmask, 2, Q4, GROUP, FUNPACK)
-        r += _fma_key_quarter(q3, kc, s_ptr, z_ptr, mrow, tmask, 3, Q4, GROUP, FUNPACK)
-    return r
-
-
-@triton.jit
-def _fma_value_quarter(
-    p,
-    acc,
-    vc,
-    s_ptr,
-    z_ptr,
-    mrow,
-    tmask,
-    I: tl.constexpr,
-    Q4: tl.constexpr,
-    GROUP: tl.constexpr,
-    FUNPACK: tl.constexpr,
-):
-    """``acc += p @ dequant(vc)_i`` for quarter ``I`` (``GROUP < HEAD_DIM``)."""
-    f = _fcodes(vc, 2 * I, FUNPACK)
-    if GROUP >= Q4:
-        s, z = _meta(s_ptr, z_ptr, mrow + (I * Q4) // GROUP, tmask, FUNPACK)
-        acc += _fma_pv(p * s[None, :], f) + tl.sum(p * z[None, :], 1)[:, None]
-    else:
-        j = tl.arange(0, Q4)
-        s, z = _meta(s_ptr, z_ptr, mrow[:, None] + (j[None, :] + I * Q4) // GROUP, tmask[:, None], FUNPACK)
-        acc += _fma_pv(p, f * s + z)
-    return acc
-
-
-@triton.jit
-def _fma_int2_pv(
-    p,
-    acc0,
-    acc1,
-    acc2,
-    acc3,
-    vc,
-    s_ptr,
-    z_ptr,
-    mrow,
-    tmask,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    FUNPACK: tl.constexpr,
-    FMA: tl.constexpr = 1,
-):
-    """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``, CUDA-core FMA.
-
-    ``FMA`` 3: products laid out ``[N, M, d/4]`` (the token sum is the leading axis, which
-    Triton keeps inside each thread) instead of ``[M, N, d/4]``; group = d only.
-    """
-    Q4: tl.constexpr = HEAD_DIM // 4
-    if GROUP == HEAD_DIM and FMA == 3:
-        s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
-        pst = tl.trans(p * s[None, :])  # [N, M]
-        corr = tl.sum(p * z[None, :], 1)[:, None]
-        acc0 += tl.sum(pst[:, :, None] * _fcodes(vc, 0, FUNPACK)[:, None, :], 0) + corr
-        acc1 += tl.sum(pst[:, :, None] * _fcodes(vc, 2, FUNPACK)[:, None, :], 0) + corr
-        acc2 += tl.sum(pst[:, :, None] * _fcodes(vc, 4, FUNPACK)[:, None, :], 0) + corr
-        acc3 += tl.sum(pst[:, :, None] * _fcodes(vc, 6, FUNPACK)[:, None, :], 0) + corr
-    elif GROUP == HEAD_DIM:
-        # p·(s*code + z) = (p*A*s)·f + sum(p*(z + B*s)), the same for all four quarters
-        s, z = _meta(s_ptr, z_ptr, mrow, tmask, FUNPACK)
-        ps = p * s[None, :]
-        corr = tl.sum(p * z[None, :], 1)[:, None]
-        acc0 += _fma_pv(ps, _fcodes(vc, 0, FUNPACK)) + corr
-        acc1 += _fma_pv(ps, _fcodes(vc, 2, FUNPACK)) + corr
-        acc2 += _fma_pv(ps, _fcodes(vc, 4, FUNPACK)) + corr
-        acc3 += _fma_pv(ps, _fcodes(vc, 6, FUNPACK)) + corr
-    else:
-        acc0 = _fma_value_quarter(p, acc0, vc, s_ptr, z_ptr, mrow, tmask, 0, Q4, GROUP, FUNPACK)
-        acc1 = _fma_value_quarter(p, acc1, vc, s_ptr, z_ptr, mrow, tmask, 1, Q4, GROUP, FUNPACK)
-        acc2 = _fma_value_quarter(p, acc2, vc, s_ptr, z_ptr, mrow, tmask, 2, Q4, GROUP, FUNPACK)
-        acc3 = _fma_value_quarter(p, acc3, vc, s_ptr, z_ptr, mrow, tmask, 3, Q4, GROUP, FUNPACK)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _bf16_scores(
-    q0, q1, q2, q3, k_ptr, row, tmask, Q4: tl.constexpr, DOT: tl.constexpr, FMA: tl.constexpr = False
-):
+def _bf16_scores(q0, q1, q2, q3, k_ptr, row, tmask, Q4: tl.constexpr, DOT: tl.constexpr):
     """Scores against a 16-bit key tile whose rows start at ``k_ptr + row``."""
     j = tl.arange(0, Q4)
     ptr = k_ptr + row[:, None] + j[None, :]
     m2 = tmask[:, None]
-    if FMA:
-        prod = q0[:, None, :] * tl.load(ptr, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-        prod += q1[:, None, :] * tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-        prod += q2[:, None, :] * tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-        prod += q3[:, None, :] * tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32)[None, :, :]
-        s = tl.sum(prod, 2)
-    else:
-        s = tl.dot(q0, tl.trans(tl.load(ptr, mask=m2, other=0.0).to(tl.float32).to(DOT)))
-        s = tl.dot(q1, tl.trans(tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
-        s = tl.dot(q2, tl.trans(tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
-        s = tl.dot(q3, tl.trans(tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
+    s = tl.dot(q0, tl.trans(tl.load(ptr, mask=m2, other=0.0).to(tl.float32).to(DOT)))
+    s = tl.dot(q1, tl.trans(tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
+    s = tl.dot(q2, tl.trans(tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
+    s = tl.dot(q3, tl.trans(tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT)), s)
     return s
 
 
@@ -432,22 +230,15 @@ def _bf16_pv(
     tmask,
     Q4: tl.constexpr,
     DOT: tl.constexpr,
-    FMA: tl.constexpr = False,
 ):
     j = tl.arange(0, Q4)
     ptr = v_ptr + row[:, None] + j[None, :]
     m2 = tmask[:, None]
-    if FMA:
-        acc0 += _fma_pv(p, tl.load(ptr, mask=m2, other=0.0).to(tl.float32))
-        acc1 += _fma_pv(p, tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32))
-        acc2 += _fma_pv(p, tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32))
-        acc3 += _fma_pv(p, tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32))
-    else:
-        pd = p.to(DOT)
-        acc0 = tl.dot(pd, tl.load(ptr, mask=m2, other=0.0).to(tl.float32).to(DOT), acc0)
-        acc1 = tl.dot(pd, tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc1)
-        acc2 = tl.dot(pd, tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc2)
-        acc3 = tl.dot(pd, tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc3)
+    pd = p.to(DOT)
+    acc0 = tl.dot(pd, tl.load(ptr, mask=m2, other=0.0).to(tl.float32).to(DOT), acc0)
+    acc1 = tl.dot(pd, tl.load(ptr + Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc1)
+    acc2 = tl.dot(pd, tl.load(ptr + 2 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc2)
+    acc3 = tl.dot(pd, tl.load(ptr + 3 * Q4, mask=m2, other=0.0).to(tl.float32).to(DOT), acc3)
     return acc0, acc1, acc2, acc3
 
 
@@ -473,21 +264,20 @@ def _bf16_range(
     BLOCK_W: tl.constexpr,
     Q4: tl.constexpr,
     DOT: tl.constexpr,
-    FMA: tl.constexpr = False,
 ):
     """Attend to bf16 rows ``(tok % ring) * stride_row`` for ``tok`` in ``[lo, hi)``."""
     for t0 in range(lo, hi, BLOCK_W):
         tok = t0 + tl.arange(0, BLOCK_W)
         tmask = tok < hi
         row = (tok % ring).to(tl.int64) * stride_row
-        s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT, FMA)
+        s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT)
         s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
         acc0 = acc0 * alpha[:, None]
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
-        acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT, FMA)
+        acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -564,8 +354,6 @@ def decode_split_kernel(
     PAGED_BF16: tl.constexpr,
     DOT: tl.constexpr,
     UNPACK: tl.constexpr,
-    FMA: tl.constexpr = 0,
-    FUNPACK: tl.constexpr = 1,
 ):
     """Program ``(b*H_kv + h, split)``: all ``GQA`` query heads of KV head ``h``.
 
@@ -574,8 +362,6 @@ def decode_split_kernel(
     ``NUM_SPLITS + 1`` the recent ring. Each writes its normalised partial output
     and log2-sum-exp to ``po [B, H_q, NUM_SPLITS + 2, d]`` / ``plse``.
     ``PAGED_BF16`` (benchmark baseline): pages hold bf16 rows ``[P, H, page, d]``.
-    ``FMA`` (0/1/2/3 = off / ``fma`` / ``fma-kt`` / ``fma-t``): no ``tl.dot`` anywhere
-    (``G_PAD`` may be < 16; ``DOT`` must be float32).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -608,18 +394,13 @@ def decode_split_kernel(
             off = tok % page_size
             crow = page * stride_cp + h * stride_ch + off * stride_ct
             if PAGED_BF16:
-                s = _bf16_scores(q0, q1, q2, q3, kc_ptr, crow, tmask, Q4, DOT, FMA)
+                s = _bf16_scores(q0, q1, q2, q3, kc_ptr, crow, tmask, Q4, DOT)
             else:
                 mrow = page * stride_sp + h * stride_sh + off * stride_st
                 kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-                if FMA:
-                    s = _fma_int2_scores(
-                        q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, FUNPACK, FMA
-                    )
-                else:
-                    s = _int2_scores(
-                        q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
-                    )
+                s = _int2_scores(
+                    q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
+                )
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
             acc0 = acc0 * alpha[:, None]
@@ -627,45 +408,25 @@ def decode_split_kernel(
             acc2 = acc2 * alpha[:, None]
             acc3 = acc3 * alpha[:, None]
             if PAGED_BF16:
-                acc0, acc1, acc2, acc3 = _bf16_pv(
-                    p, acc0, acc1, acc2, acc3, vc_ptr, crow, tmask, Q4, DOT, FMA
-                )
+                acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, vc_ptr, crow, tmask, Q4, DOT)
             else:
                 vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-                if FMA:
-                    acc0, acc1, acc2, acc3 = _fma_int2_pv(
-                        p,
-                        acc0,
-                        acc1,
-                        acc2,
-                        acc3,
-                        vc,
-                        vs_ptr,
-                        vz_ptr,
-                        mrow,
-                        tmask,
-                        GROUP,
-                        HEAD_DIM,
-                        FUNPACK,
-                        FMA,
-                    )
-                else:
-                    acc0, acc1, acc2, acc3 = _int2_pv(
-                        p,
-                        acc0,
-                        acc1,
-                        acc2,
-                        acc3,
-                        vc,
-                        vs_ptr,
-                        vz_ptr,
-                        mrow,
-                        tmask,
-                        GROUP,
-                        HEAD_DIM,
-                        DOT,
-                        UNPACK,
-                    )
+                acc0, acc1, acc2, acc3 = _int2_pv(
+                    p,
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    vc,
+                    vs_ptr,
+                    vz_ptr,
+                    mrow,
+                    tmask,
+                    GROUP,
+                    HEAD_DIM,
+                    DOT,
+                    UNPACK,
+                )
     elif split == NUM_SPLITS:
         if SINK > 0:
             ws = tl.load(wslot_ptr + b).to(tl.int64)
@@ -690,7 +451,6 @@ def decode_split_kernel(
                 BLOCK_W,
                 Q4,
                 DOT,
-                FMA,
             )
     else:
         if RECENT > 0:
@@ -716,7 +476,6 @@ def decode_split_kernel(
                 BLOCK_W,
                 Q4,
                 DOT,
-                FMA,
             )
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -1,0 +1,516 @@
+"""Decode split kernel in Triton's Gluon dialect: INT2 codes straight into ``mma`` fragments.
+
+Same contract as ``decode_split_kernel`` in ``attention.py`` (same operands, same partial
+outputs ``po`` / ``plse``, same split scheme), for NVIDIA sm_80+ and ``GROUP == HEAD_DIM``
+with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores:
+
+* Tokens are the M side of every ``mma.sync m16n8k16``: scores are computed transposed,
+  ``sᵀ[BLOCK_N, NP] = codes_k[BLOCK_N, d/4] @ q'ᵀ[d/4, NP]`` per quarter, and the output
+  as ``oᵀ[d/4, NP] += codes_vᵀ[d/4, BLOCK_N] @ p[BLOCK_N, NP]``, so the GQA group is
+  padded to ``NP = max(8, next_pow2(GQA))`` columns instead of 16 rows.
+* Code tiles are loaded from global memory directly in the ``mma`` A-operand register
+  layout (``DotOperandLayout``, ``k_width`` 8: eight consecutive key bytes per thread, one
+  64-bit load), so the unpacked operand never goes through shared memory.
+* Unpack: one ``and`` and two ``prmt`` per four codes (0.75 integer ops per code, no
+  shifts, no int→float conversion). Quarter ``j`` lives in bits ``2j`` of each byte; the
+  masked byte ``c·4^j`` goes under the fp16 exponent of 512 (``0x60XX`` = ``512 + XX/2``),
+  which is exact for all four quarters because fp16 has 10 mantissa bits. So the operand
+  is ``x = 512 + f_j·c`` with ``f_j = 4^j/2``; ``1/f_j`` (a power of two) is folded into the
+  query (keys) and into the final output (values), the offset 512 is removed algebraically.
+* Scale and zero are applied per token outside the dot:
+  ``q·(s·c + z) = s·(q'·x − 512·Σq') + z·Σq`` and ``Σ_t p_t(s_t·c_t + z_t)`` from
+  ``acc = Σ (p·s)·x``, ``Σ p·s`` and ``Σ p·z`` (all three rescaled by the online softmax),
+  so the tensor cores see raw codes.
+* The next tile's codes, scales and page ids are loaded before the current tile is
+  computed (register double buffering: one tile always in flight per warp).
+* The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
+  into A-operand registers), in two extra programs per (sequence, KV head).
+
+Requires ``triton.experimental.gluon`` (Triton >= 3.6); :data:`GLUON_IMPORT_ERROR` says why
+it is unavailable otherwise.
+"""
+
+from __future__ import annotations
+
+GLUON_IMPORT_ERROR: str | None = None
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon"
+    GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+    gluon = None
+
+#: fp16 bit pattern of the unpack offset (``0x6000`` = 512.0, mantissa unit 0.5)
+UNPACK_BASE = 512.0
+
+if gluon is not None:
+
+    @gluon.jit
+    def _unpack_k(w, MASK: gl.constexpr, BLOCK_N: gl.constexpr, Q4: gl.constexpr, LA: gl.constexpr):
+        """Key words ``[BLOCK_N, Q4/4]`` int32 → one quarter ``[BLOCK_N, Q4]`` fp16 A operand.
+
+        ``(w & MASK) | 0x60006000`` turns bytes 0 and 2 of a word into two fp16 ``512 + c·f``
+        at once (one ``lop3``), ``((w >> 8) & MASK) | …`` bytes 1 and 3: per word one shift
+        (shared by the four quarters) and two ``lop3`` per quarter. Element order inside a
+        word is therefore bytes ``0, 2, 1, 3``; :func:`_load_qt` permutes the query the same way.
+        """
+        e0, e1, e2, e3 = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; and.b32 t, $4, " + MASK + "; or.b32 t, t, 0x60006000; mov.b32 {$0, $1}, t; "
+            "shr.b32 u, $4, 8; and.b32 u, u, " + MASK + "; or.b32 u, u, 0x60006000; mov.b32 {$2, $3}, u; }",
+            "=h,=h,=h,=h,r",
+            [w],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+            is_pure=True,
+            pack=1,
+        )
+        # join appends the new dim last: join(join(e0, e2), join(e1, e3))[..., a, b] = e_(2a+b)
+        x = gl.join(gl.join(e0, e2), gl.join(e1, e3))  # [BLOCK_N, W, 2 (a), 2 (b)]
+        # word w = 8v + 2c + u (BLK: lane c holds words 2c, 2c+1 of every 8) → logical
+        # k = 32v + 16u + 8a + 2c + b, which is exactly the k of lane c in the A operand
+        # (k_width 2: k = 2c, 2c+1, 2c+8, 2c+9 per 16): the conversion to LA moves nothing
+        x = gl.reshape(x, [BLOCK_N, Q4 // 32, 4, 2, 2, 2])
+        x = gl.permute(x, [0, 1, 3, 4, 2, 5])
+        return gl.convert_layout(gl.reshape(x, [BLOCK_N, Q4]), LA)
+
+    @gluon.jit
+    def _unpack_v(w, MASK: gl.constexpr, BLOCK_N: gl.constexpr, Q4: gl.constexpr, LA: gl.constexpr):
+        """Value words ``[BLOCK_N, Q4/4]`` int32 → one quarter of ``vᵀ`` ``[Q4, BLOCK_N]`` fp16.
+
+        Two tokens' words per call: ``prmt`` puts byte ``i`` of both side by side (shared by
+        the four quarters), one ``lop3`` masks and adds the exponent. Row ``m = w + (Q4/4)·i``
+        of the result is element ``4w + i`` of the quarter (:func:`_vrow`).
+        """
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            "{ .reg .b32 t; "
+            "prmt.b32 t, $4, $5, 0x4400; and.b32 t, t, " + MASK + "; or.b32 $0, t, 0x60006000; "
+            "prmt.b32 t, $4, $5, 0x5511; and.b32 t, t, " + MASK + "; or.b32 $1, t, 0x60006000; "
+            "prmt.b32 t, $4, $5, 0x6622; and.b32 t, t, " + MASK + "; or.b32 $2, t, 0x60006000; "
+            "prmt.b32 t, $4, $5, 0x7733; and.b32 t, t, " + MASK + "; or.b32 $3, t, 0x60006000; }",
+            "=r,=r,=r,=r,r,r",
+            [w],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+            is_pure=True,
+            pack=2,
+        )
+        x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [BLOCK_N, W, 2, 2]: [t, w, a, b] = o_(2a+b)
+        x = gl.permute(x, [2, 3, 1, 0])  # (i, w, t)
+        return gl.convert_layout(gl.reshape(x, [Q4, BLOCK_N]), LA)
+
+    @gluon.jit
+    def _vrow(m, Q4: gl.constexpr):
+        """Element of a quarter held in row ``m`` of the value accumulators (see :func:`_unpack_v`)."""
+        return 4 * (m % (Q4 // 4)) + m // (Q4 // 4)
+
+    @gluon.jit
+    def _load_qt(
+        q_ptr,
+        qrow,
+        J: gl.constexpr,
+        inv_f,
+        Q4: gl.constexpr,
+        LB: gl.constexpr,
+        DT: gl.constexpr,
+        PERM: gl.constexpr,
+    ):
+        """Quarter ``J`` of the queries as a B operand ``[Q4, NP]`` (``q_j / f_j`` in ``DT``).
+
+        ``PERM``: in the order of the unpacked key tile (:func:`_unpack_k`).
+        """
+        dq = gl.arange(0, Q4, layout=gl.SliceLayout(1, LB))
+        if PERM:  # logical k of the unpacked key tile → element of the quarter (_unpack_k)
+            w = 8 * (dq // 32) + 2 * ((dq // 2) % 4) + (dq // 16) % 2
+            i = 2 * ((dq // 8) % 2) + dq % 2  # asm output order: bytes 0, 2, 1, 3
+            dq = 4 * w + i + (i == 1).to(gl.int32) - (i == 2).to(gl.int32)
+        x = gl.load(q_ptr + qrow[None, :] + J * Q4 + dq[:, None], mask=qrow[None, :] >= 0, other=0.0)
+        return (x.to(gl.float32) * inv_f).to(DT)
+
+    @gluon.jit
+    def _softmax_cols(s2, m_i):
+        """Online max over the token axis (0) of ``s2 [BLOCK_N, NP]`` (log2 domain, -inf masked)."""
+        m_new = gl.maximum(m_i, gl.max(s2, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s2 - m_safe[None, :])
+        return p, alpha, m_new
+
+    @gluon.jit
+    def _int2_tile(
+        kw_ptr,
+        vw_ptr,
+        ks_ptr,
+        kz_ptr,
+        vs_ptr,
+        vz_ptr,
+        bt_ptr,
+        bt_row,
+        t0,
+        hi,
+        page_size,
+        h,
+        stride_cp,
+        stride_ch,
+        stride_ct,
+        stride_sp,
+        stride_sh,
+        stride_st,
+        BLOCK_N: gl.constexpr,
+        Q4: gl.constexpr,
+        BLK: gl.constexpr,
+        BLV: gl.constexpr,
+        ROWL: gl.constexpr,
+        ONE_PAGE: gl.constexpr,
+    ):
+        """Load one INT2 tile: key and value code words ``[BLOCK_N, Q4/4]`` int32 (keys 8 bytes,
+        values 4 bytes per thread and load) and per-token scale/zero; masked past ``hi``."""
+        W4: gl.constexpr = Q4 // 4
+        if ONE_PAGE:
+            # the tile lies inside one page (page_size % BLOCK_N == 0, tiles start at multiples
+            # of BLOCK_N): one block-table entry and 32-bit offsets from a scalar base replace
+            # a per-token division, remainder and 64-bit address computation
+            pg = gl.load(bt_ptr + bt_row + t0 // page_size, mask=t0 < hi, other=0).to(gl.int64)
+            off = t0 % page_size
+            ct4 = stride_ct // 4
+            wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
+            lk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
+            cbase = (pg * stride_cp + h * stride_ch + off * stride_ct) // 4
+            mk = (t0 + lk) < hi
+            kc = gl.load(kw_ptr + cbase + (lk * ct4)[:, None] + wk[None, :], mask=mk[:, None], other=0)
+            wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
+            lv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLV))
+            mv = (t0 + lv) < hi
+            vc = gl.load(vw_ptr + cbase + (lv * ct4)[:, None] + wv[None, :], mask=mv[:, None], other=0)
+            ls = gl.arange(0, BLOCK_N, layout=ROWL)
+            ms = (t0 + ls) < hi
+            sbase = pg * stride_sp + h * stride_sh + off * stride_st
+            rs = ls * stride_st
+            ks = gl.load(ks_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+            kz = gl.load(kz_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+            vs = gl.load(vs_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+            vz = gl.load(vz_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
+        else:
+            tk = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
+            mk = tk < hi
+            pk = gl.load(bt_ptr + bt_row + tk // page_size, mask=mk, other=0).to(gl.int64)
+            rk = (pk * stride_cp + h * stride_ch + (tk % page_size) * stride_ct) // 4
+            wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
+            kc = gl.load(kw_ptr + rk[:, None] + wk[None, :], mask=mk[:, None], other=0)
+            tv = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLV))
+            mv = tv < hi
+            pv = gl.load(bt_ptr + bt_row + tv // page_size, mask=mv, other=0).to(gl.int64)
+            rv = (pv * stride_cp + h * stride_ch + (tv % page_size) * stride_ct) // 4
+            wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
+            vc = gl.load(vw_ptr + rv[:, None] + wv[None, :], mask=mv[:, None], other=0)
+            ts = t0 + gl.arange(0, BLOCK_N, layout=ROWL)
+            ms = ts < hi
+            ps = gl.load(bt_ptr + bt_row + ts // page_size, mask=ms, other=0).to(gl.int64)
+            rs = ps * stride_sp + h * stride_sh + (ts % page_size) * stride_st
+            ks = gl.load(ks_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+            kz = gl.load(kz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+            vs = gl.load(vs_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+            vz = gl.load(vz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
+        return kc, vc, ks, kz, vs, vz, ms
+
+    @gluon.jit
+    def _bf16_window(
+        qb0,
+        qb1,
+        qb2,
+        qb3,
+        m_i,
+        l_i,
+        a0,
+        a1,
+        a2,
+        a3,
+        base_k,
+        base_v,
+        lo,
+        hi,
+        ring,
+        stride_row,
+        sm_scale_log2,
+        BLOCK_W: gl.constexpr,
+        Q4: gl.constexpr,
+        NP: gl.constexpr,
+        MMA: gl.constexpr,
+        LA: gl.constexpr,
+        LB: gl.constexpr,
+    ):
+        """Attend to bf16 rows ``(tok % ring) * stride_row`` for ``tok`` in ``[lo, hi)`` (window)."""
+        dk = gl.arange(0, Q4, layout=gl.SliceLayout(0, LA))
+        dv = _vrow(gl.arange(0, Q4, layout=gl.SliceLayout(1, LA)), Q4)  # rows as the INT2 path
+        for t0 in range(lo, hi, BLOCK_W):
+            tk = t0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, LA))
+            rk = (tk % ring).to(gl.int64) * stride_row
+            kp = base_k + rk[:, None] + dk[None, :]
+            km = (tk < hi)[:, None]
+            st = gl.zeros([BLOCK_W, NP], gl.float32, layout=MMA)
+            st = mma_v2(gl.load(kp, mask=km, other=0.0), qb0, st)
+            st = mma_v2(gl.load(kp + Q4, mask=km, other=0.0), qb1, st)
+            st = mma_v2(gl.load(kp + 2 * Q4, mask=km, other=0.0), qb2, st)
+            st = mma_v2(gl.load(kp + 3 * Q4, mask=km, other=0.0), qb3, st)
+            ts = t0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(1, MMA))
+            s2 = gl.where((ts < hi)[:, None], st * sm_scale_log2, float("-inf"))
+            p, alpha, m_i = _softmax_cols(s2, m_i)
+            l_i = l_i * alpha + gl.sum(p, 0)
+            pb = gl.convert_layout(p.to(gl.bfloat16), LB)
+            tv = t0 + gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, LA))
+            rv = (tv % ring).to(gl.int64) * stride_row
+            vp = base_v + rv[None, :] + dv[:, None]
+            vm = (tv < hi)[None, :]
+            a0 = mma_v2(gl.load(vp, mask=vm, other=0.0), pb, a0 * alpha[None, :])
+            a1 = mma_v2(gl.load(vp + Q4, mask=vm, other=0.0), pb, a1 * alpha[None, :])
+            a2 = mma_v2(gl.load(vp + 2 * Q4, mask=vm, other=0.0), pb, a2 * alpha[None, :])
+            a3 = mma_v2(gl.load(vp + 3 * Q4, mask=vm, other=0.0), pb, a3 * alpha[None, :])
+        return m_i, l_i, a0, a1, a2, a3
+
+    @gluon.jit
+    def decode_split_kernel_gluon(
+        q_ptr,
+        stride_qb,
+        stride_qh,
+        kc_ptr,
+        vc_ptr,
+        stride_cp,
+        stride_ch,
+        stride_ct,
+        ks_ptr,
+        kz_ptr,
+        vs_ptr,
+        vz_ptr,
+        stride_sp,
+        stride_sh,
+        stride_st,
+        ksink_ptr,
+        vsink_ptr,
+        stride_ws0,
+        stride_ws1,
+        stride_ws2,
+        kring_ptr,
+        vring_ptr,
+        stride_wr0,
+        stride_wr1,
+        stride_wr2,
+        bt_ptr,
+        stride_bt,
+        seqlen_ptr,
+        wslot_ptr,
+        po_ptr,
+        plse_ptr,
+        sm_scale_log2,
+        page_size,
+        NUM_SPLITS,
+        H_KV: gl.constexpr,
+        GQA: gl.constexpr,
+        NP: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        SINK: gl.constexpr,
+        RECENT: gl.constexpr,
+        RING: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_W: gl.constexpr,
+        PREFETCH: gl.constexpr,
+        ONE_PAGE: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Program ``(b*H_kv + h, split)``; splits as in ``attention.decode_split_kernel``
+        (``NUM_SPLITS`` is a run-time argument here: one compiled kernel serves every batch)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
+        )
+        # k_width counts elements per 32 bits: 2 for 16-bit operands (the probe's 4 and 8 are
+        # for 8/4-bit types and made mma_v2 pair the wrong k of A and B on the H200)
+        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        # code words: keys 2 words (8 bytes) per thread and row, values 1 word per thread and
+        # token, token pairs 2c, 2c+1 (+8): both own exactly the elements of their A operand
+        # (LA, k_width 2), so the conversion after the unpack moves no data between threads
+        BLK: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [num_warps, 1], [1, 0])
+        BLV: gl.constexpr = gl.BlockedLayout([2, 1], [4, 8], [num_warps, 1], [0, 1])
+        ROWL: gl.constexpr = gl.SliceLayout(1, MMA)  # per token of a score tile
+        COLL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
+        Q4: gl.constexpr = HEAD_DIM // 4
+        NT = NUM_SPLITS + 2
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        b = pid // H_KV
+        h = pid % H_KV
+        length = gl.load(seqlen_ptr + b)
+        # query heads of this KV head as B-operand columns (padded columns point nowhere: -1)
+        nb = gl.arange(0, NP, layout=gl.SliceLayout(0, LB))
+        qrow = gl.where(nb < GQA, b * stride_qb + (h * GQA + nb) * stride_qh, -1)
+        m_i = gl.full([NP], float("-inf"), gl.float32, layout=COLL)
+        l_i = gl.zeros([NP], gl.float32, layout=COLL)
+        a0 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
+        a1 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
+        a2 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
+        a3 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
+        if split < NUM_SPLITS:
+            # Σ(p·s) and Σ(p·z) per head: o_j = (a_j - 512·lps)/f_j + lpz (see module docstring)
+            lps = gl.zeros([NP], gl.float32, layout=COLL)
+            lpz = gl.zeros([NP], gl.float32, layout=COLL)
+            qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)  # 1/f_0 = 2
+            qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
+            qt2 = _load_qt(q_ptr, qrow, 2, 0.125, Q4, LB, gl.float16, True)
+            qt3 = _load_qt(q_ptr, qrow, 3, 0.03125, Q4, LB, gl.float16, True)
+            # Σq (exact query) and Σq' (the fp16 operands the tensor cores see), per head
+            qsum = gl.sum(_load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum += gl.sum(_load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum += gl.sum(_load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
+            qs2 = gl.sum(qt0.to(gl.float32), 0) + gl.sum(qt1.to(gl.float32), 0)
+            qs2 += gl.sum(qt2.to(gl.float32), 0) + gl.sum(qt3.to(gl.float32), 0)
+            qsum = gl.convert_layout(qsum, COLL)
+            qoff = gl.convert_layout(qs2, COLL) * 512.0
+            start = SINK
+            end = gl.maximum(length - RECENT, SINK)
+            per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = start + split * per
+            hi = gl.minimum(end, lo + per)
+            bt_row = b * stride_bt
+            kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            if PREFETCH:
+                kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi, page_size, h,
+                    stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                    BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                )  # fmt: skip
+            for t0 in range(lo, hi, BLOCK_N):
+                if PREFETCH:  # the next tile is requested before this one is computed
+                    kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
+                        page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                    )  # fmt: skip
+                else:  # fewer registers, more resident programs instead
+                    kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi, page_size,
+                        h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                    )  # fmt: skip
+                st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
+                st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
+                st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
+                st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
+                st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
+                s = (st - qoff[None, :]) * ks[:, None] + qsum[None, :] * kz[:, None]
+                s2 = gl.where(ms[:, None], s * sm_scale_log2, float("-inf"))
+                p, alpha, m_i = _softmax_cols(s2, m_i)
+                l_i = l_i * alpha + gl.sum(p, 0)
+                pv = (p * vs[:, None]).to(gl.float16)
+                # sums of the rounded operand, so the 512 offset cancels exactly
+                lps = lps * alpha + gl.sum(pv.to(gl.float32), 0)
+                lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
+                pb = gl.convert_layout(pv, LB)
+                a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
+                a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
+                a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
+                a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                if PREFETCH:
+                    kc = kc_n
+                    vc = vc_n
+                    ks = ks_n
+                    kz = kz_n
+                    vs = vs_n
+                    vz = vz_n
+                    ms = ms_n
+            off = lps * 512.0
+            a0 = (a0 - off[None, :]) * 2.0 + lpz[None, :]
+            a1 = (a1 - off[None, :]) * 0.5 + lpz[None, :]
+            a2 = (a2 - off[None, :]) * 0.125 + lpz[None, :]
+            a3 = (a3 - off[None, :]) * 0.03125 + lpz[None, :]
+        else:
+            qb0 = _load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.bfloat16, False)
+            qb1 = _load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.bfloat16, False)
+            qb2 = _load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.bfloat16, False)
+            qb3 = _load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.bfloat16, False)
+            ws = gl.load(wslot_ptr + b).to(gl.int64)
+            if split == NUM_SPLITS:
+                if SINK > 0:
+                    m_i, l_i, a0, a1, a2, a3 = _bf16_window(
+                        qb0, qb1, qb2, qb3, m_i, l_i, a0, a1, a2, a3,
+                        ksink_ptr + ws * stride_ws0 + h * stride_ws1,
+                        vsink_ptr + ws * stride_ws0 + h * stride_ws1,
+                        0, gl.minimum(length, SINK), 1 << 30, stride_ws2, sm_scale_log2,
+                        BLOCK_W, Q4, NP, MMA, LA, LB,
+                    )  # fmt: skip
+            else:
+                if RECENT > 0:
+                    m_i, l_i, a0, a1, a2, a3 = _bf16_window(
+                        qb0, qb1, qb2, qb3, m_i, l_i, a0, a1, a2, a3,
+                        kring_ptr + ws * stride_wr0 + h * stride_wr1,
+                        vring_ptr + ws * stride_wr0 + h * stride_wr1,
+                        gl.maximum(length - RECENT, SINK), length, RING, stride_wr2, sm_scale_log2,
+                        BLOCK_W, Q4, NP, MMA, LA, LB,
+                    )  # fmt: skip
+        has = l_i > 0
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
+        n = gl.arange(0, NP, layout=COLL)
+        dm = _vrow(gl.arange(0, Q4, layout=gl.SliceLayout(1, MMA)), Q4)
+        prow = (b * (H_KV * GQA) + h * GQA + n) * NT + split
+        optr = po_ptr + prow.to(gl.int64)[None, :] * HEAD_DIM + dm[:, None]
+        om = (n < GQA)[None, :] & (dm >= 0)[:, None]
+        gl.store(optr, a0 * inv[None, :], mask=om)
+        gl.store(optr + Q4, a1 * inv[None, :], mask=om)
+        gl.store(optr + 2 * Q4, a2 * inv[None, :], mask=om)
+        gl.store(optr + 3 * Q4, a3 * inv[None, :], mask=om)
+        gl.store(plse_ptr + prow, lse, mask=n < GQA)
+
+
+def compile_decode_gluon(
+    arch: int = 90,
+    gqa: int = 4,
+    head_dim: int = 128,
+    block_n: int = 64,
+    num_warps: int = 1,
+    windows: bool = True,
+    prefetch: bool = True,
+    one_page: bool = True,
+):
+    """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
+    the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
+
+    The signature is specialised as the runtime specialises the benchmark shape: every
+    pointer and integer divisible by 16 except the scale/zero token stride, which is 1.
+    """
+    if gluon is None:
+        raise RuntimeError(f"triton.experimental.gluon is unavailable ({GLUON_IMPORT_ERROR})")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = decode_split_kernel_gluon
+    ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
+    ptr.update(dict.fromkeys(("bt_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
+    ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
+    consts = dict(
+        H_KV=8,
+        GQA=gqa,
+        NP=max(8, triton.next_power_of_2(gqa)),
+        HEAD_DIM=head_dim,
+        SINK=64 if windows else 0,
+        RECENT=256 if windows else 0,
+        RING=256,
+        BLOCK_N=block_n,
+        BLOCK_W=32,
+        PREFETCH=prefetch,
+        ONE_PAGE=one_page,
+        num_warps=num_warps,
+        stride_st=1,
+    )
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name == "NUM_SPLITS":
+            sig[name] = "i32"
+        elif name == "sm_scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = ptr.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
