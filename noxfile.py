@@ -43,7 +43,7 @@ LOCAL_DEPS = {
 }
 EXTRAS = {"math": "test", "kernels": "test,triton", "calib": "test,smollm2"}
 # Run after a package's tests, in the same environment: the kernels' mutation check
-# plants known bugs in a copy and requires the suite to catch each (about 90 s on 2 cores).
+# plants known bugs in a copy and requires the suite to catch each (1.5-2.5 min on 2 cores).
 AFTER_TESTS = {"kernels": ["python", "packages/oscar-kernels/tests/mutation_check.py"]}
 ENV = {
     # Triton kernels run through the interpreter on CPU machines.
