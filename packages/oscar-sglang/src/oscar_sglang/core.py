@@ -24,6 +24,7 @@ __all__ = [
     "ENV_ROTATIONS",
     "BACKEND_NAME",
     "rotations_path",
+    "check_geometry",
     "kv_heads_of_rank",
     "RankQuant",
     "load_rank_quant",
@@ -231,16 +232,26 @@ def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
 
 
 def rebuild_windows(
-    cache: PagedKVCache, block_table_row: torch.Tensor, slot: int, start: int, prefix_len: int
+    cache: PagedKVCache,
+    block_table_row: torch.Tensor,
+    slot: int,
+    start: int,
+    prefix_len: int,
+    window_end: int | None = None,
 ) -> None:
     """Fill slot ``slot``'s window rows for positions ``[start, prefix_len)`` from the INT2 pages.
 
     Used when a request's prefix came from the radix cache (written by another request,
     whose BF16 rows are gone): the sink rows ``j < sink`` and the ring rows
-    ``j >= max(sink, prefix_len - recent)`` of those positions get the dequantised INT2
+    ``j >= max(sink, window_end - recent)`` of those positions get the dequantised INT2
     values (rotated basis, as the ring stores them). Attention over the prefix then reads
     exactly the INT2 values of those tokens, whether through the windows or the pages.
+    ``window_end`` (default ``prefix_len``) is the length after the coming chunk: ring rows
+    of earlier prefix positions are never read again, and skipping them means no rebuilt
+    row shares a ring row with a chunk token (``p ≡ j mod recent`` needs ``p >= j + recent``).
     """
+    if window_end is None:
+        window_end = prefix_len
     lo = cache.layout
     if prefix_len <= start:
         return
@@ -249,7 +260,7 @@ def rebuild_windows(
     if s > 0 and start < s:
         need.append(torch.arange(start, min(s, prefix_len)))
     if r > 0:
-        r0 = max(start, s, prefix_len - r)
+        r0 = max(start, s, window_end - r)
         if r0 < prefix_len:
             need.append(torch.arange(r0, prefix_len))
     if not need:
