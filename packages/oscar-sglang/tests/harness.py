@@ -18,10 +18,20 @@ def random_orthogonal(g: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
 
 
-def make_artifact(path, *, layers=1, kv_heads=H_KV, d=D, granularity="kv_head", seed=0, clip=0.95, model="tiny"):
+def make_artifact(
+    path, *, layers=1, kv_heads=H_KV, d=D, granularity="kv_head", seed=0, clip=0.95, model="tiny"
+):
     gen = torch.Generator().manual_seed(seed)
     rot = identity_rotations(
-        model, layers, kv_heads, d, sink_tokens=SINK, recent_tokens=RECENT, granularity=granularity, k_clip=clip, v_clip=clip
+        model,
+        layers,
+        kv_heads,
+        d,
+        sink_tokens=SINK,
+        recent_tokens=RECENT,
+        granularity=granularity,
+        k_clip=clip,
+        v_clip=clip,
     )
     g = 1 if granularity == "layer" else kv_heads
     rot = dataclasses.replace(
@@ -46,17 +56,33 @@ class Harness:
         from oscar_sglang.core import load_rank_quant
         from oscar_sglang.sglang_glue import OscarAttnBackend, OscarTokenToKVPool
 
-        self.req_pool = ReqToTokenPool(size=max_reqs, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+        self.req_pool = ReqToTokenPool(
+            size=max_reqs, max_context_len=max_context, device="cpu", enable_memory_saver=False
+        )
         quant = load_rank_quant(
             str(artifact), num_layers=1, total_kv_heads=H_KV, head_dim=D, v_head_dim=D, page_size=PAGE
         )
-        common = dict(page_size=PAGE, dtype=torch.bfloat16, head_num=H_KV, head_dim=D, layer_num=1, device="cpu", enable_memory_saver=False)
-        self.pool = OscarTokenToKVPool(num_tokens, quant=quant, max_seqs=self.req_pool.req_to_token.shape[0], **common)
+        common = dict(
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            head_num=H_KV,
+            head_dim=D,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.pool = OscarTokenToKVPool(
+            num_tokens, quant=quant, max_seqs=self.req_pool.req_to_token.shape[0], **common
+        )
         self.bf16 = MHATokenToKVPool(num_tokens, **common)
         self.alloc = PagedTokenToKVPoolAllocator(num_tokens, PAGE, torch.bfloat16, "cpu", self.pool, False)
         self.layer = RadixAttention(H_Q, D, 1.0 / math.sqrt(D), H_KV, layer_id=0)
-        self.oscar = OscarAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool))
-        self.native = TorchNativeAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.bf16))
+        self.oscar = OscarAttnBackend(
+            SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool)
+        )
+        self.native = TorchNativeAttnBackend(
+            SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.bf16)
+        )
         self.quant = quant
 
     def new_request(self, length: int, share_from: tuple[int, int] | None = None) -> int:
@@ -72,7 +98,9 @@ class Harness:
             self.req_pool.req_to_token[slot, :n_shared] = self.req_pool.req_to_token[src, :n_shared]
         rest = -(-(length - n_shared) // PAGE) * PAGE
         if rest:
-            self.req_pool.req_to_token[slot, n_shared : n_shared + rest] = self.alloc.alloc(rest).to(torch.int32)
+            self.req_pool.req_to_token[slot, n_shared : n_shared + rest] = self.alloc.alloc(rest).to(
+                torch.int32
+            )
         return slot
 
     def batch(self, mode: str, slots: list[int], prefix: list[int], new: list[int]):
@@ -80,7 +108,9 @@ class Harness:
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
         seq = [p + n for p, n in zip(prefix, new, strict=True)]
-        locs = torch.cat([self.req_pool.req_to_token[s, p : p + n] for s, p, n in zip(slots, prefix, new, strict=True)]).long()
+        locs = torch.cat(
+            [self.req_pool.req_to_token[s, p : p + n] for s, p, n in zip(slots, prefix, new, strict=True)]
+        ).long()
         kw = dict(
             batch_size=len(slots),
             input_ids=torch.zeros(sum(new), dtype=torch.int64),

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("sglang.srt.plugins", reason="SGLang not installed (nox -s sglang installs 0.5.23)")
 
-from harness import D, H_KV, H_Q, PAGE, RECENT, SINK, Harness, make_artifact, qkv, rel  # noqa: E402
+from harness import H_KV, H_Q, PAGE, RECENT, SINK, D, Harness, make_artifact, qkv, rel  # noqa: E402
 
 from oscar_math import dequantize_int2, quantize_int2  # noqa: E402
 from oscar_math.errors import ArtifactError, OscarError  # noqa: E402
@@ -40,7 +40,11 @@ def topology():
 
     def pub(tp_size: int = 1, world_rank: int = 0) -> None:
         reset_context()
-        publish(ServerArgs(model_path="dummy", tp_size=tp_size), role="test", ranks=SpawnRanks(world_rank=world_rank, dp_rank=None))
+        publish(
+            ServerArgs(model_path="dummy", tp_size=tp_size),
+            role="test",
+            ranks=SpawnRanks(world_rank=world_rank, dp_rank=None),
+        )
 
     pub()
     yield pub
@@ -93,7 +97,8 @@ def test_plugin_discovered_in_fresh_process():
         "from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator as C\n"
         "from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator as K\n"
         "print('oscar' in ATTENTION_BACKENDS, 'oscar' in ATTENTION_BACKEND_CHOICES,\n"
-        "      hasattr(C._compute_cell_size, '__wrapped__'), hasattr(K._build_token_to_kv_pool, '__wrapped__'))\n"
+        "      hasattr(C._compute_cell_size, '__wrapped__'),\n"
+        "      hasattr(K._build_token_to_kv_pool, '__wrapped__'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -123,7 +128,9 @@ def test_server_args_route_rotations_to_env(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     missing = tmp_path / "nope.safetensors"
-    ns = parser.parse_args(["--model-path", str(model), "--attention-backend", "oscar", "--oscar-rotations", str(missing)])
+    ns = parser.parse_args(
+        ["--model-path", str(model), "--attention-backend", "oscar", "--oscar-rotations", str(missing)]
+    )
     with pytest.raises(ArtifactError, match="rotations file not found") as e:
         ServerArgs.from_cli_args(ns)
     assert "\n" not in str(e.value)
@@ -149,7 +156,9 @@ def _configurator_ns(tmp_path, page=64):
         mambaish_config=None,
         device="cpu",
         kv_cache_dtype=torch.bfloat16,
-        layer_info=SimpleNamespace(start_layer=0, end_layer=mc.num_hidden_layers, num_effective_layers=mc.num_hidden_layers),
+        layer_info=SimpleNamespace(
+            start_layer=0, end_layer=mc.num_hidden_layers, num_effective_layers=mc.num_hidden_layers
+        ),
     )
 
 
@@ -190,7 +199,16 @@ def test_capacity_vs_bf16_pool_at_same_budget(tmp_path, monkeypatch, topology):
     assert pool.caches[0].max_seqs == reqs + 1 == req_pool.req_to_token.shape[0]
     real = pool.get_kv_size_bytes()  # page buffers + windows, what SGLang logs and accounts
     assert real <= budget + 3 * core.page_bytes(pool.layout)  # + SGLang's padding page per layer
-    ref = MHATokenToKVPool(bf16_tokens, page_size=64, dtype=torch.bfloat16, head_num=2, head_dim=128, layer_num=3, device="cpu", enable_memory_saver=False)
+    ref = MHATokenToKVPool(
+        bf16_tokens,
+        page_size=64,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=128,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     k, v = ref.get_kv_size_bytes()
     assert k + v <= budget + 3 * 2 * 64 * 2 * 128 * 2
 
@@ -223,7 +241,9 @@ def test_write_read_roundtrip_vs_reference_quantiser(artifact):
 # --------------------------------------------------------------------------- attention
 
 
-def _oracle(h: Harness, q, k, v, q_pos, window_end, int2_before: int = 0, bf16_chunk: tuple[int, int] | None = None):
+def _oracle(
+    h: Harness, q, k, v, q_pos, window_end, int2_before: int = 0, bf16_chunk: tuple[int, int] | None = None
+):
     """float64 attention of queries at ``q_pos`` over keys ``0..max(q_pos)``.
 
     Key ``j`` is the reference quantiser's INT2 value unless it is in the sink or in the recent
@@ -260,9 +280,9 @@ def test_extend_and_decode_inside_windows_match_torch_native(artifact):
     lens = [5, 9]
     slots = [h.new_request(12) for _ in lens]
     data = [qkv(12, 10 + i) for i in range(2)]
-    q = torch.cat([d[0][:n] for d, n in zip(data, lens)])
-    k = torch.cat([d[1][:n] for d, n in zip(data, lens)])
-    v = torch.cat([d[2][:n] for d, n in zip(data, lens)])
+    q = torch.cat([d[0][:n] for d, n in zip(data, lens, strict=True)])
+    k = torch.cat([d[1][:n] for d, n in zip(data, lens, strict=True)])
+    v = torch.cat([d[2][:n] for d, n in zip(data, lens, strict=True)])
     fb = h.batch("extend", slots, [0, 0], lens)
     assert rel(h.run(h.oscar, fb, q, k, v), h.run(h.native, fb, q, k, v)) < 1e-2
     for step in range(3):  # 3 decode steps: lengths 6..8 and 10..12 (still inside sink + recent = 12)
@@ -292,10 +312,10 @@ def test_chunked_extend_and_decode_int2_within_bound(artifact):
         outs.append(h.run(h.oscar, fb, q[p : p + 1], k[p : p + 1], v[p : p + 1]))
         nat.append(h.run(h.native, fb, q[p : p + 1], k[p : p + 1], v[p : p + 1]))
         orc.append(_oracle(h, q[p : p + 1], k, v, [p], window_end=p + 1))
-    for o, n, r in zip(outs, nat, orc):
+    for o, n, r in zip(outs, nat, orc, strict=True):
         assert rel(o, r) < 2e-2  # kernels == reference-quantiser oracle
         assert rel(o, n) <= rel(r, n) + 2e-2  # distance to BF16 == the INT2 error, nothing more
-    assert max(rel(o, n) for o, n in zip(outs[1:], nat[1:])) > 2e-2  # INT2 is really in play
+    assert max(rel(o, n) for o, n in zip(outs[1:], nat[1:], strict=True)) > 2e-2  # INT2 is really in play
 
 
 def test_radix_hit_reads_no_stale_rows_and_equals_int2_prefix(artifact):
@@ -317,7 +337,9 @@ def test_radix_hit_reads_no_stale_rows_and_equals_int2_prefix(artifact):
     fresh = h.new_request(P + C, share_from=(donor, P))  # never-used slot, same hit
     out_fresh = h.run(h.oscar, h.batch("extend", [fresh], [P], [C]), q[P:], k[P:], v[P:])
     assert torch.equal(out_hit, out_fresh)  # nothing of the previous owner is read
-    oracle = _oracle(h, q[P:], k, v, list(range(P, P + C)), window_end=P + C, int2_before=P, bf16_chunk=(P, P + C))
+    oracle = _oracle(
+        h, q[P:], k, v, list(range(P, P + C)), window_end=P + C, int2_before=P, bf16_chunk=(P, P + C)
+    )
     assert rel(out_hit, oracle) < 2e-2
     # the miss (whole prompt in one chunk: every prefix key BF16) differs from the hit by exactly
     # the INT2 error of the prefix keys, as the float64 oracle measures it
@@ -366,7 +388,11 @@ def test_tensor_parallel_sharding(tmp_path, monkeypatch, topology):
     kvc = _configurator_ns(tmp_path)
     req_pool = ReqToTokenPool(size=2, max_context_len=64, device="cpu", enable_memory_saver=False)
     pool = KVCacheConfigurator._build_token_to_kv_pool(
-        kvc, sizes=SimpleNamespace(max_total_num_tokens=256), is_dsa_model=False, is_dsv4_model=False, req_to_token_pool=req_pool
+        kvc,
+        sizes=SimpleNamespace(max_total_num_tokens=256),
+        is_dsa_model=False,
+        is_dsv4_model=False,
+        req_to_token_pool=req_pool,
     )
     assert pool.quant.heads == [1] and pool.layout.num_kv_heads == 1
     assert torch.equal(pool.params(2).v_rotation, rot128.v_rotation[2][1:2])
@@ -382,10 +408,20 @@ def test_tensor_parallel_sharding(tmp_path, monkeypatch, topology):
     def run(rq, kk, vv, qq):
         cache = allocate_cache(rq.layout, num_pages=bt.shape[1], max_seqs=1)
         paged_write(cache, rq.params[1], kk, vv, *args)
-        return decode_attention(qq, cache, rq.params[1], bt, torch.tensor([n], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+        return decode_attention(
+            qq,
+            cache,
+            rq.params[1],
+            bt,
+            torch.tensor([n], dtype=torch.int32),
+            torch.tensor([0], dtype=torch.int32),
+        )
 
     whole = run(full, k, v, qd)
-    parts = [run(ranks[r], k[:, 2 * r : 2 * r + 2], v[:, 2 * r : 2 * r + 2], qd[:, 4 * r : 4 * r + 4]) for r in range(2)]
+    parts = [
+        run(ranks[r], k[:, 2 * r : 2 * r + 2], v[:, 2 * r : 2 * r + 2], qd[:, 4 * r : 4 * r + 4])
+        for r in range(2)
+    ]
     torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=1e-5, atol=1e-5)
 
 
@@ -411,7 +447,7 @@ def test_startup_errors_are_one_line(tmp_path, monkeypatch, topology):
     cases.append(("rotations file not found", tmp_path / "missing.safetensors"))
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(b"\x00garbage" * 8)
-    cases.append(("", corrupt))
+    cases.append(("corrupt.safetensors", corrupt))
     wrong = tmp_path / "wrong.safetensors"
     make_artifact(wrong, layers=3, kv_heads=2, d=64)  # calibrated for head_dim 64
     cases.append(("head_dim mismatch", wrong))
@@ -432,6 +468,15 @@ def test_backend_refuses_a_bf16_pool(artifact):
 
     from oscar_sglang.sglang_glue import OscarAttnBackend
 
-    pool = MHATokenToKVPool(64, page_size=PAGE, dtype=torch.bfloat16, head_num=H_KV, head_dim=D, layer_num=1, device="cpu", enable_memory_saver=False)
+    pool = MHATokenToKVPool(
+        64,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=H_KV,
+        head_dim=D,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     with pytest.raises(OscarError, match="needs the OSCAR KV pool"):
         OscarAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=pool))

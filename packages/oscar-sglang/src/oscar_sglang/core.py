@@ -268,8 +268,12 @@ def rebuild_windows(
     j = torch.cat(need).to(cache.device)
     page = block_table_row.long()[j // lo.page_size]
     off = j % lo.page_size
-    k = _dequant(cache.k_codes[page, :, off], cache.k_scale[page, :, off], cache.k_zero[page, :, off], lo.group)
-    v = _dequant(cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group)
+    k = _dequant(
+        cache.k_codes[page, :, off], cache.k_scale[page, :, off], cache.k_zero[page, :, off], lo.group
+    )
+    v = _dequant(
+        cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group
+    )
     k, v = k.to(torch.bfloat16).transpose(0, 1), v.to(torch.bfloat16).transpose(0, 1)  # [H, n, d]
     in_sink = j < s
     if bool(in_sink.any()):

@@ -26,7 +26,9 @@ def model_geometry(model: str) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` from ``MODEL/config.json`` (a local model folder)."""
     cfg_path = Path(model) / "config.json"
     if not cfg_path.is_file():
-        raise OscarError(f"{model}: no config.json (oscar serve needs a local model folder to check the rotations)")
+        raise OscarError(
+            f"{model}: no config.json (oscar serve needs a local model folder to check the rotations)"
+        )
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
@@ -48,7 +50,10 @@ def server_command(model: str, rotations: str, engine_args: list[str]) -> list[s
         if a == "--attention-backend" and i + 1 < len(engine_args):
             chosen = engine_args[i + 1]
         if chosen is not None and chosen != BACKEND_NAME:
-            raise OscarError(f"--attention-backend {chosen}: oscar serve runs SGLang with --attention-backend {BACKEND_NAME}")
+            raise OscarError(
+                f"--attention-backend {chosen}: oscar serve runs SGLang with "
+                f"--attention-backend {BACKEND_NAME}"
+            )
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model]
     if not any(a == "--attention-backend" or a.startswith("--attention-backend=") for a in engine_args):
         cmd += ["--attention-backend", BACKEND_NAME]

@@ -81,7 +81,10 @@ _T_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 
 def oscar_selected(server_args: Any) -> bool:
     """Whether the server runs the ``oscar`` backend; mixing it with another backend is refused."""
-    names = [getattr(server_args, a, None) for a in ("attention_backend", "prefill_attention_backend", "decode_attention_backend")]
+    names = [
+        getattr(server_args, a, None)
+        for a in ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    ]
     chosen = {n for n in names if n is not None}
     if BACKEND_NAME not in chosen:
         return False
@@ -109,7 +112,9 @@ def _rank_quant(kvc: Any, layer_ids: list[int], device: str | torch.device) -> R
     """The artifact for this rank, checked against the model SGLang loaded."""
     mc = kvc.model_config
     if getattr(kvc, "use_mla_backend", False) or getattr(kvc, "is_hybrid_swa", False):
-        raise OscarError(f"--attention-backend {BACKEND_NAME}: only plain multi-head / GQA attention models are supported")
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME}: only plain multi-head / GQA attention models are supported"
+        )
     tp, rank, dcp = _parallel()
     if dcp != 1:
         raise OscarError(f"--attention-backend {BACKEND_NAME}: decode context parallelism is not supported")
@@ -167,7 +172,9 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         **_unused: Any,
     ) -> None:
         # MHATokenToKVPool.__init__ allocates BF16 buffers; only the base bookkeeping is wanted.
-        KVCache.__init__(self, size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer)
+        KVCache.__init__(
+            self, size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer
+        )
         lo = quant.layout
         if lo.page_size != page_size or lo.num_kv_heads != head_num or lo.head_dim != head_dim:
             raise OscarError(
@@ -183,7 +190,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         # the page of slots [0, page_size) is SGLang's padding page (dummy writes land there)
         self.num_pages = -(-(size + page_size) // page_size)
         self.page_buffers = [
-            torch.zeros(self.num_pages, page_bytes(lo), dtype=torch.uint8, device=device) for _ in range(layer_num)
+            torch.zeros(self.num_pages, page_bytes(lo), dtype=torch.uint8, device=device)
+            for _ in range(layer_num)
         ]
         self.caches: list[PagedKVCache] = [cache_from_page_buffer(lo, b, max_seqs) for b in self.page_buffers]
         self.max_seqs = max_seqs
@@ -201,12 +209,17 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     # -- SGLang's pool API
     def get_kv_size_bytes(self) -> int:
         pages = sum(b.numel() for b in self.page_buffers)
-        windows = sum(t.numel() * t.element_size() for c in self.caches for t in (c.k_sink, c.v_sink, c.k_recent, c.v_recent))
+        windows = sum(
+            t.numel() * t.element_size()
+            for c in self.caches
+            for t in (c.k_sink, c.v_sink, c.k_recent, c.v_recent)
+        )
         return pages + windows
 
     def _no_bf16(self, *_: Any, **__: Any):  # noqa: ANN202
         raise OscarError(
-            "the OSCAR KV pool stores INT2 pages, not BF16 key/value buffers: only --attention-backend oscar reads it"
+            "the OSCAR KV pool stores INT2 pages, not BF16 key/value buffers: "
+            "only --attention-backend oscar reads it"
         )
 
     get_key_buffer = get_value_buffer = get_kv_buffer = _no_bf16
@@ -315,7 +328,9 @@ class OscarAttnBackend(AttentionBackend):
                 # BF16 rows are not in this slot, rebuild them from the shared INT2 pages
                 rebuild.append((b, slot, written, p, p + c))
             pool.tracker.mark(slot, gen, p + c)
-        pool.step = StepContext(positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots)
+        pool.step = StepContext(
+            positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots
+        )
         self.meta = _Meta(
             False, bt, seq_lens, slots, cu, prefix, max(ext_cpu) if len(ext_cpu) else 0, tuple(rebuild)
         )
@@ -336,7 +351,9 @@ class OscarAttnBackend(AttentionBackend):
     def _write(self, layer: Any, k: torch.Tensor | None, v: torch.Tensor | None, fb: Any, save: bool) -> None:
         if save:
             if k is None or v is None:
-                raise OscarError(f"--attention-backend {BACKEND_NAME}: layer {layer.layer_id} gave no key/value")
+                raise OscarError(
+                    f"--attention-backend {BACKEND_NAME}: layer {layer.layer_id} gave no key/value"
+                )
             self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
@@ -380,7 +397,9 @@ class OscarAttnBackend(AttentionBackend):
         return out.reshape(-1, layer.tp_q_head_num * lo.head_dim)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise OscarError(f"--attention-backend {BACKEND_NAME}: CUDA graphs are not wired yet; pass --disable-cuda-graph")
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME}: CUDA graphs are not wired yet; pass --disable-cuda-graph"
+        )
 
     def support_triton(self) -> bool:
         return False
@@ -439,20 +458,29 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
         )
         if left <= 0:
             raise OscarError(
-                f"--attention-backend {BACKEND_NAME}: the BF16 windows of {config.max_running_requests} request "
+                f"--attention-backend {BACKEND_NAME}: the BF16 windows of {config.max_running_requests} "
+                "request "
                 "slots do not fit the KV budget; lower --max-running-requests or raise --mem-fraction-static"
             )
         config.max_total_num_tokens = left
     return config
 
 
-def _build_pool(original: Any, self: Any, *, sizes: Any, is_dsa_model: bool, is_dsv4_model: bool, req_to_token_pool: Any):
+def _build_pool(
+    original: Any, self: Any, *, sizes: Any, is_dsa_model: bool, is_dsv4_model: bool, req_to_token_pool: Any
+):
     if not oscar_selected(self.server_args):
         return original(
-            self, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model, req_to_token_pool=req_to_token_pool
+            self,
+            sizes=sizes,
+            is_dsa_model=is_dsa_model,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
         )
     if is_dsa_model or is_dsv4_model or self.mambaish_config is not None:
-        raise OscarError(f"--attention-backend {BACKEND_NAME}: only plain multi-head / GQA attention models are supported")
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME}: only plain multi-head / GQA attention models are supported"
+        )
     li = self.layer_info
     rq = _rank_quant(self, list(range(li.start_layer, li.end_layer)), self.device)
     return OscarTokenToKVPool(
