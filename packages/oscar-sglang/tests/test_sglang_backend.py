@@ -480,3 +480,40 @@ def test_backend_refuses_a_bf16_pool(artifact):
     )
     with pytest.raises(OscarError, match="needs the OSCAR KV pool"):
         OscarAttnBackend(SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=pool))
+
+
+def test_backend_selection_and_forward_modes(artifact):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from oscar_sglang.sglang_glue import oscar_selected
+
+    assert oscar_selected(SimpleNamespace(attention_backend="oscar", decode_attention_backend=None))
+    assert not oscar_selected(SimpleNamespace(attention_backend="torch_native"))
+    with pytest.raises(OscarError, match="do not combine it with \\['fa3'\\]"):
+        oscar_selected(SimpleNamespace(attention_backend="oscar", prefill_attention_backend="fa3"))
+    h = Harness(artifact)
+    slot = h.new_request(8)
+    fb = h.batch("extend", [slot], [0], [8])
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    with pytest.raises(OscarError, match="forward mode TARGET_VERIFY is not supported"):
+        h.oscar.init_forward_metadata(fb)
+    fb.forward_mode = ForwardMode.IDLE
+    h.oscar.init_forward_metadata(fb)
+    assert h.oscar.meta is None
+
+
+def test_mixed_batch_decode_token_plus_new_prompt(artifact):
+    """A MIXED batch (chunked-prefill scheduling): one running request's next token as a 1-token
+    extend next to a new prompt; all keys inside the windows, so OSCAR == torch-native."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    h = Harness(artifact)
+    a, b = h.new_request(8), h.new_request(8)
+    qa, ka, va = qkv(8, 41)
+    qb, kb, vb = qkv(8, 42)
+    for be in (h.oscar, h.native):
+        h.run(be, h.batch("extend", [a], [0], [5]), qa[:5], ka[:5], va[:5])
+    fb = h.batch("extend", [a, b], [5, 0], [1, 6])
+    fb.forward_mode = ForwardMode.MIXED
+    q, k, v = (torch.cat([x[5:6], y[:6]]) for x, y in ((qa, qb), (ka, kb), (va, vb)))
+    assert rel(h.run(h.oscar, fb, q, k, v), h.run(h.native, fb, q, k, v)) < 1e-2

@@ -287,6 +287,9 @@ class OscarAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         fb = forward_batch
         mode = fb.forward_mode
+        if mode.is_idle():  # a data-parallel worker with nothing to run this step
+            self.meta = None
+            return
         pool = self.pool
         slots = fb.req_pool_indices.to(torch.int32)
         seq_lens = fb.seq_lens.to(torch.int32)
@@ -306,7 +309,7 @@ class OscarAttnBackend(AttentionBackend):
                     pool.tracker.mark(slot, int(gens[slot]), length)
             self.meta = _Meta(True, bt, seq_lens, slots)
             return
-        if not mode.is_extend() or mode.is_target_verify() or mode.is_draft_extend_v2():
+        if mode.name not in ("EXTEND", "MIXED"):  # speculative / dLLM / split-prefill modes
             raise OscarError(f"--attention-backend {BACKEND_NAME}: forward mode {mode.name} is not supported")
         ext = fb.extend_seq_lens.to(torch.int64)
         prefix = fb.extend_prefix_lens.to(torch.int32)
