@@ -1,7 +1,7 @@
 """OSCAR registry entry for SGLang (entry point ``oscar: sglang``).
 
-Only declares the integration; importing this module never imports SGLang. The
-attention backend itself is not implemented yet.
+Importing this module never imports SGLang. ``oscar serve --engine sglang`` calls
+:func:`oscar_sglang.launch.launch`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ ENGINE = EngineSpec(
     name="sglang",
     module="sglang",
     package="oscar-sglang",
-    description="SGLang INT2 KV-cache backend (not implemented yet)",
+    description="SGLang attention backend 'oscar' (INT2 pages + BF16 windows)",
+    launcher="oscar_sglang.launch:launch",
 )
 
 

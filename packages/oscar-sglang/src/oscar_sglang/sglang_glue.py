@@ -1,0 +1,522 @@
+"""Everything that touches SGLang internals (written against SGLang 0.5.23).
+
+This is the only module that imports SGLang. It provides:
+
+* :func:`register`, the ``sglang.srt.plugins`` entry point, run by SGLang's
+  ``load_plugins()`` in the launcher and in every scheduler subprocess: registers the
+  ``oscar`` attention backend, adds it to the ``--attention-backend`` choices, adds
+  ``--oscar-rotations`` to the server's argument parser, and installs hooks (SGLang's
+  ``HookRegistry``) on the KV-pool construction and the per-token cell size;
+* :class:`OscarTokenToKVPool`, the KV pool (INT2 pages + BF16 windows);
+* :class:`OscarAttnBackend`, the attention backend.
+
+Hook targets (dotted paths, all SGLang 0.5.23):
+
+* ``ServerArgs.add_cli_args`` (after): adds ``--oscar-rotations FILE``;
+* ``ServerArgs.from_cli_args`` (around): copies it to ``$OSCAR_ROTATIONS`` (inherited by
+  the scheduler subprocesses) and checks the file before anything starts;
+* ``DefaultPoolConfigurator._compute_cell_size`` (around): INT2 bytes per token;
+* ``DefaultPoolConfigurator.finalize_with_max_running_requests`` (around): takes the BF16
+  windows of every request slot out of the token budget;
+* ``KVCacheConfigurator._build_token_to_kv_pool`` (around): builds the OSCAR pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oscar_kernels import (
+    PagedKVCache,
+    cache_from_page_buffer,
+    decode_attention,
+    extend_attention,
+    page_bytes,
+    paged_write,
+)
+from oscar_math.artifact import load_rotations
+from oscar_math.errors import OscarError
+
+from .core import (
+    BACKEND_NAME,
+    ENV_ROTATIONS,
+    RankQuant,
+    WindowTracker,
+    block_table,
+    int2_bytes_per_token,
+    load_rank_quant,
+    rebuild_windows,
+    rotations_path,
+    tokens_after_windows,
+    window_bytes_per_slot,
+)
+
+logger = logging.getLogger(__name__)
+
+# SGLang imports (this module is imported only where SGLang is installed).
+from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices  # noqa: E402
+from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
+    ATTENTION_BACKENDS,
+    register_attention_backend,
+)
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, unwrap_write_loc  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
+
+SGLANG_VERSION = "0.5.23"
+
+__all__ = ["register", "OscarTokenToKVPool", "OscarAttnBackend", "oscar_selected", "SGLANG_VERSION"]
+
+_T_ARGS = "sglang.srt.server_args.ServerArgs"
+_T_CELL = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+_T_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def oscar_selected(server_args: Any) -> bool:
+    """Whether the server runs the ``oscar`` backend; mixing it with another backend is refused."""
+    names = [
+        getattr(server_args, a, None)
+        for a in ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    ]
+    chosen = {n for n in names if n is not None}
+    if BACKEND_NAME not in chosen:
+        return False
+    if chosen != {BACKEND_NAME}:
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME} serves both prefill and decode (one KV layout): "
+            f"do not combine it with {sorted(chosen - {BACKEND_NAME})}"
+        )
+    return True
+
+
+def _parallel() -> tuple[int, int, int]:
+    """(attn_tp_size, attn_tp_rank, attn_dcp_size) of this process."""
+    from sglang.srt.runtime_context import get_parallel
+
+    p = get_parallel()
+    return (
+        int(getattr(p, "attn_tp_size", 1) or 1),
+        int(getattr(p, "attn_tp_rank", 0) or 0),
+        int(getattr(p, "attn_dcp_size", 1) or 1),
+    )
+
+
+def _rank_quant(kvc: Any, layer_ids: list[int], device: str | torch.device) -> RankQuant:
+    """The artifact for this rank, checked against the model SGLang loaded."""
+    mc = kvc.model_config
+    if getattr(kvc, "use_mla_backend", False) or getattr(kvc, "is_hybrid_swa", False):
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME}: only plain multi-head / GQA attention models are supported"
+        )
+    tp, rank, dcp = _parallel()
+    if dcp != 1:
+        raise OscarError(f"--attention-backend {BACKEND_NAME}: decode context parallelism is not supported")
+    return load_rank_quant(
+        rotations_path(),
+        num_layers=int(mc.num_hidden_layers),
+        total_kv_heads=int(mc.get_total_num_kv_heads()),
+        head_dim=int(mc.head_dim),
+        v_head_dim=int(getattr(mc, "v_head_dim", mc.head_dim) or mc.head_dim),
+        page_size=int(kvc.page_size),
+        tp_size=tp,
+        tp_rank=rank,
+        layer_ids=layer_ids,
+        device=device,
+    )
+
+
+# --------------------------------------------------------------------------- pool
+
+
+@dataclass
+class StepContext:
+    """Per-forward write arguments of :func:`oscar_kernels.paged_write`, set by the backend."""
+
+    positions: torch.Tensor
+    seq_index: torch.Tensor
+    seq_lens: torch.Tensor
+    window_slots: torch.Tensor
+
+
+class OscarTokenToKVPool(MHATokenToKVPool):
+    """SGLang KV pool holding INT2 pages (one ``[num_pages, page_bytes]`` uint8 buffer per layer)
+    plus BF16 sink/recent windows with one row per ``req_to_token_pool`` row.
+
+    Token slot ``loc`` (SGLang's ``out_cache_loc``) is ``page * page_size + offset``,
+    exactly the cache's ``slot_mapping``. ``get_kv_size_bytes`` reports pages + windows.
+    The pool has no BF16 key/value buffers: only the ``oscar`` backend reads it.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        *,
+        quant: RankQuant,
+        max_seqs: int,
+        start_layer: int | None = None,
+        end_layer: int | None = None,
+        **_unused: Any,
+    ) -> None:
+        # MHATokenToKVPool.__init__ allocates BF16 buffers; only the base bookkeeping is wanted.
+        KVCache.__init__(
+            self, size, page_size, dtype, layer_num, device, enable_memory_saver, start_layer, end_layer
+        )
+        lo = quant.layout
+        if lo.page_size != page_size or lo.num_kv_heads != head_num or lo.head_dim != head_dim:
+            raise OscarError(
+                f"Invalid OSCAR pool: layout {lo} does not match SGLang's page_size={page_size}, "
+                f"heads={head_num}, head_dim={head_dim}"
+            )
+        self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
+        self.quant = quant
+        self.layout = lo
+        self.k_buffer = self.v_buffer = None
+        self.kv_cache_layout = "oscar"
+        self.use_hnd = False
+        # the page of slots [0, page_size) is SGLang's padding page (dummy writes land there)
+        self.num_pages = -(-(size + page_size) // page_size)
+        self.page_buffers = [
+            torch.zeros(self.num_pages, page_bytes(lo), dtype=torch.uint8, device=device)
+            for _ in range(layer_num)
+        ]
+        self.caches: list[PagedKVCache] = [cache_from_page_buffer(lo, b, max_seqs) for b in self.page_buffers]
+        self.max_seqs = max_seqs
+        self.tracker = WindowTracker(max_seqs)
+        self.step: StepContext | None = None
+        self._finalize_allocation_log(size)
+
+    # -- what the backend uses
+    def cache(self, layer_id: int) -> PagedKVCache:
+        return self.caches[layer_id - self.start_layer]
+
+    def params(self, layer_id: int):  # noqa: ANN201 - ExpandedParams
+        return self.quant.params[layer_id]
+
+    # -- SGLang's pool API
+    def get_kv_size_bytes(self) -> int:
+        pages = sum(b.numel() for b in self.page_buffers)
+        windows = sum(
+            t.numel() * t.element_size()
+            for c in self.caches
+            for t in (c.k_sink, c.v_sink, c.k_recent, c.v_recent)
+        )
+        return pages + windows
+
+    def _no_bf16(self, *_: Any, **__: Any):  # noqa: ANN202
+        raise OscarError(
+            "the OSCAR KV pool stores INT2 pages, not BF16 key/value buffers: "
+            "only --attention-backend oscar reads it"
+        )
+
+    get_key_buffer = get_value_buffer = get_kv_buffer = _no_bf16
+    get_cpu_copy = load_cpu_copy = move_kv_cache = get_contiguous_buf_infos = _no_bf16
+
+    def set_kv_buffer(
+        self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> None:
+        """Quantise and store ``cache_k/cache_v`` at ``loc`` (``paged_write``; windows included)."""
+        if self.step is None:
+            raise OscarError("OSCAR pool: set_kv_buffer called before OscarAttnBackend.init_forward_metadata")
+        loc, _, _ = unwrap_write_loc(loc)
+        lo = self.layout
+        k = cache_k.reshape(-1, lo.num_kv_heads, lo.head_dim)
+        v = cache_v.reshape(-1, lo.num_kv_heads, lo.head_dim)
+        n = k.shape[0]
+        st = self.step
+        paged_write(
+            self.cache(layer.layer_id),
+            self.params(layer.layer_id),
+            k.contiguous(),
+            v.contiguous(),
+            loc[:n].to(torch.int64),
+            st.positions[:n],
+            st.seq_index[:n],
+            st.seq_lens,
+            st.window_slots,
+        )
+
+
+# --------------------------------------------------------------------------- backend
+
+
+@dataclass
+class _Meta:
+    decode: bool
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    window_slots: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    max_query_len: int = 0
+    rebuild: tuple = ()  # (b, slot, start, prefix_len, window_end) of radix-hit prefixes
+
+
+class OscarAttnBackend(AttentionBackend):
+    """``--attention-backend oscar``: extend/decode through oscar-kernels on the OSCAR pool.
+
+    Triton kernels on CUDA tensors, the torch references on CPU (``oscar_kernels`` dispatch).
+    """
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, OscarTokenToKVPool):
+            raise OscarError(
+                f"--attention-backend {BACKEND_NAME} needs the OSCAR KV pool, got {type(pool).__name__} "
+                "(is oscar-sglang's sglang.srt.plugins entry point loaded? check SGLANG_PLUGINS)"
+            )
+        self.pool = pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.device = model_runner.device
+        self.meta: _Meta | None = None
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        fb = forward_batch
+        mode = fb.forward_mode
+        if mode.is_idle():  # a data-parallel worker with nothing to run this step
+            self.meta = None
+            return
+        pool = self.pool
+        slots = fb.req_pool_indices.to(torch.int32)
+        seq_lens = fb.seq_lens.to(torch.int32)
+        bt = block_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices, pool.page_size)
+        gens = self.req_to_token_pool.req_generation
+        if mode.is_decode():
+            bsz = seq_lens.shape[0]
+            pool.step = StepContext(
+                positions=(seq_lens - 1).to(torch.int64),
+                seq_index=torch.arange(bsz, device=seq_lens.device),
+                seq_lens=seq_lens,
+                window_slots=slots,
+            )
+            lens_cpu = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else None
+            if lens_cpu is not None:
+                for slot, length in zip(fb.req_pool_indices.tolist(), lens_cpu, strict=True):
+                    pool.tracker.mark(slot, int(gens[slot]), length)
+            self.meta = _Meta(True, bt, seq_lens, slots)
+            return
+        if mode.name not in ("EXTEND", "MIXED"):  # speculative / dLLM / split-prefill modes
+            raise OscarError(f"--attention-backend {BACKEND_NAME}: forward mode {mode.name} is not supported")
+        ext = fb.extend_seq_lens.to(torch.int64)
+        prefix = fb.extend_prefix_lens.to(torch.int32)
+        bsz = ext.shape[0]
+        cu = torch.zeros(bsz + 1, dtype=torch.int32, device=ext.device)
+        cu[1:] = torch.cumsum(ext, 0)
+        seq_index = torch.repeat_interleave(torch.arange(bsz, device=ext.device), ext)
+        n = int(cu[-1]) if fb.extend_num_tokens is None else int(fb.extend_num_tokens)
+        positions = prefix.long()[seq_index] + torch.arange(n, device=ext.device) - cu.long()[seq_index]
+        ext_cpu = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else ext.tolist()
+        pre_cpu = fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None else prefix.tolist()
+        rebuild = []
+        for b, slot in enumerate(fb.req_pool_indices.tolist()):
+            gen = int(gens[slot])
+            written = pool.tracker.written(slot, gen)
+            p, c = int(pre_cpu[b]), int(ext_cpu[b])
+            if p > written:
+                # prefix positions this request did not write (radix-cache hit): their
+                # BF16 rows are not in this slot, rebuild them from the shared INT2 pages
+                rebuild.append((b, slot, written, p, p + c))
+            pool.tracker.mark(slot, gen, p + c)
+        pool.step = StepContext(
+            positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots
+        )
+        self.meta = _Meta(
+            False, bt, seq_lens, slots, cu, prefix, max(ext_cpu) if len(ext_cpu) else 0, tuple(rebuild)
+        )
+
+    @staticmethod
+    def _check_layer(layer: Any) -> None:
+        if (
+            getattr(layer, "is_cross_attention", False)
+            or (getattr(layer, "sliding_window_size", -1) or -1) > -1
+            or (getattr(layer, "logit_cap", 0.0) or 0.0) > 0
+            or getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER"
+        ):
+            raise OscarError(
+                f"--attention-backend {BACKEND_NAME}: layer {layer.layer_id} uses cross attention, a sliding "
+                "window, logit capping or non-causal attention, which the INT2 kernels do not implement"
+            )
+
+    def _write(self, layer: Any, k: torch.Tensor | None, v: torch.Tensor | None, fb: Any, save: bool) -> None:
+        if save:
+            if k is None or v is None:
+                raise OscarError(
+                    f"--attention-backend {BACKEND_NAME}: layer {layer.layer_id} gave no key/value"
+                )
+            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        self._check_layer(layer)
+        m, pool = self.meta, self.pool
+        cache = pool.cache(layer.layer_id)
+        for b, slot, start, p, end in m.rebuild:
+            rebuild_windows(cache, m.block_table[b], slot, start, p, end)
+        self._write(layer, k, v, forward_batch, save_kv_cache)
+        lo = pool.layout
+        q3 = q.reshape(-1, layer.tp_q_head_num, lo.head_dim)
+        out = extend_attention(
+            q3,
+            k.reshape(-1, lo.num_kv_heads, lo.head_dim),
+            v.reshape(-1, lo.num_kv_heads, lo.head_dim),
+            cache,
+            pool.params(layer.layer_id),
+            m.cu_seqlens_q,
+            m.prefix_lens,
+            m.block_table,
+            m.window_slots,
+            m.max_query_len,
+            softmax_scale=layer.scaling,
+        )
+        return out.reshape(-1, layer.tp_q_head_num * lo.head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        self._check_layer(layer)
+        m, pool = self.meta, self.pool
+        self._write(layer, k, v, forward_batch, save_kv_cache)
+        lo = pool.layout
+        out = decode_attention(
+            q.reshape(-1, layer.tp_q_head_num, lo.head_dim),
+            pool.cache(layer.layer_id),
+            pool.params(layer.layer_id),
+            m.block_table,
+            m.seq_lens,
+            m.window_slots,
+            softmax_scale=layer.scaling,
+        )
+        return out.reshape(-1, layer.tp_q_head_num * lo.head_dim)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME}: CUDA graphs are not wired yet; pass --disable-cuda-graph"
+        )
+
+    def support_triton(self) -> bool:
+        return False
+
+
+def create_backend(runner: Any) -> OscarAttnBackend:
+    return OscarAttnBackend(runner)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def _add_cli_args(result: Any, parser: Any) -> None:
+    parser.add_argument(
+        "--oscar-rotations",
+        type=str,
+        default=None,
+        help=f"OSCAR rotations artifact (.safetensors from 'oscar calibrate') for --attention-backend "
+        f"{BACKEND_NAME}; sets ${ENV_ROTATIONS} for the scheduler processes",
+    )
+
+
+def _from_cli_args(original: Any, cls: Any, args: Any) -> Any:
+    path = getattr(args, "oscar_rotations", None)
+    if path:
+        os.environ[ENV_ROTATIONS] = os.path.abspath(path)
+    server_args = original(cls, args)
+    if oscar_selected(server_args):
+        # fail in the launcher, in one line, before any process or GPU memory is touched
+        load_rotations(rotations_path())
+    return server_args
+
+
+def _compute_cell_size(original: Any, self: Any, kvc: Any, num_layers: int) -> int:
+    if not oscar_selected(kvc.server_args):
+        return original(self, kvc, num_layers)
+    rq = _rank_quant(kvc, [], "cpu")
+    self._oscar_layout = rq.layout
+    self._oscar_layers = num_layers
+    cell = int2_bytes_per_token(rq.layout, num_layers)
+    logger.info(
+        "OSCAR: %d bytes/token for %d layers (INT2 pages), windows %d bytes per request slot",
+        cell,
+        num_layers,
+        window_bytes_per_slot(rq.layout, num_layers),
+    )
+    return cell
+
+
+def _finalize(original: Any, self: Any, config: Any) -> Any:
+    config = original(self, config)
+    layout = getattr(self, "_oscar_layout", None)
+    if layout is not None and config.max_running_requests is not None:
+        left = tokens_after_windows(
+            config.max_total_num_tokens, config.max_running_requests, layout, self._oscar_layers
+        )
+        if left <= 0:
+            raise OscarError(
+                f"--attention-backend {BACKEND_NAME}: the BF16 windows of {config.max_running_requests} "
+                "request "
+                "slots do not fit the KV budget; lower --max-running-requests or raise --mem-fraction-static"
+            )
+        config.max_total_num_tokens = left
+    return config
+
+
+def _build_pool(
+    original: Any, self: Any, *, sizes: Any, is_dsa_model: bool, is_dsv4_model: bool, req_to_token_pool: Any
+):
+    if not oscar_selected(self.server_args):
+        return original(
+            self,
+            sizes=sizes,
+            is_dsa_model=is_dsa_model,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
+        )
+    if is_dsa_model or is_dsv4_model or self.mambaish_config is not None:
+        raise OscarError(
+            f"--attention-backend {BACKEND_NAME}: only plain multi-head / GQA attention models are supported"
+        )
+    li = self.layer_info
+    rq = _rank_quant(self, list(range(li.start_layer, li.end_layer)), self.device)
+    return OscarTokenToKVPool(
+        sizes.max_total_num_tokens,
+        page_size=self.page_size,
+        dtype=self.kv_cache_dtype,
+        head_num=rq.layout.num_kv_heads,
+        head_dim=rq.layout.head_dim,
+        layer_num=li.num_effective_layers,
+        device=self.device,
+        enable_memory_saver=False,
+        quant=rq,
+        max_seqs=req_to_token_pool.req_to_token.shape[0],
+        start_layer=li.start_layer,
+        end_layer=li.end_layer,
+    )
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: idempotent (SGLang calls it in every process)."""
+    global _REGISTERED
+    if BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(BACKEND_NAME)(create_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    HookRegistry.register(f"{_T_ARGS}.add_cli_args", _add_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_T_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+    HookRegistry.register(f"{_T_CELL}._compute_cell_size", _compute_cell_size, HookType.AROUND)
+    HookRegistry.register(f"{_T_CELL}.finalize_with_max_running_requests", _finalize, HookType.AROUND)
+    HookRegistry.register(f"{_T_KVC}._build_token_to_kv_pool", _build_pool, HookType.AROUND)

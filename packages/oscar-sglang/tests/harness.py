@@ -1,0 +1,151 @@
+"""Builds SGLang's real pools, allocator, layer, forward batches and backends on CPU for the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import torch
+
+from oscar_math.artifact import identity_rotations, save_rotations
+
+H_Q, H_KV, D, PAGE, SINK, RECENT = 4, 2, 64, 4, 4, 8
+
+
+def random_orthogonal(g: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(g, d, d, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def make_artifact(
+    path, *, layers=1, kv_heads=H_KV, d=D, granularity="kv_head", seed=0, clip=0.95, model="tiny"
+):
+    gen = torch.Generator().manual_seed(seed)
+    rot = identity_rotations(
+        model,
+        layers,
+        kv_heads,
+        d,
+        sink_tokens=SINK,
+        recent_tokens=RECENT,
+        granularity=granularity,
+        k_clip=clip,
+        v_clip=clip,
+    )
+    g = 1 if granularity == "layer" else kv_heads
+    rot = dataclasses.replace(
+        rot,
+        k_rotation=[random_orthogonal(g, d, gen) for _ in range(layers)],
+        v_rotation=[random_orthogonal(g, d, gen) for _ in range(layers)],
+        k_mean=[0.1 * torch.randn(g, d, generator=gen) for _ in range(layers)],
+    )
+    save_rotations(path, rot)
+    return rot
+
+
+class Harness:
+    """One layer, ``H_Q`` query / ``H_KV`` KV heads; the OSCAR and SGLang's BF16 pool share one allocator."""
+
+    def __init__(self, artifact, *, num_tokens=256, max_reqs=6, max_context=128):
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.layers.radix_attention import RadixAttention
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        from oscar_sglang.core import load_rank_quant
+        from oscar_sglang.sglang_glue import OscarAttnBackend, OscarTokenToKVPool
+
+        self.req_pool = ReqToTokenPool(
+            size=max_reqs, max_context_len=max_context, device="cpu", enable_memory_saver=False
+        )
+        quant = load_rank_quant(
+            str(artifact), num_layers=1, total_kv_heads=H_KV, head_dim=D, v_head_dim=D, page_size=PAGE
+        )
+        common = dict(
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            head_num=H_KV,
+            head_dim=D,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.pool = OscarTokenToKVPool(
+            num_tokens, quant=quant, max_seqs=self.req_pool.req_to_token.shape[0], **common
+        )
+        self.bf16 = MHATokenToKVPool(num_tokens, **common)
+        self.alloc = PagedTokenToKVPoolAllocator(num_tokens, PAGE, torch.bfloat16, "cpu", self.pool, False)
+        self.layer = RadixAttention(H_Q, D, 1.0 / math.sqrt(D), H_KV, layer_id=0)
+        self.oscar = OscarAttnBackend(
+            SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.pool)
+        )
+        self.native = TorchNativeAttnBackend(
+            SimpleNamespace(device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.bf16)
+        )
+        self.quant = quant
+
+    def new_request(self, length: int, share_from: tuple[int, int] | None = None) -> int:
+        """A request slot (SGLang's ``alloc_rows``) with page-aligned slots for ``length`` tokens.
+
+        ``share_from=(slot, n)`` maps the first ``n`` positions to another request's slots,
+        exactly what a radix-cache hit does (``n`` page-aligned).
+        """
+        slot = self.req_pool.alloc_rows(1)[0]
+        n_shared = 0
+        if share_from is not None:
+            src, n_shared = share_from
+            self.req_pool.req_to_token[slot, :n_shared] = self.req_pool.req_to_token[src, :n_shared]
+        rest = -(-(length - n_shared) // PAGE) * PAGE
+        if rest:
+            self.req_pool.req_to_token[slot, n_shared : n_shared + rest] = self.alloc.alloc(rest).to(
+                torch.int32
+            )
+        return slot
+
+    def batch(self, mode: str, slots: list[int], prefix: list[int], new: list[int]):
+        """SGLang ``ForwardBatch`` for an extend (``new`` tokens after ``prefix``) or a decode step."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+        seq = [p + n for p, n in zip(prefix, new, strict=True)]
+        locs = torch.cat(
+            [self.req_pool.req_to_token[s, p : p + n] for s, p, n in zip(slots, prefix, new, strict=True)]
+        ).long()
+        kw = dict(
+            batch_size=len(slots),
+            input_ids=torch.zeros(sum(new), dtype=torch.int64),
+            req_pool_indices=torch.tensor(slots, dtype=torch.int64),
+            seq_lens=torch.tensor(seq, dtype=torch.int64),
+            seq_lens_cpu=torch.tensor(seq, dtype=torch.int64),
+            out_cache_loc=locs,
+            seq_lens_sum=sum(seq),
+        )
+        if mode == "decode":
+            return ForwardBatch(forward_mode=ForwardMode.DECODE, **kw)
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            extend_num_tokens=sum(new),
+            extend_seq_lens=torch.tensor(new, dtype=torch.int32),
+            extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
+            extend_seq_lens_cpu=list(new),
+            extend_prefix_lens_cpu=list(prefix),
+            **kw,
+        )
+
+    def run(self, backend, fb, q, k, v):
+        backend.init_forward_metadata(fb)
+        fwd = backend.forward_decode if fb.forward_mode.is_decode() else backend.forward_extend
+        # as RadixAttention.forward hands them over: q flat, k/v [N, H_kv, d]
+        return fwd(q.reshape(q.shape[0], -1), k, v, self.layer, fb).reshape(q.shape)
+
+
+def qkv(length: int, seed: int, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(length, H_Q, D, generator=g) * scale
+    k = torch.randn(length, H_KV, D, generator=g) * scale + 0.3
+    v = torch.randn(length, H_KV, D, generator=g)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
