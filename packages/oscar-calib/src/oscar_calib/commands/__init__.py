@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-BUILTIN_COMMANDS = ("calibrate", "eval", "demo", "inspect", "engines", "serve")
+BUILTIN_COMMANDS = ("calibrate", "eval", "demo", "inspect", "engines", "serve", "generate")
 
 __all__ = ["BUILTIN_COMMANDS", "format_table"]
 
