@@ -22,6 +22,7 @@ Bounds, and why:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,44 @@ def test_cli_generate_needs_rotations(capsys):
     assert main(["generate", "smollm2", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--rotations" in err[0]
+
+
+ARTIFACT = Path(__file__).parents[1] / "packages/oscar-calib/benchmarks/data/smollm2-cpu-4096.safetensors"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from oscar_calib.models import load_model, resolve_model
+    from oscar_math.artifact import load_rotations
+
+    try:
+        resolve_model("smollm2")
+    except OscarError as exc:
+        pytest.skip(f"SmolLM2 unavailable: {exc}")
+    model, tok = load_model("smollm2", device=DEVICE)
+    return model, tok, load_rotations(ARTIFACT)
+
+
+def test_smollm2_short_context_loop_vs_emulation_and_oscar_cache(smollm2):
+    """400 tokens, windows 64 + 256, prefill chunks of 128 (the third chunk crosses sink+recent = 320)."""
+    model, tok, rot = smollm2
+    ids = tokenize(tok, split_text(builtin_text())[1])
+    seq = ids[:400].to(DEVICE)
+    ctx = SchemeContext(64, 30, 3, rot)
+    lm = PagedLM(model, rot, PagedConfig(max_seqs=1, max_len=400, prefill_chunk=128))
+    loop = lm.final_hidden([seq])[0]
+    with simulate(model, build_scheme("oscar2", ctx), Windows(64, 256, 128)):
+        emu = final_hidden(model, seq[None])[0]
+    ref = final_hidden(model, seq[None])[0]
+    m = sequences_metrics(model, ref, {"loop": loop, "emu": emu, "ref": ref}, seq)
+    assert abs(m["loop"].perplexity / m["emu"].perplexity - 1) < 5e-3, m
+    assert _rel(emu, ref) > 3 * _rel(loop, emu)
+    # greedy continuation of a 330-token prompt: teacher-forced argmaxes vs OscarCache
+    prompt, new = ids[1000:1330].to(DEVICE), 4
+    cache = OscarCache.from_rotations(model, rot)
+    out = model.generate(
+        prompt[None], past_key_values=cache, max_new_tokens=new, do_sample=False, min_new_tokens=new
+    )
+    want = out[0, prompt.numel() :].tolist()
+    forced = lm.generate([prompt], new, chunk=400, forced=[want]).tokens[0]
+    assert sum(a == b for a, b in zip(forced, want, strict=True)) >= new - 1, (forced, want)
