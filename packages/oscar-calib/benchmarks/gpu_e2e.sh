@@ -29,10 +29,10 @@ pack() {
     local gguf="${1:-${OSCAR_SMOLLM2_GGUF:-}}"
     [[ -f "$gguf" ]] || { echo "gpu_e2e.sh pack: no GGUF file (give its path or set OSCAR_SMOLLM2_GGUF)" >&2; exit 2; }
     rm -rf "$XFER" && mkdir -p "$XFER/part1/wheels" "$XFER/part2"
-    # part 1 takes the wheels and a smaller share of the GGUF so both calls stay < 64 MiB
+    # two halves (< 50 MB each): with the tree and the wheels each call stays < 64 MiB
     local size half
     size=$(stat -c %s "$gguf")
-    half=$(( (size / 2 - 4 * 1024 * 1024) / 4096 * 4096 ))
+    half=$(( (size + 1) / 2 ))
     head -c "$half" "$gguf" >"$XFER/part1/$GGUF_NAME.part-aa"
     tail -c +"$((half + 1))" "$gguf" >"$XFER/part2/$GGUF_NAME.part-ab"
     sha256sum "$gguf" | awk -v n="$GGUF_NAME" '{print $1 "  " n}' >"$XFER/part2/SHA256"
