@@ -243,3 +243,36 @@ def test_smollm2_short_context_loop_vs_emulation_and_oscar_cache(smollm2):
     want = out[0, prompt.numel() :].tolist()
     forced = lm.generate([prompt], new, chunk=400, forced=[want]).tokens[0]
     assert sum(a == b for a, b in zip(forced, want, strict=True)) >= new - 1, (forced, want)
+
+
+def test_eval_scheme_oscar2_kernels_matches_oscar2(tiny):
+    """``oscar eval``'s path: run_eval scores ``oscar2-kernels`` through the loop next to ``oscar2``."""
+    from oscar_calib.evaluate import EvalConfig, run_eval
+    from oscar_calib.models import ByteTokenizer
+
+    model, rot, _ = tiny
+    cfg = EvalConfig(
+        contexts=(120,),
+        schemes=("bf16", "oscar2", "oscar2-kernels"),
+        num_sequences=1,
+        sink=SINK,
+        recent=RECENT,
+        error_sequences=0,
+        needle_contexts=(),
+        prefill_chunk=24,
+    )
+    res = run_eval(model, ByteTokenizer(), rot, cfg, progress=False)
+    block = res.contexts["120"]
+    ratio = block["oscar2-kernels"]["perplexity"]["mean"] / block["oscar2"]["perplexity"]["mean"]
+    assert abs(ratio - 1) < 5e-3, ratio
+    assert block["oscar2-kernels"]["top1"]["mean"] < 1.0  # it did not just return the reference
+
+
+def test_cli_generate_smollm2(smollm2, capsys):
+    from oscar_calib.cli import main
+
+    argv = ["generate", "smollm2", "--rotations", str(ARTIFACT), "--prompt", "The capital of France is"]
+    assert main([*argv, "--prompt", "def add(a, b):", "--max-new-tokens", "3", "--device", DEVICE]) == 0
+    out = capsys.readouterr().out
+    assert "[0] (5 prompt tokens)" in out and "[1] (7 prompt tokens)" in out, out
+    assert "int2 cache on" in out.splitlines()[-1] and "tokens/s" in out.splitlines()[-1]
