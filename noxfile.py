@@ -124,9 +124,32 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def gpu(session: nox.Session) -> None:
-    """GPU tests in the current environment (the H200 machine: torch + triton preinstalled, no index)."""
+    """GPU tests in the current environment (the H200 machine: torch + triton preinstalled, no index).
+
+    End to end first (SmolLM2 served through the paged INT2 kernels: perplexity vs the
+    emulation at 2k/8k, greedy tokens vs OscarCache, calibration GPU vs CPU, tokens/s;
+    ``packages/oscar-calib/benchmarks/gpu_e2e.py``, JSON to ``$OSCAR_GPU_OUT``), then the
+    kernel unit tests and the serving loop's tests on CUDA. Needs the SmolLM2 GGUF
+    (``$OSCAR_SMOLLM2_GGUF``): ``packages/oscar-calib/benchmarks/gpu_e2e.sh`` brings it.
+    """
     session.run(
         "python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
         *[a for n in ("math", "kernels", "calib") for a in ("-e", f"packages/oscar-{n}")],
     )  # fmt: skip
-    session.run("python3", "-m", "pytest", "-q", "packages/oscar-kernels/tests", *session.posargs)
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    out = os.environ.get("OSCAR_GPU_OUT", str(ROOT / "gpu-e2e"))
+    # a failed end-to-end check must not hide the unit tests' result: run both, then fail
+    session.run(
+        "python3", "packages/oscar-calib/benchmarks/gpu_e2e.py", "--out", out, env=env, success_codes=[0, 1]
+    )
+    session.run(
+        "python3", "-m", "pytest", "-q", "packages/oscar-kernels/tests", "tests/test_paged_serving.py",
+        *session.posargs, env=env,
+    )  # fmt: skip
+    if (Path(out) / "gpu_e2e.json").exists():
+        import json
+
+        failed = [c["check"] for c in json.loads((Path(out) / "gpu_e2e.json").read_text()).get("checks", [])
+                  if not c["pass"]]  # fmt: skip
+        if failed:
+            session.error(f"end-to-end checks failed: {failed}")

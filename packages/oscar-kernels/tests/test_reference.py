@@ -2,12 +2,20 @@
 
 import math
 
+import conftest
 import pytest
 import torch
 from conftest import fill_cache
 
 from oscar_kernels import CacheLayout, decode_attention_ref, extend_attention_ref, rotate_queries
 from oscar_math import dequantize_int2, quantize_int2
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu(monkeypatch):
+    """The references are checked against the float64 oracle on CPU (the oracle and these
+    tests build their tensors there); on a GPU the Triton tests compare against them."""
+    monkeypatch.setattr(conftest, "DEVICE", torch.device("cpu"))
 
 
 def effective_kv(k, v, ep, lo, window_end):

@@ -48,6 +48,8 @@ class EvalConfig:
         needle_schemes: schemes run on the passkey test (None: all).
         seed: seeds sequence choice, passkeys and the Hadamard baseline.
         text: text file (None: the built-in corpus); its held-out part is used.
+        prefill_chunk: emulate (and serve, for ``oscar2-kernels``) a prefill in chunks of
+            this many tokens (see :class:`~oscar_calib.simulate.Windows`); 1 = per-query rule.
     """
 
     contexts: tuple[int, ...] = (1024, 2048)
@@ -63,6 +65,7 @@ class EvalConfig:
     needle_schemes: tuple[str, ...] | None = None
     seed: int = 0
     text: str | None = None
+    prefill_chunk: int = 1
 
     def __post_init__(self) -> None:
         for name in ("contexts", "schemes", "needle_contexts", "needle_depths"):
@@ -87,7 +90,7 @@ class EvalConfig:
 
     @property
     def windows(self) -> Windows:
-        return Windows(self.sink, self.recent)
+        return Windows(self.sink, self.recent, self.prefill_chunk)
 
 
 @dataclass
@@ -218,7 +221,9 @@ def run_eval(
             ref = final_hidden(model, ids)[0]
             hiddens = {}
             for name, scheme in schemes.items():
-                if scheme.quantized:
+                if getattr(scheme, "paged", False):  # served through the real kernels (oscar2-kernels)
+                    hiddens[name] = scheme.final_hidden(model, seq, windows)
+                elif scheme.quantized:
                     capture = i < config.error_sequences
                     with simulate(model, scheme, windows, capture=capture) as sim:
                         hiddens[name] = final_hidden(model, ids)[0]

@@ -28,6 +28,8 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``oscar2-nobitrev``       ``oscar2`` without the bit-reversal permutation (group < d only)
 ``oscar2-norot``          ``oscar2`` with identity rotations (centering and clipping kept)
 ``hadamard2-center``      ``hadamard2`` with the calibrated key mean subtracted
+``oscar2-kernels``        ``oscar2`` served through the paged INT2 kernels (needs
+                          ``oscar-calib[kernels]``; see :mod:`oscar_calib.paged`)
 ========================  ==================================================================
 """
 
@@ -487,7 +489,18 @@ def _specs() -> list[Any]:
             "oscar2 with identity rotations: centering + clipping only (ablation)",
             _oscar_factory("oscar2-norot", "key centering + clip, no rotation", rotate=False),
         ),
+        SchemeSpec(
+            "oscar2-kernels",
+            "oscar2 served by the paged INT2 kernels (Triton on CUDA, torch references on CPU)",
+            _make_kernels,
+        ),
     ]
+
+
+def _make_kernels(ctx: SchemeContext) -> KVScheme:
+    from .paged import make_kernels_scheme  # lazy: oscar-kernels is an optional extra
+
+    return make_kernels_scheme(ctx)
 
 
 @hookimpl

@@ -56,14 +56,25 @@ class Windows:
     Attributes:
         sink: first tokens kept exact.
         recent: last tokens (up to and including the query's own) kept exact.
+        prefill_chunk: the served engine prefills in chunks of this many tokens; every
+            query of a chunk reads the window as it stands *after* the chunk (the chunk's
+            own keys exact), as ``extend_attention`` and ``OscarCache`` do. 1 (default)
+            is the per-query decode rule.
     """
 
     sink: int = 64
     recent: int = 256
+    prefill_chunk: int = 1
 
     def __post_init__(self) -> None:
         check(isinstance(self.sink, int) and self.sink >= 0, "sink", "an integer >= 0", self.sink)
         check(isinstance(self.recent, int) and self.recent >= 1, "recent", "an integer >= 1", self.recent)
+        check(
+            isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 1,
+            "prefill_chunk",
+            "an integer >= 1",
+            self.prefill_chunk,
+        )
 
 
 @dataclass
@@ -85,13 +96,29 @@ class LayerErrors:
         return (self.out_err / self.out_ref) ** 0.5 if self.out_ref > 0 else float("nan")
 
 
-def quantized_region(q_pos: torch.Tensor, k_pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+def quantized_region(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    sink: int,
+    recent: int,
+    chunk: int = 1,
+    seq_len: int | None = None,
+) -> torch.Tensor:
     """``[T, S]`` bool: True where query ``q_pos[t]`` reads key ``k_pos[s]`` quantised.
 
     ``(k_pos >= sink) & (k_pos <= q_pos - recent)``; causality is not part of it
-    (``s <= t - recent < t`` anyway for ``recent >= 1``).
+    (``s <= t - recent < t`` anyway for ``recent >= 1``). With ``chunk > 1`` (chunked
+    prefill) the query's position is replaced by the last position of its chunk
+    ``[c·chunk, min((c+1)·chunk, seq_len))`` and keys of its own chunk stay exact.
     """
-    return (k_pos[None, :] >= sink) & (k_pos[None, :] <= q_pos[:, None] - recent)
+    if chunk == 1:
+        return (k_pos[None, :] >= sink) & (k_pos[None, :] <= q_pos[:, None] - recent)
+    start = torch.div(q_pos, chunk, rounding_mode="floor") * chunk
+    end = start + chunk - 1
+    if seq_len is not None:
+        end = end.clamp(max=seq_len - 1)
+    k = k_pos[None, :]
+    return (k >= sink) & (k <= end[:, None] - recent) & (k < start[:, None])
 
 
 def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -188,7 +215,9 @@ def mixed_attention(
         k_pos = k_pos_all[:s_end]
         qb = query[:, :, rows].float()
         logits = torch.matmul(qb, k[:, :, :s_end].transpose(-1, -2)) * scaling
-        quant = quantized_region(q_pos, k_pos, windows.sink, windows.recent)  # [tb, s_end]
+        quant = quantized_region(
+            q_pos, k_pos, windows.sink, windows.recent, windows.prefill_chunk, s
+        )  # [tb, s_end]
         causal = k_pos[None, :] <= q_pos[:, None]
         user = None
         if attention_mask is not None and attention_mask.dim() == 4:
@@ -236,7 +265,7 @@ def _mixed_sdpa(
     k_pos = torch.arange(s, device=dev)
     lo, hi = windows.sink, max(windows.sink, s - windows.recent)
     causal = k_pos[None, :] <= q_pos[:, None]
-    quant = quantized_region(q_pos, k_pos[lo:hi], windows.sink, windows.recent)
+    quant = quantized_region(q_pos, k_pos[lo:hi], windows.sink, windows.recent, windows.prefill_chunk, s)
     exact = causal.clone()
     exact[:, lo:hi] &= ~quant
     mask = torch.cat([exact, quant], 1)  # [T, S + (hi - lo)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from oscar_math.errors import OscarError
 
-BUILTIN_COMMANDS = ("calibrate", "eval", "demo", "inspect", "engines", "serve")
+BUILTIN_COMMANDS = ("calibrate", "eval", "demo", "inspect", "engines", "serve", "generate")
 
 __all__ = ["BUILTIN_COMMANDS", "check_context", "check_output_dir", "check_output_file", "format_table"]
 

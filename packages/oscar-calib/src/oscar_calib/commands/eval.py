@@ -32,6 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
     p.add_argument("--group-size", type=int, metavar="G", help="INT2 group (default: the artifact's)")
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=1,
+        metavar="C",
+        help="emulate an engine that prefills in chunks of C tokens (default 1: per-query decode rule); "
+        "also the chunk oscar2-kernels prefills with",
+    )
+    p.add_argument(
         "--needle-context",
         type=int,
         nargs="*",
@@ -48,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="bfloat16",
         help="model dtype (default bfloat16: the serving baseline, and ~2x faster on CPUs with AVX512-BF16)",
     )
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, metavar="S")
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write the figure")
@@ -80,10 +89,12 @@ def run(args: argparse.Namespace) -> int:
         needle_schemes=tuple(args.needle_schemes) if args.needle_schemes else None,
         seed=args.seed,
         text=args.text,
+        prefill_chunk=args.prefill_chunk,
     )
     import torch
 
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
     info = model_info(model)
     check_context("--context", args.context, info.max_positions)
     check_context("--needle-context", args.needle_context or [], info.max_positions)
