@@ -46,7 +46,7 @@ from oscar_kernels import (
 from oscar_math.errors import OscarError
 
 from . import compat
-from .settings import check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
+from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
 
 log = logging.getLogger("oscar_vllm")
 
@@ -60,11 +60,6 @@ __all__ = [
     "OscarAttentionImpl",
     "cell_bytes",
 ]
-
-
-def cell_bytes(head_dim: int, group: int) -> int:
-    """Bytes of one (KV head, token) cell: K+V codes (``2·d/4``) + K/V scale and zero (``4·2·d/group``)."""
-    return head_dim // 2 + 8 * (head_dim // group)
 
 
 def _artifact_for(vllm_config: Any):  # noqa: ANN202 - Rotations

@@ -27,7 +27,7 @@ import torch
 from oscar_math.artifact import Rotations, load_rotations
 from oscar_math.errors import OscarError
 
-__all__ = ["OscarSettings", "settings_from", "load_checked", "shard_kv_heads", "check_head_dim"]
+__all__ = ["cell_bytes", "OscarSettings", "settings_from", "load_checked", "shard_kv_heads", "check_head_dim"]
 
 ENV_ROTATIONS = "OSCAR_ROTATIONS"
 
@@ -64,6 +64,11 @@ def settings_from(additional_config: Any) -> OscarSettings:
             f'additional_config["oscar"]["exclude_layers"] must be a list of ints, got {exclude!r}'
         )
     return OscarSettings(rotations=str(path), exclude_layers=tuple(exclude))
+
+
+def cell_bytes(head_dim: int, group: int) -> int:
+    """Bytes of one (KV head, token) cell of a page: K+V codes (``2·d/4``) + K/V scale and zero (``4·2·d/group``)."""
+    return head_dim // 2 + 8 * (head_dim // group)
 
 
 def check_head_dim(head_dim: int) -> None:
