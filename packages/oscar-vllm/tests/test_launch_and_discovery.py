@@ -22,7 +22,12 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (run
 def _model_dir(tmp_path: Path, layers=2, heads=4, kv=2, hidden=128) -> Path:
     d = tmp_path / "model"
     d.mkdir()
-    cfg = {"num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "hidden_size": hidden}
+    cfg = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "hidden_size": hidden,
+    }
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -92,7 +97,9 @@ def test_vllm_discovers_the_plugin_in_a_fresh_process():
     dump += "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E;"
     dump += "sys.stdout.buffer.write(pickle.dumps(E.OSCAR))"
     blob = subprocess.run([sys.executable, "-c", dump], capture_output=True, timeout=300, env=env).stdout
-    r2 = subprocess.run([sys.executable, "-c", unpickle], input=blob, capture_output=True, timeout=300, env=env)
+    r2 = subprocess.run(
+        [sys.executable, "-c", unpickle], input=blob, capture_output=True, timeout=300, env=env
+    )
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert r2.stdout.decode().split() == ["OSCAR", "oscar_vllm.backend.OscarAttentionBackend"]
 

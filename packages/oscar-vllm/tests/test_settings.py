@@ -47,7 +47,11 @@ def test_load_checked_rejects_bad_artifacts(tmp_path):
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(OscarError, match="corrupt.safetensors"):
         load_checked(OscarSettings(str(corrupt)), 2, 4, 32)
-    for geometry, field in (((3, 4, 32), "num_layers"), ((2, 8, 32), "num_kv_heads"), ((2, 4, 64), "head_dim")):
+    for geometry, field in (
+        ((3, 4, 32), "num_layers"),
+        ((2, 8, 32), "num_kv_heads"),
+        ((2, 4, 64), "head_dim"),
+    ):
         with pytest.raises(OscarError, match=f"{field} mismatch"):
             load_checked(OscarSettings(good), *geometry)
     with pytest.raises(OscarError, match="multiple of 16"):
@@ -75,7 +79,9 @@ def test_version_range():
 
 def test_version_error_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.31.0")
-    with pytest.raises(OscarError, match=r"supports vLLM >=0\.32,<0\.34; this environment has vLLM 0\.31\.0") as e:
+    with pytest.raises(
+        OscarError, match=r"supports vLLM >=0\.32,<0\.34; this environment has vLLM 0\.31\.0"
+    ) as e:
         compat.check_version()
     assert "\n" not in str(e.value)
 

@@ -18,35 +18,25 @@ Version-specific glue lives in :mod:`oscar_vllm.compat`; options in :mod:`oscar_
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
-    AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
 )
 
-from oscar_kernels import (
-    CacheLayout,
-    LayerQuantParams,
-    PagedKVCache,
-    cache_from_page_buffer,
-    decode_attention,
-    extend_attention,
-    page_bytes,
-    paged_write,
-)
+from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
 from oscar_math.errors import OscarError
 
 from . import compat
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
+from .step import StepMetadata, WindowSlots, build_step, run_layer
 
 log = logging.getLogger("oscar_vllm")
 
@@ -120,30 +110,16 @@ class OscarAttentionBackend(AttentionBackend):
         return replace(spec, state_content_bytes=cell_bytes(spec.head_size, group))
 
 
-@dataclass
-class OscarMetadata(AttentionMetadata):
-    """One step's batch, shared by every layer (all int32 on the model's device)."""
-
-    num_actual_tokens: int
-    max_query_len: int
-    query_start_loc: torch.Tensor  # [B+1]
-    seq_lens: torch.Tensor  # [B] after this step
-    prefix_lens: torch.Tensor  # [B] cached before this step
-    block_table: torch.Tensor  # [B, max_blocks]
-    slot_mapping: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    seq_index: torch.Tensor  # [T]
-    window_slots: torch.Tensor  # [B]
-    all_decode: bool
+#: one step's batch, shared by every layer (see :class:`oscar_vllm.step.StepMetadata`)
+OscarMetadata = StepMetadata
 
 
-class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
-    """Builds :class:`OscarMetadata` and gives every live request a window slot.
+class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
+    """Builds :class:`~oscar_vllm.step.StepMetadata`; gives every live request a window slot.
 
     The slot is vLLM's persistent request row when the model runner provides it
-    (V2 runner); otherwise (V1 runner, e.g. on CPU) it is kept in a table keyed by the
-    request's first KV block — unique among live requests because prefix caching is
-    off under OSCAR — and assigned when a request starts (no cached tokens).
+    (``req_idx``, V2 runner); otherwise (V1 runner, e.g. on CPU) :class:`~oscar_vllm.step.WindowSlots`
+    keeps it, keyed by the request's first KV block.
     """
 
     reorder_batch_threshold: int | None = 1
@@ -152,73 +128,24 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.max_slots = int(vllm_config.scheduler_config.max_num_seqs)
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # first block id -> slot, LRU order
-        self._free = list(range(self.max_slots))
-
-    def _assign(self, first_blocks: list[int], starts: list[bool], active: list[bool]) -> list[int]:
-        slots = [0] * len(first_blocks)
-        in_batch = {b for b, a in zip(first_blocks, active, strict=True) if a}
-        for i, (block, start, act) in enumerate(zip(first_blocks, starts, active, strict=True)):
-            if not act:
-                continue
-            if block in self._slot_of:
-                self._slot_of.move_to_end(block)  # a restart reuses its (dead) predecessor's slot
-                slots[i] = self._slot_of[block]
-                continue
-            if not start:
-                raise OscarError(
-                    "OSCAR: a request arrived with cached tokens whose BF16 windows this worker never "
-                    "wrote (a prefix-cache hit?); prefix caching must be off with OSCAR (see docs/vllm.md)"
-                )
-            if not self._free:
-                victim = next((b for b in self._slot_of if b not in in_batch), None)
-                if victim is None:
-                    raise OscarError(f"OSCAR: more than max_num_seqs={self.max_slots} live requests")
-                self._free.append(self._slot_of.pop(victim))
-            slot = self._free.pop()
-            self._slot_of[block] = slot
-            slots[i] = slot
-        return slots
+        self.slots = WindowSlots(int(vllm_config.scheduler_config.max_num_seqs))
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> OscarMetadata:
+    ) -> StepMetadata:
         cm = common_attn_metadata
-        dev = cm.seq_lens.device
-        b = cm.num_reqs
-        qsl = cm.query_start_loc[: b + 1].to(torch.int32)
-        qsl_cpu = cm.query_start_loc_cpu[: b + 1].to(torch.int64)
-        q_lens_cpu = qsl_cpu[1:] - qsl_cpu[:-1]
-        seq_lens = cm.seq_lens[:b].to(torch.int32)
         seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
-        seq_cpu = (seq_cpu if seq_cpu is not None else cm.seq_lens.cpu())[:b].to(torch.int64)
-        prefix_cpu = seq_cpu - q_lens_cpu
-        prefix_lens = seq_lens - (qsl[1:] - qsl[:-1])
-        block_table = cm.block_table_tensor[:b].to(torch.int32)
         rows = compat.request_slots(cm)
-        if rows is not None:
-            window_slots = torch.as_tensor(rows[:b], dtype=torch.int32).to(dev)
-        else:
-            first = block_table[:, 0].cpu().tolist() if block_table.shape[1] else [0] * b
-            slots = self._assign(first, (prefix_cpu == 0).tolist(), (q_lens_cpu > 0).tolist())
-            window_slots = torch.tensor(slots, dtype=torch.int32, device=dev)
-        n = int(qsl_cpu[-1])
-        tok = torch.arange(n, device=dev, dtype=torch.int32)
-        seq_index = torch.searchsorted(qsl[1:], tok, right=True).to(torch.int32)
-        positions = prefix_lens[seq_index] + tok - qsl[seq_index]
-        return OscarMetadata(
-            num_actual_tokens=n,
-            max_query_len=int(q_lens_cpu.max()) if b else 0,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            prefix_lens=prefix_lens,
-            block_table=block_table,
-            slot_mapping=cm.slot_mapping[:n],
-            positions=positions,
-            seq_index=seq_index,
-            window_slots=window_slots,
-            all_decode=bool(b) and bool((q_lens_cpu <= 1).all()) and bool((prefix_cpu > 0).all()),
+        return build_step(
+            cm.query_start_loc,
+            cm.query_start_loc_cpu,
+            cm.seq_lens,
+            seq_cpu if seq_cpu is not None else cm.seq_lens.cpu(),
+            cm.block_table_tensor,
+            cm.slot_mapping,
+            cm.num_reqs,
+            None if rows is None else torch.as_tensor(rows, dtype=torch.int32),
+            self.slots,
         )
 
 
@@ -307,7 +234,7 @@ class OscarAttentionImpl(AttentionImpl):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: OscarMetadata | None,
+        attn_metadata: StepMetadata | None,
         output: torch.Tensor | None = None,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -326,27 +253,7 @@ class OscarAttentionImpl(AttentionImpl):
         q = query[:n].view(n, h, d)
         k = key[:n].view(n, hk, d)
         v = value[:n].view(n, hk, d)
-        paged_write(
-            cache, params, k, v, md.slot_mapping, md.positions, md.seq_index, md.seq_lens, md.window_slots
-        )
-        if md.all_decode:
-            out = decode_attention(
-                q, cache, params, md.block_table, md.seq_lens, md.window_slots, softmax_scale=self.scale
-            )
-        else:
-            out = extend_attention(
-                q,
-                k,
-                v,
-                cache,
-                params,
-                md.query_start_loc,
-                md.prefix_lens,
-                md.block_table,
-                md.window_slots,
-                md.max_query_len,
-                softmax_scale=self.scale,
-            )
+        out = run_layer(cache, params, q, k, v, md, self.scale)
         output[:n].view(n, h, d).copy_(out)
         return output
 

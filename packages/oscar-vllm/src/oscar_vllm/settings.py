@@ -67,7 +67,7 @@ def settings_from(additional_config: Any) -> OscarSettings:
 
 
 def cell_bytes(head_dim: int, group: int) -> int:
-    """Bytes of one (KV head, token) cell of a page: K+V codes (``2·d/4``) + K/V scale and zero (``4·2·d/group``)."""
+    """Bytes of one (KV head, token) cell of a page: K+V codes ``2·d/4``, K/V scale+zero ``4·2·d/group``."""
     return head_dim // 2 + 8 * (head_dim // group)
 
 
