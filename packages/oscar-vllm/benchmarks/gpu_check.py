@@ -32,6 +32,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+try:
+    import oscar_vllm  # noqa: F401
+except ImportError:  # the GPU machine installs math/kernels only: use this checkout's source
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
+
 from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
 from oscar_vllm.settings import shard_kv_heads, shard_params
 from oscar_vllm.step import WindowSlots, attend_step, build_step, write_step

@@ -106,7 +106,13 @@ class OscarAttentionBackend(AttentionBackend):
             return spec
         # called after the layers were built (outside vLLM's config context): the group size
         # comes from the artifact their implementations loaded in this process
-        group = _LOADED_GROUP.get("group", spec.head_size)
+        group = _LOADED_GROUP.get("group")
+        if group is None:  # a process that built no layer (e.g. a planner): read the artifact
+            cfg = compat.current_config()
+            try:
+                group = _artifact_for(cfg).group_size if cfg is not None else spec.head_size
+            except OscarError:
+                group = spec.head_size  # the layers report the artifact problem at start-up
         return replace(spec, state_content_bytes=cell_bytes(spec.head_size, group))
 
 
