@@ -372,10 +372,15 @@ def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
     )
 
 
-def _stored_clip_power(rotations: Any) -> float:
-    """The artifact's ``clip_power`` (stored ratio = searched ** power; 1 if not recorded)."""
+def _stored_clip_power(rotations: Any, kind: str = "k") -> float:
+    """The artifact's ``clip_power`` for keys (``kind="k"``) or values (``"v"``: its
+    ``value_clip_power`` if recorded, else ``clip_power``); stored ratio = searched ** power,
+    1 if not recorded."""
     cal = getattr(rotations, "calibration", None) or {}
-    p = cal.get("clip_power", 1.0) if isinstance(cal, dict) else 1.0
+    cal = cal if isinstance(cal, dict) else {}
+    p = cal.get("clip_power", 1.0)
+    if kind == "v":
+        p = cal.get("value_clip_power", p)
     return float(p) if isinstance(p, (int, float)) and p > 0 else 1.0
 
 
@@ -402,8 +407,6 @@ def _oscar_factory(
         rot = _require_rotations(ctx, name)
         gs = ctx.effective_group_size
 
-        stored = _stored_clip_power(rot)
-
         def codec(kind: str, power: float | None) -> Callable[[int], RowCodec]:
             def build(i: int) -> RowCodec:
                 r = _layer_tensor(rot, i, f"{kind}_rotation") if rotate else None
@@ -413,7 +416,9 @@ def _oscar_factory(
                     gs,
                     rotation=r,
                     mean=_layer_tensor(rot, i, f"{kind}_mean") if center else None,
-                    clip=_clip_for(_layer_tensor(rot, i, f"{kind}_clip"), power, stored),
+                    clip=_clip_for(
+                        _layer_tensor(rot, i, f"{kind}_clip"), power, _stored_clip_power(rot, kind)
+                    ),
                 )
 
             return build
