@@ -43,7 +43,10 @@ def stdlib_docstrings() -> str:
             if attr.startswith("_"):
                 continue
             obj = getattr(mod, attr, None)
-            if not (inspect.isclass(obj) or inspect.isfunction(obj)) or getattr(obj, "__module__", "") != name:
+            if (
+                not (inspect.isclass(obj) or inspect.isfunction(obj))
+                or getattr(obj, "__module__", "") != name
+            ):
                 continue
             doc = inspect.getdoc(obj)
             if doc and len(doc) > 200:
