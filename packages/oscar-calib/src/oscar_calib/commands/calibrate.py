@@ -39,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="stored key clip ratio = searched ** P (default 0.7; 1 = as searched)",
     )
     p.add_argument(
+        "--key-clip-objective",
+        choices=("logit", "attention"),
+        default=None,
+        help="key clip search: every sampled row alike (logit, default) or weighted by received attention",
+    )
+    p.add_argument(
         "--value-clip-power",
         type=float,
         default=None,
@@ -68,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         clip=not args.no_clip,
         **{
             name: getattr(args, name)
-            for name in ("clip_power", "value_clip_power")
+            for name in ("clip_power", "value_clip_power", "key_clip_objective")
             if getattr(args, name) is not None
         },
     )
