@@ -21,7 +21,7 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``kivi2``                 KIVI: keys per channel over 32-token blocks, values per token
 ``hadamard2``             seeded random-sign Hadamard rotation, per-token INT2
 ``oscar2``                calibrated rotations + key centering + the artifact's clip ratios as
-                          stored (tempered ``alpha ** 0.5`` by calibration: what engines serve)
+                          stored (tempered ``alpha ** p`` by calibration: what engines serve)
 ``oscar2-calclip``        ``oscar2`` with the untempered searched ratios ``alpha``
 ``oscar2-noclip``         ``oscar2`` without clipping
 ``oscar2-nocenter``       ``oscar2`` without key centering
@@ -467,7 +467,7 @@ def _specs() -> list[Any]:
         SchemeSpec(
             "oscar2",
             "OSCAR: calibrated rotations + key centering + calibrated clipping, as stored in the artifact",
-            _oscar_factory("oscar2", "calibrated rotation + key centering + stored clip (alpha**0.5)"),
+            _oscar_factory("oscar2", "calibrated rotation + key centering + stored clip (alpha**p)"),
         ),
         SchemeSpec(
             "oscar2-calclip",
