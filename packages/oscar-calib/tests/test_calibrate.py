@@ -34,6 +34,9 @@ def qwen3():
         (dict(heldout_fraction=1.0), "heldout_fraction"),
         (dict(hadamard="half"), "hadamard"),
         (dict(clip="yes"), "clip"),
+        (dict(clip_power=0.0), "clip_power"),
+        (dict(value_clip_power=1.5), "value_clip_power"),
+        (dict(key_clip_objective="mse"), "key_clip_objective"),
         (dict(tokens=True), "tokens"),
     ],
 )
@@ -132,3 +135,66 @@ def test_smollm2_calibration(tmp_path):
     top_share = torch.stack([e[:, 0] / e.sum(-1) for e in loaded.k_eigenvalues])
     assert float(top_share.mean()) > 4 / 64
     assert loaded.calibration["tokens"] == 1024 and loaded.calibration["chunks"] == 2
+
+
+def test_clip_tempering_stored_and_reported(qwen3):
+    """The artifact stores searched ** clip_power, and clip_error_ratio is the error of what is stored."""
+    from oscar_calib.calibrate import calibration_chunks
+    from oscar_math.clipping import clip_error
+
+    model, tok = qwen3
+    base = CalibrationConfig(**SMALL)
+    chunks, _ = calibration_chunks(tok, base)
+    stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
+    raw = rotations_from_statistics(
+        stats, dataclasses.replace(base, clip_power=1.0, value_clip_power=1.0), model="m"
+    )
+    tempered = rotations_from_statistics(
+        stats, dataclasses.replace(base, clip_power=0.5, value_clip_power=0.25), model="m"
+    )
+    for a, b in zip(raw.k_clip, tempered.k_clip, strict=True):
+        torch.testing.assert_close(b, a.sqrt())
+    for a, b in zip(raw.v_clip, tempered.v_clip, strict=True):
+        torch.testing.assert_close(b, a**0.25)
+    assert tempered.calibration["value_clip_power"] == 0.25
+    assert any(bool((c < 0.95).any()) for c in raw.k_clip)  # the test needs real clipping to bite
+    assert tempered.calibration["clip_power"] == 0.5 and raw.calibration["clip_power"] == 1.0
+    # the raw ratios minimise the searched error, so reporting them for a tempered artifact
+    # would understate its error: the tempered report must be the larger one
+    k_raw, k_tmp = raw.calibration["clip_error_ratio"]["k"], tempered.calibration["clip_error_ratio"]["k"]
+    assert k_raw < k_tmp <= 1.0
+    # and it is exactly the stored ratios' error over the unclipped error (keys, layer mean)
+    ratios = []
+    for i in range(raw.num_layers):
+        keys = stats.samples[i].keys.double() - tempered.k_mean[i].double()
+        x = torch.einsum("ngi,gij->ngj", keys, tempered.k_rotation[i].double()).float()
+        R = tempered.k_rotation[i].double()
+        metric = (R.transpose(-1, -2) @ stats.query_cov[i].result("kv_head").double() @ R).float()
+        err = clip_error(x, raw.group_size, tempered.k_clip[i], metric=metric)
+        ratios.append(float((err / clip_error(x, raw.group_size, 1.0, metric=metric)).mean()))
+    assert k_tmp == pytest.approx(sum(ratios) / len(ratios), abs=2e-4)
+
+
+def test_attention_key_objective_weighs_rows_by_received_attention(qwen3):
+    from oscar_calib.calibrate import calibration_chunks
+    from oscar_math.clipping import search_clip_ratio
+
+    model, tok = qwen3
+    base = CalibrationConfig(**SMALL, clip_power=1.0)
+    chunks, _ = calibration_chunks(tok, base)
+    stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
+    att = rotations_from_statistics(
+        stats, dataclasses.replace(base, key_clip_objective="attention"), model="m"
+    )
+    logit = rotations_from_statistics(stats, base, model="m")
+    i = 1
+    keys = stats.samples[i].keys.double() - att.k_mean[i].double()
+    R = att.k_rotation[i].double()
+    x = torch.einsum("ngi,gij->ngj", keys, R).float()
+    metric = (R.transpose(-1, -2) @ stats.query_cov[i].result("kv_head").double() @ R).float()
+    w = stats.samples[i].key_weights.float()
+    expected = search_clip_ratio(x, att.group_size, metric=metric, weights=w).ratios
+    torch.testing.assert_close(att.k_clip[i], expected)
+    unweighted = search_clip_ratio(x, att.group_size, metric=metric).ratios
+    torch.testing.assert_close(logit.k_clip[i], unweighted)
+    assert not torch.equal(expected, unweighted)  # the weights change the choice on these rows

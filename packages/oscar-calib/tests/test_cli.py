@@ -90,6 +90,12 @@ def test_calibrate_user_errors_one_line(tmp_path, capsys):
     assert "invalid choice" in capsys.readouterr().err
     assert main(["calibrate", "smollm2"]) == 2  # --out is required
     assert "--out" in capsys.readouterr().err
+    assert main(["calibrate", "smollm2", "--out", "x", "--clip-power", "0"]) == 2
+    _one_line_error(capsys, "Invalid clip_power")
+    assert main(["calibrate", "smollm2", "--out", "x", "--value-clip-power", "2"]) == 2
+    _one_line_error(capsys, "Invalid value_clip_power")
+    assert main(["calibrate", "smollm2", "--out", "x", "--key-clip-objective", "mse"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
 
 
 class _FakePlugin:
@@ -142,12 +148,15 @@ def test_format_table_aligns():
 def test_calibrate_smollm2_then_inspect(tmp_path, capsys):
     out = tmp_path / "smollm2.safetensors"
     args = ["calibrate", "smollm2", "--out", str(out), "--tokens", "512", "--seq-len", "256"]
+    args += ["--clip-power", "1", "--value-clip-power", "0.25", "--key-clip-objective", "attention"]
     assert main([*args, "--granularity", "layer", "--group-size", "32", "--seed", "3", "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "512 tokens" in printed
     rot = load_rotations(out, model="smollm2", num_layers=30)
     assert (rot.granularity.value, rot.group_size, rot.num_groups) == ("layer", 32, 1)
     assert rot.calibration["seed"] == 3
+    assert (rot.calibration["clip_power"], rot.calibration["value_clip_power"]) == (1.0, 0.25)
+    assert rot.calibration["config"]["key_clip_objective"] == "attention"
     assert torch.isfinite(rot.k_clip[0]).all()
     assert main(["inspect", str(out)]) == 0
     assert "model         smollm2" in capsys.readouterr().out

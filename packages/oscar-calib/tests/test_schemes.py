@@ -162,3 +162,25 @@ def test_codec_broadcasts_layer_granularity():
     per_head = torch.stack([fake_quantize_int2(k[:, h] @ r[0], 8, 0.9) @ r[0].T for h in range(H)], 1)
     torch.testing.assert_close(c.fake_quantize(k), per_head, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(c.decode(c.encode(k), torch.float32), c.fake_quantize(k))
+
+
+def test_calclip_undoes_key_and_value_powers_separately():
+    """An artifact with value_clip_power != clip_power: calclip raises each kind to its own inverse."""
+    import dataclasses
+
+    base = rotations()
+    rot = dataclasses.replace(
+        base, calibration={**base.calibration, "clip_power": 0.7, "value_clip_power": 0.5}
+    )
+    k, v = x(3), x(4)
+    lay = rot.for_layer(0)
+    sch = build_scheme("oscar2-calclip", ctx(rot))
+    for h in range(H):
+        yk = (k[:, h] - lay.k_mean[h]) @ lay.k_rotation[h]
+        ak = float(lay.k_clip[h]) ** (1 / 0.7)
+        ref_k = fake_quantize_int2(yk, D, ak) @ lay.k_rotation[h].T + lay.k_mean[h]
+        torch.testing.assert_close(sch.fake_quantize_keys(0, k)[:, h], ref_k, atol=1e-5, rtol=1e-5)
+        yv = v[:, h] @ lay.v_rotation[h]
+        av = float(lay.v_clip[h]) ** (1 / 0.5)
+        ref_v = fake_quantize_int2(yv, D, av) @ lay.v_rotation[h].T
+        torch.testing.assert_close(sch.fake_quantize_values(0, v)[:, h], ref_v, atol=1e-5, rtol=1e-5)

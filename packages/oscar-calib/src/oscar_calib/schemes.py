@@ -21,7 +21,7 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``kivi2``                 KIVI: keys per channel over 32-token blocks, values per token
 ``hadamard2``             seeded random-sign Hadamard rotation, per-token INT2
 ``oscar2``                calibrated rotations + key centering + the artifact's clip ratios as
-                          stored (tempered ``alpha ** 0.5`` by calibration: what engines serve)
+                          stored (tempered ``alpha ** p`` by calibration: what engines serve)
 ``oscar2-calclip``        ``oscar2`` with the untempered searched ratios ``alpha``
 ``oscar2-noclip``         ``oscar2`` without clipping
 ``oscar2-nocenter``       ``oscar2`` without key centering
@@ -368,10 +368,15 @@ def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
     )
 
 
-def _stored_clip_power(rotations: Any) -> float:
-    """The artifact's ``clip_power`` (stored ratio = searched ** power; 1 if not recorded)."""
+def _stored_clip_power(rotations: Any, kind: str = "k") -> float:
+    """The artifact's ``clip_power`` for keys (``kind="k"``) or values (``"v"``: its
+    ``value_clip_power`` if recorded, else ``clip_power``); stored ratio = searched ** power,
+    1 if not recorded."""
     cal = getattr(rotations, "calibration", None) or {}
-    p = cal.get("clip_power", 1.0) if isinstance(cal, dict) else 1.0
+    cal = cal if isinstance(cal, dict) else {}
+    p = cal.get("clip_power", 1.0)
+    if kind == "v":
+        p = cal.get("value_clip_power", p)
     return float(p) if isinstance(p, (int, float)) and p > 0 else 1.0
 
 
@@ -398,8 +403,6 @@ def _oscar_factory(
         rot = _require_rotations(ctx, name)
         gs = ctx.effective_group_size
 
-        stored = _stored_clip_power(rot)
-
         def codec(kind: str, power: float | None) -> Callable[[int], RowCodec]:
             def build(i: int) -> RowCodec:
                 r = _layer_tensor(rot, i, f"{kind}_rotation") if rotate else None
@@ -409,7 +412,9 @@ def _oscar_factory(
                     gs,
                     rotation=r,
                     mean=_layer_tensor(rot, i, f"{kind}_mean") if center else None,
-                    clip=_clip_for(_layer_tensor(rot, i, f"{kind}_clip"), power, stored),
+                    clip=_clip_for(
+                        _layer_tensor(rot, i, f"{kind}_clip"), power, _stored_clip_power(rot, kind)
+                    ),
                 )
 
             return build
@@ -458,7 +463,7 @@ def _specs() -> list[Any]:
         SchemeSpec(
             "oscar2",
             "OSCAR: calibrated rotations + key centering + calibrated clipping, as stored in the artifact",
-            _oscar_factory("oscar2", "calibrated rotation + key centering + stored clip (alpha**0.5)"),
+            _oscar_factory("oscar2", "calibrated rotation + key centering + stored clip (alpha**p)"),
         ),
         SchemeSpec(
             "oscar2-calclip",

@@ -31,6 +31,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
     p.add_argument("--no-key-centering", action="store_true", help="do not subtract a key mean")
     p.add_argument("--no-clip", action="store_true", help="store clip ratio 1.0 (no clipping)")
+    p.add_argument(
+        "--clip-power",
+        type=float,
+        default=None,
+        metavar="P",
+        help="stored key clip ratio = searched ** P (default 0.7; 1 = as searched)",
+    )
+    p.add_argument(
+        "--key-clip-objective",
+        choices=("logit", "attention"),
+        default=None,
+        help="key clip search: every sampled row alike (logit, default) or weighted by received attention",
+    )
+    p.add_argument(
+        "--value-clip-power",
+        type=float,
+        default=None,
+        metavar="P",
+        help="the same for values (default 0.5)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -54,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
         recent=args.recent,
         key_centering=not args.no_key_centering,
         clip=not args.no_clip,
+        **{
+            name: getattr(args, name)
+            for name in ("clip_power", "value_clip_power", "key_clip_objective")
+            if getattr(args, name) is not None
+        },
     )
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device)
