@@ -118,8 +118,16 @@ class _Capture:
         self.positions: list[torch.Tensor | None] = []
 
     def __call__(self, ctx, query, key, value, attention_mask, scaling, **kwargs):
-        for b in range(query.shape[0]):  # per sequence, in chunk order: the sums do not depend on batching
-            self._add(ctx.layer_idx, query[b], key[b], value[b], scaling, self.positions[b])
+        # The statistics are many small ops (MBs each): one intra-op thread does them with
+        # no fork/join per op, which on 2 shared cores took 4x less CPU time and half the
+        # wall time (docs/calibration.md). The model's own matmuls keep torch's threads.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for b in range(query.shape[0]):  # per sequence, in chunk order: sums do not depend on batching
+                self._add(ctx.layer_idx, query[b], key[b], value[b], scaling, self.positions[b])
+        finally:
+            torch.set_num_threads(threads)
         return sdpa_attention(query, key, value, attention_mask, scaling)
 
     def _add(self, i: int, query, key, value, scaling, positions: torch.Tensor | None) -> None:
