@@ -38,12 +38,12 @@ def _record(model, chunks):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_statistics_match_brute_force(family):
+@pytest.mark.parametrize(("family", "batch_size"), [("qwen3", 1), ("llama", 1), ("llama", 2)])
+def test_statistics_match_brute_force(family, batch_size):
     model, _ = tiny_random_model(family, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
     chunks = _chunks(3, 41)
     stats = collect_statistics(
-        model, chunks, sink=SINK, max_samples=50, seed=3, block_size=16, progress=False
+        model, chunks, sink=SINK, max_samples=50, seed=3, block_size=16, progress=False, batch_size=batch_size
     )
     recorded = _record(model, chunks)
     g = 3
@@ -115,3 +115,31 @@ def test_rejects_bad_chunks():
         )
     with pytest.raises(OscarError, match="chunks"):
         collect_statistics(model, [], sink=4)
+
+
+def test_fast_capture_gives_the_reference_artifact(monkeypatch):
+    """Fused C_S + sampled key weights + batching + no LM head == the reference machinery.
+
+    The reference is the pre-optimisation path (blockwise softmax over all keys, one
+    sequence per full-model forward): the artifact may differ only by float noise.
+    """
+    from oscar_calib import capture
+    from oscar_calib.calibrate import CalibrationConfig, rotations_from_statistics
+
+    model, _ = tiny_random_model("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    chunks = _chunks(4, 96, seed=5)
+    config = CalibrationConfig(tokens=4 * 96, seq_len=96, sink=8, recent=16, max_samples=200)
+    heads = []
+    monkeypatch.setattr(capture, "_forward_without_head", lambda m: heads.append(1) or m)
+    monkeypatch.setattr(capture, "_FUSED", False)
+    ref_stats = collect_statistics(model, chunks, sink=8, max_samples=200, seed=0, progress=False)
+    monkeypatch.undo()
+    fast_stats = collect_statistics(
+        model, chunks, sink=8, max_samples=200, seed=0, progress=False, batch_size=3
+    )
+    assert heads == [1]
+    ref = rotations_from_statistics(ref_stats, config, model="m")
+    fast = rotations_from_statistics(fast_stats, config, model="m")
+    for name in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "k_mean"):
+        for layer, (a, b) in enumerate(zip(getattr(fast, name), getattr(ref, name), strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{name}[{layer}]")

@@ -214,3 +214,44 @@ def test_score_weighted_float32_compute_matches_float64():
 def test_score_weighted_rejects_bad_compute_dtype():
     with pytest.raises(OscarError, match="compute_dtype"):
         ScoreWeightedValueCovariance(2, 1, 8, compute_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-flash", "fallback"])
+@pytest.mark.parametrize(
+    ("T", "block", "Hkv", "g"), [(1, 4, 1, 1), (37, 8, 2, 3), (45, 16, 3, 3), (64, 64, 1, 1)]
+)
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.float64])
+def test_fused_update_matches_dense_at_sampled_keys(monkeypatch, kernel, T, block, Hkv, g, compute_dtype):
+    from oscar_math import covariance
+
+    if kernel == "fallback":  # the GPU path: sdpa outputs + blockwise log-sum-exp
+        monkeypatch.setattr(covariance, "_cpu_flash_kernel", lambda: None)
+    elif covariance._cpu_flash_kernel() is None:
+        pytest.skip("this torch has no CPU flash-attention op")
+    d, Hq = 8, Hkv * g
+    q, k, v = _randn(T, Hq, d, seed=T), _randn(T, Hkv, d, seed=T + 1), _randn(T, Hkv, d, seed=T + 2)
+    q = q * 3
+    positions = torch.randperm(T, generator=torch.Generator().manual_seed(T))[: max(1, T // 3)].sort().values
+    acc = ScoreWeightedValueCovariance(Hq, Hkv, d, block_size=block, compute_dtype=compute_dtype)
+    w = acc.update_fused(q, k, v, 0.6, key_positions=positions)
+    sums, w_ref = _dense_cs(q, k, v, 0.6)
+    tol = 1e-12 if compute_dtype == torch.float64 else 2e-5
+    assert w.shape == (positions.numel(), Hkv) and w.dtype == torch.float64
+    torch.testing.assert_close(w, w_ref[positions], atol=tol, rtol=tol)
+    for gran in ("kv_head", "layer"):
+        torch.testing.assert_close(acc.result(gran), _pool(sums / T, Hkv, gran), atol=tol, rtol=tol)
+    assert acc.update_fused(q, k, v, 0.6) is None and acc.count == 2 * T
+
+
+def test_fused_update_equals_update_and_validates():
+    Hq, Hkv, d, T = 6, 2, 16, 40
+    q, k, v = _randn(T, Hq, d, seed=1), _randn(T, Hkv, d, seed=2), _randn(T, Hkv, d, seed=3)
+    ref, fused = ScoreWeightedValueCovariance(Hq, Hkv, d, 8), ScoreWeightedValueCovariance(Hq, Hkv, d, 8)
+    w_all = ref.update(q, k, v, return_key_weights=True)
+    pos = torch.tensor([0, 5, 39])
+    torch.testing.assert_close(fused.update_fused(q, k, v, key_positions=pos), w_all[pos], atol=1e-12, rtol=0)
+    torch.testing.assert_close(fused.result(), ref.result(), atol=1e-12, rtol=0)
+    with pytest.raises(OscarError, match="key_positions"):
+        fused.update_fused(q, k, v, key_positions=torch.tensor([T]))
+    with pytest.raises(OscarError, match="shape of v"):
+        fused.update_fused(q, k, v[:-1])

@@ -15,7 +15,9 @@ All statistics come from one streamed pass (:mod:`oscar_calib.capture`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -193,6 +195,23 @@ def _rotation(
     return R, eigenvalues.clamp(min=0.0)
 
 
+@contextlib.contextmanager
+def _single_thread() -> Iterator[None]:
+    """Run torch ops on one intra-op thread inside the block (restored afterwards).
+
+    Deriving the artifact is hundreds of small tensor ops per layer (the clip search on
+    a few MB of sampled rows); with several threads each op pays a fork/join that costs
+    more than the op, and far more on a busy machine: on 2 shared cores one thread took
+    the step from 35 s to 2 s of CPU time (docs/calibration.md).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``[N, H_kv, ...]`` rows → ``[N', G, ...]`` samples (``G = 1`` folds the heads into N)."""
     if groups == 1:
@@ -335,6 +354,7 @@ def calibrate(
         "samples_per_layer": int(stats.samples[0].keys.shape[0]),
     }
     name = model_name or getattr(model.config, "name_or_path", None) or info.model_type
-    return rotations_from_statistics(
-        stats, config, model=Path(str(name)).name or str(name), calibration=calibration
-    )
+    with _single_thread():  # small ops: threads cost more than they gain
+        return rotations_from_statistics(
+            stats, config, model=Path(str(name)).name or str(name), calibration=calibration
+        )

@@ -1,7 +1,8 @@
 """Stream a model's queries, keys and values into OSCAR's calibration statistics.
 
-One forward pass per calibration chunk, with the attention hook of
-:mod:`oscar_calib.attention` feeding, for every layer:
+One forward pass of the decoder stack (no LM head) per chunk, or per batch of chunks
+on an accelerator, with the attention hook of :mod:`oscar_calib.attention` feeding,
+for every layer and sequence:
 
 * ``C_Q`` (:class:`oscar_math.QueryCovariance`) from queries at positions ``>= sink``
   (queries inside the sink window only ever read BF16 sink keys);
@@ -9,8 +10,11 @@ One forward pass per calibration chunk, with the attention hook of
   keys stay BF16; the first token's outsized key would otherwise dominate the mean);
 * ``C_S`` (:class:`oscar_math.ScoreWeightedValueCovariance`) from the causal softmax of
   the whole chunk with the sink tokens' values zeroed, so it measures the attention
-  output carried by values that will actually be quantised; the same pass returns each
-  key's attention weight ``Σ_t S_ts²`` for value clipping;
+  output carried by values that will actually be quantised. The outputs come from a
+  fused (flash) attention kernel, and each *sampled* key's attention weight
+  ``Σ_t S_ts²`` for value clipping from the rows' log-sum-exp
+  (:meth:`~oscar_math.ScoreWeightedValueCovariance.update_fused`): no ``T × T`` score
+  matrix is formed;
 * a bounded, seeded sample of key/value rows (and those weights) at positions
   ``>= sink`` for the clip-ratio search.
 
@@ -37,6 +41,10 @@ from .attention import attention_override, sdpa_attention
 from .models import ModelInfo, model_info
 
 __all__ = ["LayerSample", "CalibrationStatistics", "collect_statistics"]
+
+# C_S through the fused kernel (ScoreWeightedValueCovariance.update_fused); tests set it
+# False to run the reference blockwise softmax over all keys and compare the two.
+_FUSED = True
 
 
 @dataclass
@@ -107,27 +115,52 @@ class _Capture:
         self.values: list[list[torch.Tensor]] = [[] for _ in layers]
         self.weights: list[list[torch.Tensor]] = [[] for _ in layers]
         self.scaling = [0.0 for _ in layers]
-        self.positions: torch.Tensor | None = None
+        self.positions: list[torch.Tensor | None] = []
 
     def __call__(self, ctx, query, key, value, attention_mask, scaling, **kwargs):
-        i = ctx.layer_idx
-        check(query.shape[0] == 1, "calibration batch", "1 sequence per forward", query.shape[0])
-        q = query[0].transpose(0, 1)  # [T, H_q, d]
-        k = key[0].transpose(0, 1)  # [T, H_kv, d]
-        v = value[0].transpose(0, 1)
+        # The statistics are many small ops (MBs each): one intra-op thread does them with
+        # no fork/join per op, which on 2 shared cores took 4x less CPU time and half the
+        # wall time (docs/calibration.md). The model's own matmuls keep torch's threads.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for b in range(query.shape[0]):  # per sequence, in chunk order: sums do not depend on batching
+                self._add(ctx.layer_idx, query[b], key[b], value[b], scaling, self.positions[b])
+        finally:
+            torch.set_num_threads(threads)
+        return sdpa_attention(query, key, value, attention_mask, scaling)
+
+    def _add(self, i: int, query, key, value, scaling, positions: torch.Tensor | None) -> None:
+        q = query.transpose(0, 1)  # [T, H_q, d]
+        k = key.transpose(0, 1)  # [T, H_kv, d]
+        v = value.transpose(0, 1)
         s = self.sink
         self.query_cov[i].update(q[s:])
         self.key_mean[i].update(k[s:])
         v_quantised = v.clone()
         v_quantised[:s] = 0  # sink values stay BF16: their share of the output is not at risk
-        weights = self.value_cov[i].update(q, k, v_quantised, scaling, return_key_weights=True)
+        pos = None if positions is None or not positions.numel() else positions.to(k.device)
+        if _FUSED:
+            # flash attention for C_S; key weights only where rows are sampled
+            weights = self.value_cov[i].update_fused(q, k, v_quantised, scaling, key_positions=pos)
+        else:  # the reference path (blockwise softmax over all keys), kept for tests
+            weights = self.value_cov[i].update(q, k, v_quantised, scaling, return_key_weights=pos is not None)
+            weights = None if weights is None else weights[pos]
         self.scaling[i] = float(scaling)
-        if self.positions is not None and self.positions.numel():
-            pos = self.positions.to(k.device)
+        if pos is not None:
             self.keys[i].append(k[pos].float().cpu())
             self.values[i].append(v[pos].float().cpu())
-            self.weights[i].append(weights[pos].float().cpu())
-        return sdpa_attention(query, key, value, attention_mask, scaling)
+            self.weights[i].append(weights.float().cpu())
+
+
+def _forward_without_head(model: Any) -> Any:
+    """The decoder stack alone: calibration needs attention inputs, not the vocabulary logits.
+
+    The LM head is a ``[hidden, vocab]`` matmul per token (a fifth of SmolLM2's forward).
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 def collect_statistics(
@@ -139,6 +172,7 @@ def collect_statistics(
     seed: int = 0,
     block_size: int = 256,
     progress: bool = True,
+    batch_size: int | None = None,
 ) -> CalibrationStatistics:
     """Run ``chunks`` through ``model`` and accumulate the calibration statistics.
 
@@ -150,6 +184,12 @@ def collect_statistics(
         seed: seed of the sample choice.
         block_size: query rows per block of the ``C_S`` softmax.
         progress: show a tqdm bar with tokens/s on stderr.
+        batch_size: chunks per forward pass. ``None``: 1 on CPU (large enough matmuls
+            already; a batch only adds memory), up to 8 chunks (and at most 16384 tokens)
+            on accelerators, where one short sequence leaves the device idle. The
+            statistics are summed per sequence in chunk order either way, so the result
+            does not depend on it beyond floating-point noise. Memory stays bounded by
+            the batch: activations are never kept, only the sums and the sample.
 
     Returns:
         :class:`CalibrationStatistics`.
@@ -166,8 +206,12 @@ def collect_statistics(
     check(seq_len > sink, "seq_len", f"more tokens than sink={sink}", seq_len)
     check(isinstance(max_samples, int) and max_samples >= 1, "max_samples", "an integer >= 1", max_samples)
     device = next(model.parameters()).device
+    if batch_size is None:
+        batch_size = 1 if device.type == "cpu" else max(1, min(8, 16384 // seq_len))
+    check(isinstance(batch_size, int) and batch_size >= 1, "batch_size", "an integer >= 1", batch_size)
     capture = _Capture(info, sink, block_size, device)
     positions = _sample_positions(len(chunks), seq_len, sink, max_samples, seed)
+    forward = _forward_without_head(model)
 
     from tqdm.auto import tqdm
 
@@ -183,10 +227,11 @@ def collect_statistics(
     start = time.perf_counter()
     try:
         with torch.no_grad(), attention_override(model, capture):
-            for chunk, pos in zip(chunks, positions, strict=True):
-                capture.positions = pos
-                model(input_ids=chunk[None].to(device), use_cache=False)
-                bar.update(seq_len)
+            for b0 in range(0, len(chunks), batch_size):
+                batch = torch.stack(list(chunks[b0 : b0 + batch_size])).to(device)
+                capture.positions = list(positions[b0 : b0 + batch_size])
+                forward(input_ids=batch, use_cache=False)
+                bar.update(batch.numel())
     finally:
         bar.close()
     seconds = time.perf_counter() - start

@@ -16,6 +16,7 @@ pooled only in ``result(granularity)``:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -277,6 +278,114 @@ class ScoreWeightedValueCovariance(_HeadCovariance):
                 w[:t1] += torch.einsum("hgbs->sh", S * S).double()
         self.count += T
         return w
+
+    def update_fused(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scaling: float | None = None,
+        *,
+        key_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Add one causal sequence like :meth:`update`, through a fused attention kernel.
+
+        The same ``C_S`` sums: the outputs ``o = S V`` come from
+        ``scaled_dot_product_attention`` (flash attention on CPU and GPU, so no score
+        matrix is formed at all), and ``Σ_t o_t o_tᵀ`` is added in float64. The key
+        weights of :meth:`update` are computed only for ``key_positions`` — callers use
+        them for a sample of keys, and all ``T`` of them would cost a full ``T × T``
+        softmax again — from each query row's softmax normaliser (log-sum-exp), in
+        blocks of ``block_size`` query rows (memory ``O(H_q × block_size × P)``).
+
+        Args:
+            q, k, v, scaling: as in :meth:`update`.
+            key_positions: ``None`` or LongTensor ``[P]`` of key positions in ``[0, T)``.
+
+        Returns:
+            ``None`` without ``key_positions``, else ``w`` ``[P, H_kv]`` float64 with
+            ``w[i, j] = Σ_t Σ_{h in group j} S_h[t, key_positions[i]]²``.
+        """
+        _check_rows(q, "q", self.num_q_heads, self.head_dim)
+        T = q.shape[0]
+        _check_rows(k, "k", self.num_kv_heads, self.head_dim, T)
+        _check_rows(v, "v", self.num_kv_heads, self.head_dim, T)
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(self.head_dim)
+        check(
+            isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0,
+            "scaling",
+            "a positive finite float",
+            scaling,
+        )
+        if key_positions is not None:
+            key_positions = torch.as_tensor(key_positions, dtype=torch.long, device=self.device).reshape(-1)
+            ok = key_positions.numel() == 0 or (
+                0 <= int(key_positions.min()) and int(key_positions.max()) < T
+            )
+            check(ok, "key_positions", f"positions in [0, {T})", key_positions.tolist()[:8])
+        self.count += T
+        if T == 0:
+            return None if key_positions is None else torch.zeros(0, self.num_kv_heads, dtype=torch.float64)
+        H, g = self.num_kv_heads, self.group
+        cd = self.compute_dtype
+        # [H_q, T, d]: heads first, keys/values repeated for their query group
+        qh = _as_f64(q, "q", self.device).to(cd).transpose(0, 1)
+        kh = _as_f64(k, "k", self.device).to(cd).transpose(0, 1).repeat_interleave(g, 0)
+        vh = _as_f64(v, "v", self.device).to(cd).transpose(0, 1).repeat_interleave(g, 0)
+        o, lse = _causal_attention(qh, kh, vh, float(scaling), need_lse=key_positions is not None)
+        o64 = o.double()
+        self.sum += o64.transpose(-1, -2) @ o64
+        if key_positions is None:
+            return None
+        P = key_positions.numel()
+        w = torch.zeros(H * g, P, dtype=torch.float64, device=self.device)
+        if P:
+            kp = kh[:, key_positions]  # [H_q, P, d]
+            first = int(key_positions.min())  # earlier query rows cannot see any sampled key
+            for t0 in range(first, T, self.block_size):
+                t1 = min(T, t0 + self.block_size)
+                logits = (qh[:, t0:t1] @ kp.transpose(-1, -2)) * scaling  # [H_q, b, P]
+                rows = torch.arange(t0, t1, device=self.device)[:, None]
+                logits = logits.masked_fill(key_positions[None, :] > rows, float("-inf"))
+                S = torch.exp(logits - lse[:, t0:t1, None])
+                w += (S * S).sum(1).double()
+        return w.view(H, g, P).sum(1).transpose(0, 1).contiguous()
+
+
+def _cpu_flash_kernel():  # noqa: ANN202 - a torch op
+    """PyTorch's CPU flash-attention op, which also returns the log-sum-exp (None if absent)."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, need_lse: bool, block: int = 256
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal ``softmax(scaling · q kᵀ) v`` for ``[H, T, d]`` inputs, and each row's log-sum-exp ``[H, T]``.
+
+    CPU: one call of the flash kernel, which returns both. Elsewhere (or where that
+    kernel is missing): ``scaled_dot_product_attention`` for the outputs and a blockwise
+    log-sum-exp over the causal prefix (``block`` query rows at a time).
+    """
+    kernel = _cpu_flash_kernel() if q.device.type == "cpu" else None
+    if kernel is not None:
+        with contextlib.suppress(RuntimeError):  # e.g. a dtype this build's kernel lacks
+            o, lse = kernel(q[None], k[None], v[None], 0.0, True, scale=scaling)
+            return o[0], (lse[0] if need_lse else None)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, scale=scaling
+    )[0]
+    if not need_lse:
+        return o, None
+    T = q.shape[1]
+    lse = torch.empty(q.shape[0], T, dtype=q.dtype, device=q.device)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        logits = (q[:, t0:t1] @ k[:, :t1].transpose(-1, -2)) * scaling
+        rows = torch.arange(t0, t1, device=q.device)[:, None]
+        cols = torch.arange(t1, device=q.device)[None, :]
+        lse[:, t0:t1] = torch.logsumexp(logits.masked_fill(cols > rows, float("-inf")), dim=-1)
+    return o, lse
 
 
 class KeyMean(_Accumulator):
