@@ -129,3 +129,17 @@ def test_cell_bytes_equal_kernel_page_bytes():
         lo = CacheLayout(num_kv_heads=h, head_dim=d, page_size=page, group_size=group)
         assert h * page * cell_bytes(d, group) == page_bytes(lo)
     assert cell_bytes(64, 64) * 1.0 / (2 * 64 * 2) < 1 / 6  # vs BF16 K+V: 6.4x smaller
+
+
+def test_prefix_caching_must_be_off_where_the_guard_cannot_hook(monkeypatch):
+    from types import SimpleNamespace
+
+    on = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+    off = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
+    monkeypatch.setattr(compat, "guard_possible", lambda: False)
+    with pytest.raises(OscarError, match="--no-enable-prefix-caching"):
+        compat.check_prefix_caching(on)
+    compat.check_prefix_caching(off)
+    compat.guard_prefix_caching()  # logs, never raises (it runs in every process, OSCAR or not)
+    monkeypatch.setattr(compat, "guard_possible", lambda: True)
+    compat.check_prefix_caching(on)

@@ -189,6 +189,7 @@ class OscarAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.kv_sharing_target_layer_name = None
         cfg = compat.current_config()
+        compat.check_prefix_caching(cfg)
         self.rotations = _artifact_for(cfg)
         rot = self.rotations
         _LOADED_GROUP["group"] = rot.group_size

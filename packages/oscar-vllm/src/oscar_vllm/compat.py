@@ -27,6 +27,8 @@ __all__ = [
     "register_backend",
     "register_cpu_override",
     "guard_prefix_caching",
+    "guard_possible",
+    "check_prefix_caching",
     "current_config",
     "oscar_selected",
     "layer_index",
@@ -153,6 +155,9 @@ def guard_prefix_caching() -> None:
     builder also refuses (one clear error) a request that arrives with cached tokens it
     has no windows for, so a missed guard can never be silently wrong.
     """
+    if not guard_possible():
+        log.warning("OSCAR: cannot turn prefix caching off in this vLLM; OSCAR will require it off")
+        return
     from vllm.v1.engine import core
 
     cls = core.EngineCore
@@ -171,6 +176,24 @@ def guard_prefix_caching() -> None:
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
     cls._initialize_kv_caches = _initialize_kv_caches
+
+
+def guard_possible() -> bool:
+    """Whether :func:`guard_prefix_caching` can hook this vLLM (checked again by every worker)."""
+    try:
+        from vllm.v1.engine import core
+    except ImportError:
+        return False
+    return callable(getattr(getattr(core, "EngineCore", None), "_initialize_kv_caches", None))
+
+
+def check_prefix_caching(vllm_config: Any) -> None:
+    """Start-up error when prefix caching is on and the guard cannot turn it off here."""
+    if vllm_config.cache_config.enable_prefix_caching and not guard_possible():
+        raise OscarError(
+            f"OSCAR cannot serve prefix-cache hits exactly and cannot turn prefix caching off in vLLM "
+            f"{vllm_version()}: start vLLM with --no-enable-prefix-caching (enable_prefix_caching=False)"
+        )
 
 
 def layer_index(layer_name: str) -> int:

@@ -2,14 +2,18 @@
 
 Idempotent (vLLM may load plugins more than once). On an unsupported vLLM version the
 ``OSCAR`` name is still registered, so that selecting it gives one clear error from the
-backend instead of vLLM's "unknown backend".
+backend instead of vLLM's "unknown backend". A failure here is logged, never raised:
+the plugin runs in every vLLM process, including those of users who do not select OSCAR.
 """
 
 from __future__ import annotations
 
+import logging
+
 from . import compat
 
 _done = False
+log = logging.getLogger("oscar_vllm")
 
 
 def register() -> None:
@@ -17,8 +21,13 @@ def register() -> None:
     global _done
     if _done:
         return
-    compat.register_backend()
-    if compat.version_supported(compat.vllm_version()):
-        compat.register_cpu_override()
-        compat.guard_prefix_caching()
     _done = True
+    try:
+        compat.register_backend()
+        if compat.version_supported(compat.vllm_version()):
+            compat.register_cpu_override()
+            compat.guard_prefix_caching()
+    except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
+        log.warning(
+            "oscar-vllm could not register the OSCAR backend with vLLM %s: %s", compat.vllm_version(), e
+        )
