@@ -126,7 +126,10 @@ def test_batch_of_different_lengths_equals_one_by_one(tiny):
     for s, h in zip(seqs, batched, strict=True):
         alone = _lm(model, rot, 24).final_hidden([s])[0]
         assert h.shape == alone.shape
-        assert _rel(h, alone) < 1e-5
+        # Exact arithmetic on CPU; on a GPU, packing three sequences into one row changes
+        # the matmul shapes and so the reduction order (tf32/bf16): 2.5e-5 was measured on
+        # the H200, far below any quantisation effect (~1e-2).
+        assert _rel(h, alone) < (1e-5 if DEVICE == "cpu" else 1e-4)
 
 
 def test_greedy_generation_agrees_with_oscar_cache(tiny):

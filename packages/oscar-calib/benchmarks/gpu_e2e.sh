@@ -65,7 +65,7 @@ run() {
     export OSCAR_SMOLLM2_GGUF="$STASH/$GGUF_NAME" OSCAR_CACHE_DIR=/tmp/oscar-cache
     export OSCAR_GPU_OUT="${OUT:-$ROOT/gpu-e2e}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
     if python3 -c "import nox" 2>/dev/null; then
-        python3 -m nox -s gpu "$@"
+        python3 -m nox -s gpu -- "$@"
     else  # the same steps as the gpu session
         echo "gpu_e2e.sh: nox not importable, running the gpu session's commands directly"
         python3 -m pip install -q --no-deps --no-build-isolation \

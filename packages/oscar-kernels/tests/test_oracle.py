@@ -66,6 +66,9 @@ def rel(a, b):
     return float((a.double().cpu() - b).norm() / b.norm())
 
 
+# Head dim: 32 keeps the interpreter quick on CPU; a GPU needs d/4 >= 16 for tl.dot.
+D = 64 if DEVICE.type == "cuda" else 32
+
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 
 
@@ -77,12 +80,12 @@ BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 )
 def test_decode_matches_original_basis_oracle(backend, granularity, group, fill):
     gen = torch.Generator().manual_seed(21)
-    lo = CacheLayout(2, 32, page_size=4, group_size=group, sink_tokens=SINK, recent_tokens=RECENT)
+    lo = CacheLayout(2, D, page_size=4, group_size=group, sink_tokens=SINK, recent_tokens=RECENT)
     # < sink, = sink + recent, one over, and INT2 middles of several lengths
     lens = [2, SINK + RECENT, SINK + RECENT + 1, 17, 30]
     cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, granularity, backend=backend, **fill)
-    ep = params.expand(2, 32, cache.device)
-    q = torch.randn(len(lens), 6, 32, generator=gen).bfloat16().to(DEVICE)  # GQA 3
+    ep = params.expand(2, D, cache.device)
+    q = torch.randn(len(lens), 6, D, generator=gen).bfloat16().to(DEVICE)  # GQA 3
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     kw = {"num_splits": 2, "block_n": 16} if backend == "triton" else {}
     out = decode_attention(q, cache, params, bt, sl, ws, backend=backend, **kw)
@@ -96,17 +99,17 @@ def test_decode_matches_original_basis_oracle(backend, granularity, group, fill)
 @pytest.mark.parametrize("granularity", ["layer", "kv_head"])
 def test_extend_matches_original_basis_oracle(backend, granularity):
     gen = torch.Generator().manual_seed(22)
-    lo = CacheLayout(2, 32, page_size=4, group_size=16, sink_tokens=SINK, recent_tokens=RECENT)
+    lo = CacheLayout(2, D, page_size=4, group_size=16, sink_tokens=SINK, recent_tokens=RECENT)
     lens = [5, 12, 20, 27]
     chunks = [5, 1, 4, 11]  # a first chunk, decode-like, chunk inside the window, chunk > recent
     prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
     cache, params, bt, ws, keys, values = fill_cache(lo, prefix, gen, granularity, backend=backend)
     for b in range(len(prefix)):  # the chunks' keys/values continue each sequence
-        keys[b] = torch.cat([keys[b], torch.randn(chunks[b], 2, 32, generator=gen).bfloat16().to(DEVICE)])
-        values[b] = torch.cat([values[b], torch.randn(chunks[b], 2, 32, generator=gen).bfloat16().to(DEVICE)])
-    ep = params.expand(2, 32, cache.device)
+        keys[b] = torch.cat([keys[b], torch.randn(chunks[b], 2, D, generator=gen).bfloat16().to(DEVICE)])
+        values[b] = torch.cat([values[b], torch.randn(chunks[b], 2, D, generator=gen).bfloat16().to(DEVICE)])
+    ep = params.expand(2, D, cache.device)
     cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(chunks), 4, 32, generator=gen).bfloat16().to(DEVICE)  # GQA 2
+    q = torch.randn(sum(chunks), 4, D, generator=gen).bfloat16().to(DEVICE)  # GQA 2
     k = torch.cat([keys[b][p:] for b, p in enumerate(prefix)])
     v = torch.cat([values[b][p:] for b, p in enumerate(prefix)])
     pl = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
