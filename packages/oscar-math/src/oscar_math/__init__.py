@@ -38,6 +38,7 @@ from .hadamard import (
 )
 from .hookspecs import EngineSpec, SchemeSpec, hookimpl
 from .kivi import kivi_fake_quantize_keys, kivi_fake_quantize_values
+from .model_config import model_geometry
 from .pack import pack_int2, unpack_int2
 from .plugins import available_engines, available_schemes, get_plugin_manager
 from .quantize import (
@@ -54,6 +55,7 @@ from .rotationzoo import REFERENCE_K_FILE, REFERENCE_V_FILE, import_rotationzoo
 __version__ = "0.1.0"
 
 __all__ = [
+    "model_geometry",
     "ArtifactError",
     "OscarError",
     "check",

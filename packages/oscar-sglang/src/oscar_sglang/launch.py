@@ -8,7 +8,6 @@ subprocesses inherit it). Does not import SGLang itself.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,31 +15,11 @@ from pathlib import Path
 
 from oscar_math.artifact import load_rotations
 from oscar_math.errors import OscarError
+from oscar_math.model_config import model_geometry
 
 from .core import BACKEND_NAME, ENV_ROTATIONS, check_geometry
 
 __all__ = ["launch", "model_geometry", "server_command"]
-
-
-def model_geometry(model: str) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` from ``MODEL/config.json`` (a local model folder)."""
-    cfg_path = Path(model) / "config.json"
-    if not cfg_path.is_file():
-        raise OscarError(
-            f"{model}: no config.json (oscar serve needs a local model folder to check the rotations)"
-        )
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise OscarError(f"{cfg_path}: unreadable model config ({e})") from e
-    cfg = cfg.get("text_config", cfg)
-    try:
-        heads = int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        return int(cfg["num_hidden_layers"]), kv, head_dim
-    except (KeyError, TypeError, ValueError) as e:
-        raise OscarError(f"{cfg_path}: missing attention geometry ({e})") from e
 
 
 def server_command(model: str, rotations: str, engine_args: list[str]) -> list[str]:

@@ -14,29 +14,11 @@ import sys
 from pathlib import Path
 
 from oscar_math.errors import OscarError
+from oscar_math.model_config import model_geometry
 
 from .settings import OscarSettings, load_checked
 
 __all__ = ["model_geometry", "build_command", "serve"]
-
-
-def model_geometry(model: str) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` from a local model folder's ``config.json``."""
-    cfg_path = Path(model).expanduser() / "config.json"
-    if not cfg_path.is_file():
-        raise OscarError(f"model '{model}': no config.json there (oscar serve needs a local model folder)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise OscarError(f"model '{model}': unreadable config.json ({e})") from e
-    cfg = cfg.get("text_config", cfg)
-    try:
-        heads = int(cfg["num_attention_heads"])
-        kv = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        return int(cfg["num_hidden_layers"]), kv, head_dim
-    except (KeyError, TypeError, ValueError) as e:
-        raise OscarError(f"model '{model}': config.json lacks the attention geometry ({e})") from e
 
 
 def build_command(model: str, rotations: str, engine_args: list[str]) -> list[str]:
