@@ -124,7 +124,7 @@ def test_packed_cache_equals_fake_quant_cache_with_long_prompt():
             ids,
             max_new_tokens=8,
             do_sample=False,
-            past_key_values=cache,
+            **cache_kwarg(model, cache),
             output_logits=True,
             return_dict_in_generate=True,
         )
