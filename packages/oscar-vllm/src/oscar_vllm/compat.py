@@ -1,8 +1,8 @@
 """Every vLLM-version-specific piece of glue, in one module.
 
 Checked against vLLM 0.32.0 (the CPU build the tests run); 0.33 is declared supported
-from its documented API (DESIGN.md §5) and every name that may differ is looked up
-defensively here, so a difference shows up as one :class:`~oscar_math.errors.OscarError`
+from its documented API (docs/vllm.md lists the differences) and every name that may
+differ is looked up defensively here, so a difference shows up as one :class:`~oscar_math.errors.OscarError`
 naming the vLLM version, not as an ``AttributeError`` deep in a worker.
 
 Importing this module does not import vLLM; the functions do.
