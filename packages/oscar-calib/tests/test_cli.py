@@ -129,6 +129,9 @@ def test_engines_lists_plugins(fake_plugin, capsys):
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
     assert "fakejson" in lines and " yes" in lines["fakejson"]
+    import json
+
+    assert f" {json.__version__} " in lines["fakejson"]  # the engine module's own version
     assert "ghost" in lines and " no " in lines["ghost"] and "No module named" in lines["ghost"]
 
 

