@@ -220,6 +220,24 @@ class ScoreWeightedValueCovariance(_HeadCovariance):
         self.block_size = block_size
         self.compute_dtype = compute_dtype
 
+    def _check_inputs(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None
+    ) -> tuple[int, float]:
+        """Validate one sequence's ``q``/``k``/``v``; returns ``(T, scaling)`` (default ``1/sqrt(d)``)."""
+        _check_rows(q, "q", self.num_q_heads, self.head_dim)
+        T = q.shape[0]
+        _check_rows(k, "k", self.num_kv_heads, self.head_dim, T)
+        _check_rows(v, "v", self.num_kv_heads, self.head_dim, T)
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(self.head_dim)
+        check(
+            isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0,
+            "scaling",
+            "a positive finite float",
+            scaling,
+        )
+        return T, scaling
+
     def update(
         self,
         q: torch.Tensor,
@@ -244,18 +262,7 @@ class ScoreWeightedValueCovariance(_HeadCovariance):
             pooled over the group): the weight of key ``s``'s value error in the output
             error, for value clipping calibration.
         """
-        _check_rows(q, "q", self.num_q_heads, self.head_dim)
-        T = q.shape[0]
-        _check_rows(k, "k", self.num_kv_heads, self.head_dim, T)
-        _check_rows(v, "v", self.num_kv_heads, self.head_dim, T)
-        if scaling is None:
-            scaling = 1.0 / math.sqrt(self.head_dim)
-        check(
-            isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0,
-            "scaling",
-            "a positive finite float",
-            scaling,
-        )
+        T, scaling = self._check_inputs(q, k, v, scaling)
         H, g, d = self.num_kv_heads, self.group, self.head_dim
         cd = self.compute_dtype
         q64 = _as_f64(q, "q", self.device).to(cd).view(T, H, g, d) * scaling
@@ -306,18 +313,7 @@ class ScoreWeightedValueCovariance(_HeadCovariance):
             ``None`` without ``key_positions``, else ``w`` ``[P, H_kv]`` float64 with
             ``w[i, j] = Σ_t Σ_{h in group j} S_h[t, key_positions[i]]²``.
         """
-        _check_rows(q, "q", self.num_q_heads, self.head_dim)
-        T = q.shape[0]
-        _check_rows(k, "k", self.num_kv_heads, self.head_dim, T)
-        _check_rows(v, "v", self.num_kv_heads, self.head_dim, T)
-        if scaling is None:
-            scaling = 1.0 / math.sqrt(self.head_dim)
-        check(
-            isinstance(scaling, (int, float)) and math.isfinite(scaling) and scaling > 0,
-            "scaling",
-            "a positive finite float",
-            scaling,
-        )
+        T, scaling = self._check_inputs(q, k, v, scaling)
         if key_positions is not None:
             key_positions = torch.as_tensor(key_positions, dtype=torch.long, device=self.device).reshape(-1)
             ok = key_positions.numel() == 0 or (
