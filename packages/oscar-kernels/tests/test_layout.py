@@ -85,3 +85,12 @@ def test_bits_per_element_is_oscar_math_and_what_is_allocated(h, d, page, group,
     )
     assert layout_bytes_per_token(lo) == page_bytes(lo) / page
     assert layout_bytes_per_token(lo, n) * n == pytest.approx(stored, rel=1e-12)
+
+
+def test_tensor_fields_are_every_tensor_attribute():
+    import dataclasses
+
+    from oscar_kernels import PagedKVCache
+
+    declared = tuple(f.name for f in dataclasses.fields(PagedKVCache) if f.name != "layout")
+    assert PagedKVCache.TENSOR_FIELDS == declared

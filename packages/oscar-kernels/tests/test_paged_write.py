@@ -2,21 +2,10 @@ import pytest
 import torch
 from conftest import DEVICE, fill_cache, needs_triton
 
-from oscar_kernels import CacheLayout
+from oscar_kernels import CacheLayout, PagedKVCache
 from oscar_math import quantize_int2, unpack_int2
 
-FIELDS = (
-    "k_codes",
-    "v_codes",
-    "k_scale",
-    "k_zero",
-    "v_scale",
-    "v_zero",
-    "k_sink",
-    "v_sink",
-    "k_recent",
-    "v_recent",
-)
+FIELDS = PagedKVCache.TENSOR_FIELDS
 
 
 def test_reference_write_matches_quantize_int2():

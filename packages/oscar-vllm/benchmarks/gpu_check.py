@@ -111,21 +111,7 @@ def _schedule(case: Case) -> list[list[tuple[int, int]]]:
 
 def _snapshot(cache):
     """A CPU copy of every tensor of a cache (views of one page buffer stay consistent)."""
-    return replace(cache, **{f: getattr(cache, f).detach().cpu().clone() for f in _FIELDS})
-
-
-_FIELDS = (
-    "k_codes",
-    "v_codes",
-    "k_scale",
-    "k_zero",
-    "v_scale",
-    "v_zero",
-    "k_sink",
-    "v_sink",
-    "k_recent",
-    "v_recent",
-)
+    return replace(cache, **{f: getattr(cache, f).detach().cpu().clone() for f in cache.TENSOR_FIELDS})
 
 
 def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:

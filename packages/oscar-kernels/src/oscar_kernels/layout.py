@@ -24,6 +24,7 @@ page instead of ``d/4`` bytes every ``H_kv * d/4`` bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -117,6 +118,12 @@ class PagedKVCache:
     v_sink: torch.Tensor
     k_recent: torch.Tensor
     v_recent: torch.Tensor
+
+    #: the tensor attributes, in declaration order (for copies, snapshots, comparisons).
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero",
+        "k_sink", "v_sink", "k_recent", "v_recent",
+    )  # fmt: skip
 
     @property
     def num_pages(self) -> int:
