@@ -1,9 +1,10 @@
 """Every vLLM-version-specific piece of glue, in one module.
 
-Checked against vLLM 0.32.0 (the CPU build the tests run); 0.33 is declared supported
-from its documented API (docs/vllm.md lists the differences) and every name that may
-differ is looked up defensively here, so a difference shows up as one :class:`~oscar_math.errors.OscarError`
-naming the vLLM version, not as an ``AttributeError`` deep in a worker.
+Run against vLLM 0.32.0 (the CPU build the tests use); checked against vLLM 0.33.0's sources
+(``benchmarks/api_check.py`` and a file-by-file diff; docs/vllm.md has the audit table: nothing
+used here changed). Names that may differ are looked up defensively here, so a difference shows
+up as one :class:`~oscar_math.errors.OscarError` naming the vLLM version, not as an
+``AttributeError`` deep in a worker.
 
 Importing this module does not import vLLM; the functions do.
 """
