@@ -653,7 +653,7 @@ def main():
     ap.add_argument(
         "--gluon",
         action="store_true",
-        help="switch the experimental Gluon decode kernel on (OSCAR_GLUON_DECODE=1)",
+        help="Gluon decode kernel wherever it serves (the default; undoes OSCAR_GLUON_DECODE=0)",
     )
     ap.add_argument("--shapes", nargs="*", default=None, help="decode shapes as CTX:B (default all nine)")
     ap.add_argument("--cases", nargs="*", default=None)

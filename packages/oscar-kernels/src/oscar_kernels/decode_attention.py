@@ -34,13 +34,19 @@ __all__ = [
 
 #: decode kernels: ``auto`` (``gluon`` where it serves the call, else ``tl``), ``gluon`` (Triton
 #: Gluon, NVIDIA sm_80+, codes loaded straight into ``mma`` fragments; ``GROUP == HEAD_DIM``,
-#: ``HEAD_DIM % 128 == 0``; experimental and off unless ``OSCAR_GLUON_DECODE=1`` until a GPU
-#: run passes the accuracy checks) or ``tl`` (portable ``tl.dot`` kernel, any group size,
-#: also runs under the Triton interpreter)
+#: ``HEAD_DIM % 128 == 0``; ``OSCAR_GLUON_DECODE=0`` switches it off for ``auto``) or ``tl``
+#: (portable ``tl.dot`` kernel, any group size, also runs under the Triton interpreter)
 DECODE_IMPLS = ("auto", "gluon", "tl")
 
-#: launch defaults per kernel: (block_n, num_warps, programs_per_sm)
-_DEFAULTS = {"gluon": (64, 1, 16), "tl": (128, 4, 8)}
+#: launch defaults per kernel: (block_n, num_warps, programs_per_sm). Gluon: the best of the
+#: H200 sweep (docs/performance.md) at 8k×8/32, 32k×1/8 and 128k×8; 64-token tiles are up
+#: to 10 % faster at 8k×1 only
+_DEFAULTS = {"gluon": (32, 1, 16), "tl": (128, 4, 8)}
+
+#: most INT2 splits per (sequence, KV head): beyond ~128 the merge (one program per query
+#: head, all partials in sequence) costs more than the extra parallelism brings (H200, B = 1:
+#: 128k 78 µs with 132 splits vs 84 µs with 256)
+MAX_SPLITS = 128
 
 
 def _num_sms(device: torch.device) -> int:
@@ -59,13 +65,14 @@ def choose_num_splits(
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
-    Enough programs to put ``programs_per_sm`` on every SM, but no split shorter than two tiles.
+    Enough programs to put ``programs_per_sm`` on every SM, but no split shorter than two
+    tiles and at most :data:`MAX_SPLITS`.
     Depends on ``max_len`` (``block_table.shape[1] * page_size``), not on the actual
     lengths, so it never reads device memory (CUDA-graph safe).
     """
     want = max(1, -(-programs_per_sm * _num_sms(device) // max(1, batch * num_kv_heads)))
     cap = max(1, max_len // (2 * block_n))
-    return int(min(want, cap, 256))
+    return int(min(want, cap, MAX_SPLITS))
 
 
 def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None) -> str | None:
@@ -77,12 +84,8 @@ def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None)
     from ._backend import interpreting
 
     lo = cache.layout
-    if os.environ.get("OSCAR_GLUON_DECODE", "0") != "1":
-        return (
-            "the Gluon decode kernel is experimental: on the H200 it matches the tl kernel on every "
-            "check but one (long-128k: 1.1e-2 vs float64, see docs/performance.md); "
-            "set OSCAR_GLUON_DECODE=1 to run it"
-        )
+    if os.environ.get("OSCAR_GLUON_DECODE", "1") == "0":
+        return "switched off by OSCAR_GLUON_DECODE=0"
     if interpreting():
         return "the Triton interpreter does not run Gluon kernels"
     if cache.device.type != "cuda":
