@@ -89,7 +89,9 @@ def test_decode_matches_original_basis_oracle(backend, granularity, group, fill)
     lo = CacheLayout(2, D, page_size=4, group_size=group, sink_tokens=SINK, recent_tokens=RECENT)
     # < sink, = sink + recent, one over, and INT2 middles of several lengths
     lens = [2, SINK + RECENT, SINK + RECENT + 1, 17, 30]
-    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, granularity, backend=backend, precise=True, **fill)
+    cache, params, bt, ws, keys, values = fill_cache(
+        lo, lens, gen, granularity, backend=backend, precise=True, **fill
+    )
     ep = params.expand(2, D, cache.device)
     q = torch.randn(len(lens), 6, D, generator=gen).bfloat16().to(DEVICE)  # GQA 3
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
@@ -109,7 +111,9 @@ def test_extend_matches_original_basis_oracle(backend, granularity):
     lens = [5, 12, 20, 27]
     chunks = [5, 1, 4, 11]  # a first chunk, decode-like, chunk inside the window, chunk > recent
     prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
-    cache, params, bt, ws, keys, values = fill_cache(lo, prefix, gen, granularity, backend=backend, precise=True)
+    cache, params, bt, ws, keys, values = fill_cache(
+        lo, prefix, gen, granularity, backend=backend, precise=True
+    )
     for b in range(len(prefix)):  # the chunks' keys/values continue each sequence
         keys[b] = torch.cat([keys[b], torch.randn(chunks[b], 2, D, generator=gen).bfloat16().to(DEVICE)])
         values[b] = torch.cat([values[b], torch.randn(chunks[b], 2, D, generator=gen).bfloat16().to(DEVICE)])
