@@ -125,7 +125,9 @@ def _pytest(root: Path, args: tuple[str, ...]) -> tuple[int, str]:
 
 
 def _imports_copy(root: Path) -> bool:
-    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    # the same PYTHONPATH as _pytest (the copy first, then the caller's: e.g. oscar-math)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
         [sys.executable, "-c", "import oscar_kernels; print(oscar_kernels.__file__)"],
         env=env,

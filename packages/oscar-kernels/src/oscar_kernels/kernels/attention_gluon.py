@@ -421,7 +421,7 @@ if gluon is not None:
                 # the tile's share of the 512 offset (sum of the rounded operand, so it cancels
                 # exactly) leaves through the accumulator's initial value, tile by tile: the
                 # accumulators hold only Σ p·s·f·c. Summed over a whole split instead, the
-                # offset is 1000× the quarter-0 signal and the tensor cores' truncating fp32
+                # offset is ~700× the quarter-0 signal and the tensor cores' truncating fp32
                 # accumulation biases the output by ~1e-2 at 1000 tokens per split (1e-1 at
                 # 14k: docs/performance.md, benchmarks/gluon_numerics.py)
                 toff = (gl.sum(pv.to(gl.float32), 0) * 512.0)[None, :]
