@@ -42,10 +42,42 @@ from oscar_math.artifact import load_rotations  # noqa: E402
 ABLATIONS = ("oscar2-noclip", "oscar2-nocenter", "oscar2-norot")
 
 
+def clips_json(rotations: Any, path: str | Path) -> None:
+    """Write an artifact's clip ratios and metadata (float32 values round-trip exactly)."""
+    data = {
+        "k_clip": [c.tolist() for c in rotations.k_clip],
+        "v_clip": [c.tolist() for c in rotations.v_clip],
+        "calibration": rotations.calibration,
+    }
+    Path(path).write_text(json.dumps(data))
+
+
+def from_clips_json(base: Any, path: str | Path) -> Any:
+    """``base`` with the clip ratios and metadata of :func:`clips_json`'s file."""
+    import dataclasses
+
+    data = json.loads(Path(path).read_text())
+    dt = base.k_clip[0].dtype
+    return dataclasses.replace(
+        base,
+        k_clip=tuple(torch.tensor(c, dtype=dt) for c in data["k_clip"]),
+        v_clip=tuple(torch.tensor(c, dtype=dt) for c in data["v_clip"]),
+        calibration=data["calibration"],
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="long-context-eval")
     ap.add_argument("--artifact", action="append", required=True, help="NAME=PATH")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME=CLIPS.json: the first --artifact with the clip ratios of CLIPS.json (written by "
+        "clips_json() below from an artifact that differs from it only in its clip ratios; the "
+        "device call carries at most 64 MiB, four full artifacts do not fit beside the model)",
+    )
     ap.add_argument("--ablate", default=None, help="NAME of the artifact whose ablations are run")
     ap.add_argument("--select-contexts", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--select-seqs", type=int, nargs="*", default=[4, 2])
@@ -70,6 +102,9 @@ def main() -> int:
         name, path = spec.split("=", 1)
         arts[name] = load_rotations(path)
     first = next(iter(arts.values()))
+    for spec in args.variant:
+        name, path = spec.split("=", 1)
+        arts[name] = from_clips_json(first, path)
     hd = first.head_dim
     ctx = {n: SchemeContext(hd, r.num_layers, r.num_kv_heads, r) for n, r in arts.items()}
     base_ctx = ctx[args.ablate] if args.ablate else next(iter(ctx.values()))

@@ -122,7 +122,7 @@ class CalibrationConfig:
     clip_search: str = "output"
     search_context: int = 8192
     search_seqs: int = 2
-    search_row_stride: int = 16
+    search_row_stride: int = 32
     bit_reversal: bool = True
     hadamard: str = "group"
     max_samples: int = 2048
@@ -439,6 +439,7 @@ def refine_clip_by_output(
     # the stored ratios are no longer searched ** power: schemes must not undo a power
     meta.pop("clip_power", None)
     meta.pop("value_clip_power", None)
+    meta.pop("clip_error_ratio", None)  # the row search's error of ratios no longer stored
     meta["row_clip_power"] = {
         "k": float(config.clip_power),
         "v": float(config.clip_power if config.value_clip_power is None else config.value_clip_power),

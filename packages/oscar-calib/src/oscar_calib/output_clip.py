@@ -37,6 +37,7 @@ from .schemes import RowCodec
 
 __all__ = [
     "CLIP_GRID",
+    "CLIP_STEP",
     "LayerCapture",
     "OutputClipResult",
     "capture_layers",
@@ -44,8 +45,10 @@ __all__ = [
     "search_output_clip",
 ]
 
-#: candidate ratios of the grid search (1.0 = no clipping is always a candidate).
-CLIP_GRID: tuple[float, ...] = tuple(round(0.40 + 0.05 * i, 2) for i in range(13))
+#: coarse candidate ratios (1.0 = no clipping is always a candidate); the search then tries
+#: the two points ``CLIP_STEP`` either side of the best coarse one.
+CLIP_GRID: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+CLIP_STEP = 0.05
 
 
 @dataclass
@@ -116,28 +119,49 @@ def output_metrics(model: Any, num_q_heads: int, head_dim: int) -> list[torch.Te
 
 
 class _HeadProblem:
-    """One KV head of one layer on one sequence: the exact output and what the mixed one needs."""
+    """One KV head of one layer on one sequence: the exact output and what the mixed one needs.
 
-    def __init__(self, cap: LayerCapture, head: int, groups: int, sink: int, recent: int) -> None:
-        q = cap.query[:, head * groups : (head + 1) * groups].transpose(0, 1)  # [g, R, d]
-        self.q = q * cap.scaling
+    Query rows are taken in blocks of ``block`` rows, each against the keys up to its last
+    row's position only (causality), which halves the work of a long sequence.
+    """
+
+    def __init__(
+        self, cap: LayerCapture, head: int, groups: int, sink: int, recent: int, block: int = 64
+    ) -> None:
+        q = cap.query[:, head * groups : (head + 1) * groups].transpose(0, 1) * cap.scaling  # [g, R, d]
         self.k = cap.key[:, head]  # [S, d]
         self.v = cap.value[:, head]
-        k_pos = torch.arange(self.k.shape[0])
-        self.causal = k_pos[None, :] <= cap.q_pos[:, None]  # [R, S]
-        self.quant = (k_pos[None, :] >= sink) & (k_pos[None, :] <= cap.q_pos[:, None] - recent)
-        logits = (self.q @ self.k.T).masked_fill(~self.causal, float("-inf"))
-        self.logits = logits
-        self.out = torch.softmax(logits, -1) @ self.v  # [g, R, d]
-        self.quant_f = self.quant.float()
+        order = torch.argsort(cap.q_pos)
+        self.inverse = torch.argsort(order)
+        q, pos = q[:, order], cap.q_pos[order]
+        self.blocks: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        outs = []
+        for r0 in range(0, pos.numel(), block):
+            qb, pb = q[:, r0 : r0 + block], pos[r0 : r0 + block]
+            s_end = int(pb.max()) + 1
+            k_pos = torch.arange(s_end)
+            causal = k_pos[None, :] <= pb[:, None]
+            quant = (k_pos[None, :] >= sink) & (k_pos[None, :] <= pb[:, None] - recent)
+            logits = (qb @ self.k[:s_end].T).masked_fill(~causal, float("-inf"))
+            outs.append(torch.softmax(logits, -1) @ self.v[:s_end])
+            self.blocks.append((qb, s_end, quant, quant.float(), logits))
+        self.out = torch.cat(outs, 1)[:, self.inverse]  # [g, R, d], rows in capture order
 
-    def probs(self, k_hat: torch.Tensor) -> torch.Tensor:
-        """Softmax of the mixed logits: quantised keys inside the region, exact elsewhere."""
-        mixed = torch.where(self.quant, self.q @ k_hat.T, self.logits)
-        return torch.softmax(mixed, -1)
+    def probs(self, k_hat: torch.Tensor) -> list[torch.Tensor]:
+        """Per block, the softmax of the mixed logits: quantised keys inside the region, exact elsewhere."""
+        return [
+            torch.softmax(torch.where(quant, qb @ k_hat[:s_end].T, logits), -1)
+            for qb, s_end, quant, _, logits in self.blocks
+        ]
 
-    def output(self, p: torch.Tensor, v_hat: torch.Tensor) -> torch.Tensor:
-        return p @ self.v + (p * self.quant_f) @ (v_hat - self.v)
+    def output(self, probs: list[torch.Tensor], v_hat: torch.Tensor) -> torch.Tensor:
+        """``[g, R, d]`` mixed output: exact values outside the region, ``v_hat`` inside it."""
+        dv = v_hat - self.v
+        outs = [
+            p @ self.v[:s_end] + (p * quant_f) @ dv[:s_end]
+            for p, (_, s_end, _, quant_f, _) in zip(probs, self.blocks, strict=True)
+        ]
+        return torch.cat(outs, 1)[:, self.inverse]
 
 
 def _quadratic(err: torch.Tensor, metric: torch.Tensor) -> float:
@@ -198,22 +222,41 @@ def _search_group(
     )
     kc, best = k0, e0
     if search_keys:
-        for c in grid:
-            e = k_err(c)
-            if e < best:
-                kc, best = c, e
+        kc, best = _grid_min(k_err, grid, kc, best)
     vc = v0
     if search_values:
         p_k = [pr.probs(_fake(k_codec(kc), pr.k)) for pr in problems]
-        for c in grid:
+
+        def v_err(c: float) -> float:
             codec = v_codec(c)
-            e = sum(
+            return sum(
                 _quadratic(pr.output(p, _fake(codec, pr.v)) - pr.out, m)
                 for (pr, m), p in zip(pm, p_k, strict=True)
             )
-            if e < best:
-                vc, best = c, e
+
+        vc, best = _grid_min(v_err, grid, vc, best)
     return kc, vc, e0, best, e_none
+
+
+def _grid_min(fn: Any, grid: Sequence[float], x0: float, f0: float) -> tuple[float, float]:
+    """Lowest of ``fn`` over ``grid``, then ``CLIP_STEP`` either side of the best grid point;
+    ``(x0, f0)`` (the start) is kept unless a candidate scores strictly lower."""
+    best_x, best_f = x0, f0
+    grid_best, grid_f = None, float("inf")
+    for c in grid:
+        f = fn(c)
+        if f < grid_f:
+            grid_best, grid_f = c, f
+        if f < best_f:
+            best_x, best_f = c, f
+    if grid_best is not None:
+        for c in (grid_best - CLIP_STEP, grid_best + CLIP_STEP):
+            c = round(c, 4)
+            if 0.0 < c <= 1.0 and c not in grid:
+                f = fn(c)
+                if f < best_f:
+                    best_x, best_f = c, f
+    return best_x, best_f
 
 
 def search_output_clip(
