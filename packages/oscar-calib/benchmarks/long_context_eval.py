@@ -110,10 +110,8 @@ def main() -> int:
     base_ctx = ctx[args.ablate] if args.ablate else next(iter(ctx.values()))
     cal_text, held_text = split_text(builtin_text())
     report: dict[str, Any] = {
-        "artifacts": {
-            n: {"path": s.split("=", 1)[1], "calibration": r.calibration}
-            for (n, r), s in zip(arts.items(), args.artifact, strict=True)
-        },
+        "artifacts": {n: r.calibration for n, r in arts.items()},
+        "args": vars(args),
         "selection": {},
         "heldout": {},
         "other": {},

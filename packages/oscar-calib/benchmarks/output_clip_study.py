@@ -31,7 +31,7 @@ from oscar_calib.calibrate import (
 from oscar_calib.capture import collect_statistics
 from oscar_calib.models import load_model, model_info
 from oscar_calib.output_clip import capture_layers, output_metrics, search_output_clip
-from oscar_math.artifact import Rotations, save_rotations
+from oscar_math.artifact import Rotations, load_rotations, save_rotations
 
 
 def with_clips(r: Rotations, k: list[torch.Tensor], v: list[torch.Tensor], **meta: object) -> Rotations:
@@ -46,6 +46,18 @@ def main() -> int:
     ap.add_argument("--out", default="issue13-artifacts")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument(
+        "--gradients",
+        action="store_true",
+        help="score by the empirical Fisher Σ (gᵀ(ô − o))² (g: the loss gradient w.r.t. the attention "
+        "output) instead of the o_proj metric; needs a backward pass per search sequence",
+    )
+    ap.add_argument(
+        "--row",
+        default=None,
+        help="reuse this row-search pK.7 pV.5 artifact (pK.5 / pK1 are derived from its ratios: "
+        "searched = stored ** (1 / 0.7)) instead of a new calibration pass",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,21 +71,39 @@ def main() -> int:
         model, tok = load_model("smollm2")
         base = CalibrationConfig(tokens=args.tokens)
     info = model_info(model)
-    chunks, source = calibration_chunks(tok, base)
-    stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, seed=base.seed)
-    print(f"statistics {time.perf_counter() - t0:.0f} s", flush=True)
-    cal = {"tokens": stats.tokens, "text": source, "seq_len": base.seq_len}
     row = {}
-    with _single_thread():
+    if args.row:
+        r7 = load_rotations(args.row)
         for pk in (0.5, 0.7, 1.0):
-            cfg = dataclasses.replace(base, clip_search="row", clip_power=pk, value_clip_power=0.5)
-            row[pk] = rotations_from_statistics(stats, cfg, model="smollm2", calibration=dict(cal))
-    save_rotations(out / "row-pK.7.safetensors", row[0.7])  # the previous default
+            k = tuple(c ** (pk / 0.7) for c in r7.k_clip)
+            row[pk] = dataclasses.replace(r7, k_clip=k, calibration={**r7.calibration, "clip_power": pk})
+    else:
+        chunks, source = calibration_chunks(tok, base)
+        stats = collect_statistics(
+            model, chunks, sink=base.sink, max_samples=base.max_samples, seed=base.seed
+        )
+        print(f"statistics {time.perf_counter() - t0:.0f} s", flush=True)
+        cal = {"tokens": stats.tokens, "text": source, "seq_len": base.seq_len}
+        with _single_thread():
+            for pk in (0.5, 0.7, 1.0):
+                cfg = dataclasses.replace(base, clip_search="row", clip_power=pk, value_clip_power=0.5)
+                row[pk] = rotations_from_statistics(stats, cfg, model="smollm2", calibration=dict(cal))
+        save_rotations(out / "row-pK.7.safetensors", row[0.7])  # the previous default
     search = search_chunks(tok, base, info.max_positions)
-    caps = capture_layers(model, search, first_row=base.sink + base.recent, row_stride=base.search_row_stride)
+    caps = capture_layers(
+        model,
+        search,
+        first_row=base.sink + base.recent,
+        row_stride=base.search_row_stride,
+        gradients=args.gradients,
+    )
     metrics = output_metrics(model, info.num_q_heads, info.head_dim)
     print(f"captured {len(search)} x {search[0].numel()} tokens {time.perf_counter() - t0:.0f} s", flush=True)
-    report: dict[str, object] = {"search_tokens": [len(search), int(search[0].numel())], "objective": {}}
+    report: dict[str, object] = {
+        "search_tokens": [len(search), int(search[0].numel())],
+        "objective": {},
+        "weighting": "empirical Fisher (loss gradient)" if args.gradients else "o_proj metric",
+    }
     kw = {"sink": base.sink, "recent": base.recent}
 
     def objective(name: str, res) -> None:  # type: ignore[no-untyped-def]
@@ -91,7 +121,7 @@ def main() -> int:
         (out / "output_clip_study.json").write_text(json.dumps(report, indent=1))
 
     with _single_thread():
-        for pk in (0.5, 1.0):
+        for pk in (0.5, 0.7, 1.0):
             t = time.perf_counter()
             res = search_output_clip(caps, metrics, row[pk], search_keys=False, search_values=False, **kw)
             objective(f"row pK{pk} pV.5 (no search)", res)

@@ -88,10 +88,11 @@ def test_search_never_worse_than_start_and_picks_from_grid(llama):
     assert twice.error_start[0] == pytest.approx(4 * none.error_start[0], rel=1e-5)
 
 
-def test_calibrate_default_stores_the_output_search(llama, tmp_path):
+def test_calibrate_stores_the_output_search(llama, tmp_path):
     model, tok = llama
-    out = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
-    row = calibrate(model, tok, CalibrationConfig(**SMALL, clip_search="row"), progress=False)
+    assert CalibrationConfig().clip_search == "row"  # the output search measured worse end to end
+    out = calibrate(model, tok, CalibrationConfig(**SMALL, clip_search="output"), progress=False)
+    row = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
     meta = out.calibration
     assert meta["clip_search"]["tokens_per_sequence"] == 256 and meta["clip_search"]["sequences"] == 1
     assert "clip_power" not in meta and meta["row_clip_power"] == {"k": 0.7, "v": 0.5}
@@ -102,7 +103,7 @@ def test_calibrate_default_stores_the_output_search(llama, tmp_path):
         torch.testing.assert_close(a, b)
     assert any(not torch.allclose(a.float(), b.float()) for a, b in zip(out.k_clip, row.k_clip, strict=True))
     # deterministic
-    again = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
+    again = calibrate(model, tok, CalibrationConfig(**SMALL, clip_search="output"), progress=False)
     for a, b in zip((*out.k_clip, *out.v_clip), (*again.k_clip, *again.v_clip), strict=True):
         assert torch.equal(a, b)
 
@@ -112,3 +113,35 @@ def test_clip_search_config_checked():
         CalibrationConfig(clip_search="both")
     with pytest.raises(OscarError, match="search_seqs"):
         CalibrationConfig(search_seqs=0)
+
+
+def test_gradient_capture_is_the_loss_gradient_at_the_rows(llama):
+    """gradients=True keeps d(loss)/d(attention output) at the strided rows: moving one row's
+    output along it changes the loss by about |g|² · step (checked through a real forward)."""
+    model, tok = llama
+    ids = torch.arange(64) % 50 + 40
+    caps = capture_layers(model, [ids], first_row=10, row_stride=9, gradients=True)
+    plain = capture_layers(model, [ids], first_row=10, row_stride=9)
+    assert plain[0][1].grad is None
+    g = caps[0][1].grad  # [R, H_q, d]
+    assert g.shape == (len(caps[0][1].q_pos), 4, 32) and float(g.abs().sum()) > 0
+    torch.testing.assert_close(caps[0][1].key, plain[0][1].key)
+    row, pos = 2, int(caps[0][1].q_pos[2])
+    step = 1e-3
+
+    from oscar_calib.attention import attention_override, sdpa_attention
+
+    def loss(shift: float) -> float:
+        def hook(ctx, query, key, value, mask, scaling, **kw):
+            o = sdpa_attention(query, key, value, mask, scaling)
+            if ctx.layer_idx == 1:
+                o = o.clone()
+                o[0, pos] += shift * g[row]
+            return o
+
+        with torch.no_grad(), attention_override(model, hook):
+            logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
+        return float(torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum"))
+
+    change = (loss(step) - loss(-step)) / (2 * step)
+    assert change == pytest.approx(float(g[row].square().sum()), rel=2e-2)

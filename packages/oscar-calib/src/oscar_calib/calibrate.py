@@ -100,6 +100,10 @@ class CalibrationConfig:
             context length).
         search_seqs: sequences of the output search.
         search_row_stride: the output search scores every n-th query row.
+        search_weighting: the output search's error of a row's attention output: ``"o_proj"``
+            (``W_hᵀ W_h``: what the residual stream receives) or ``"fisher"`` (the empirical
+            Fisher ``(gᵀ Δo)²``, ``g`` the next-token loss gradient w.r.t. the output; one
+            backward pass per search sequence).
         bit_reversal: bit-reversal permutation of eigen-directions into groups.
         hadamard: ``"group"``, ``"full"`` or ``"none"`` (see ``compose_rotation``).
         max_samples: token rows kept per layer for the clip search.
@@ -119,10 +123,11 @@ class CalibrationConfig:
     clip_power: float = 0.7
     value_clip_power: float | None = 0.5
     key_clip_objective: str = "logit"
-    clip_search: str = "output"
+    clip_search: str = "row"
     search_context: int = 8192
     search_seqs: int = 2
     search_row_stride: int = 32
+    search_weighting: str = "o_proj"
     bit_reversal: bool = True
     hadamard: str = "group"
     max_samples: int = 2048
@@ -144,6 +149,13 @@ class CalibrationConfig:
         _int("search_seqs", 1)
         _int("search_row_stride", 1)
         check(self.clip_search in CLIP_SEARCHES, "clip_search", f"one of {CLIP_SEARCHES}", self.clip_search)
+        weightings = ("o_proj", "fisher")
+        check(
+            self.search_weighting in weightings,
+            "search_weighting",
+            f"one of {weightings}",
+            self.search_weighting,
+        )
         check(
             self.tokens >= self.seq_len, "tokens", f"at least seq_len={self.seq_len} (one chunk)", self.tokens
         )
@@ -420,7 +432,11 @@ def refine_clip_by_output(
     start = time.perf_counter()
     chunks = search_chunks(tokenizer, config, info.max_positions)
     captures = capture_layers(
-        model, chunks, first_row=config.sink + config.recent, row_stride=config.search_row_stride
+        model,
+        chunks,
+        first_row=config.sink + config.recent,
+        row_stride=config.search_row_stride,
+        gradients=config.search_weighting == "fisher",
     )
     metrics = output_metrics(model, info.num_q_heads, info.head_dim)
     if progress:
@@ -445,7 +461,7 @@ def refine_clip_by_output(
         "v": float(config.clip_power if config.value_clip_power is None else config.value_clip_power),
     }
     meta["clip_search"] = {
-        "objective": "attention output error (o_proj metric), serving windows",
+        "objective": f"attention output error ({config.search_weighting} weighting), serving windows",
         "sequences": len(chunks),
         "tokens_per_sequence": int(chunks[0].numel()),
         "row_stride": config.search_row_stride,

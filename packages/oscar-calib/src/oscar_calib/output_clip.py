@@ -60,6 +60,8 @@ class LayerCapture:
         q_pos: ``[R]`` absolute positions of those rows.
         key, value: ``[S, H_kv, d]`` every key and value of the sequence.
         scaling: the layer's softmax scale.
+        grad: ``[R, H_q, d]`` gradient of the sequence's next-token loss with respect to the
+            attention output at those rows (``capture_layers(..., gradients=True)``), or None.
     """
 
     query: torch.Tensor
@@ -67,6 +69,7 @@ class LayerCapture:
     key: torch.Tensor
     value: torch.Tensor
     scaling: float
+    grad: torch.Tensor | None = None
 
 
 def _row_positions(seq_len: int, first: int, stride: int) -> torch.Tensor:
@@ -75,9 +78,18 @@ def _row_positions(seq_len: int, first: int, stride: int) -> torch.Tensor:
 
 
 def capture_layers(
-    model: Any, chunks: Sequence[torch.Tensor], *, first_row: int, row_stride: int
+    model: Any,
+    chunks: Sequence[torch.Tensor],
+    *,
+    first_row: int,
+    row_stride: int,
+    gradients: bool = False,
 ) -> list[list[LayerCapture]]:
     """Run each chunk once and keep every layer's attention inputs.
+
+    With ``gradients`` the pass also runs backward from the summed next-token loss and keeps
+    the gradient of each layer's attention output at the strided rows (the empirical Fisher
+    weighting of :func:`search_output_clip`).
 
     Returns:
         ``captures[c][layer]``. Memory: ``2 · S · H_kv · d`` floats per layer and chunk
@@ -90,20 +102,33 @@ def capture_layers(
     def hook(ctx, query, key, value, attention_mask, scaling, **kwargs):
         s = key.shape[2]
         pos = _row_positions(s, min(first_row, s - 1), row_stride)
-        layer[ctx.layer_idx] = LayerCapture(
-            query=query[0][:, pos.to(query.device)].transpose(0, 1).float().cpu(),
+        cap = LayerCapture(
+            query=query[0][:, pos.to(query.device)].detach().transpose(0, 1).float().cpu(),
             q_pos=pos,
-            key=key[0].transpose(0, 1).float().cpu(),
-            value=value[0].transpose(0, 1).float().cpu(),
+            key=key[0].detach().transpose(0, 1).float().cpu(),
+            value=value[0].detach().transpose(0, 1).float().cpu(),
             scaling=float(scaling),
         )
-        return sdpa_attention(query, key, value, attention_mask, scaling)
+        layer[ctx.layer_idx] = cap
+        o = sdpa_attention(query, key, value, attention_mask, scaling)  # [1, T, H_q, d]
+        if gradients and o.requires_grad:
 
-    forward = _forward_without_head(model)
-    with torch.no_grad(), attention_override(model, hook):
+            def keep(g: torch.Tensor, cap: LayerCapture = cap, pos: torch.Tensor = pos) -> None:
+                cap.grad = g[0, pos.to(g.device)].detach().float().cpu()
+
+            o.register_hook(keep)
+        return o
+
+    with torch.set_grad_enabled(gradients), attention_override(model, hook):
         for chunk in chunks:
             layer: dict[int, LayerCapture] = {}
-            forward(input_ids=chunk[None].to(device), use_cache=False)
+            ids = chunk[None].to(device)
+            if gradients:
+                logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").backward()
+                model.zero_grad(set_to_none=True)
+            else:
+                _forward_without_head(model)(input_ids=ids, use_cache=False)
             out.append([layer[i] for i in sorted(layer)])
     return out
 
@@ -146,6 +171,16 @@ class _HeadProblem:
             outs.append(torch.softmax(logits, -1) @ self.v[:s_end])
             self.blocks.append((qb, s_end, quant, quant.float(), logits))
         self.out = torch.cat(outs, 1)[:, self.inverse]  # [g, R, d], rows in capture order
+        grad = cap.grad
+        self.grad = None if grad is None else grad[:, head * groups : (head + 1) * groups].transpose(0, 1)
+
+    def error(self, out: torch.Tensor, metric: torch.Tensor) -> float:
+        """The objective for a mixed output ``[g, R, d]``: with gradients, the empirical Fisher
+        ``Σ (gᵀ (ô − o))²`` (the loss change to second order); else the ``o_proj`` metric."""
+        err = out - self.out
+        if self.grad is not None:
+            return float((err * self.grad).sum(-1).square().sum())
+        return _quadratic(err, metric)
 
     def probs(self, k_hat: torch.Tensor) -> list[torch.Tensor]:
         """Per block, the softmax of the mixed logits: quantised keys inside the region, exact elsewhere."""
@@ -211,15 +246,13 @@ def _search_group(
     def k_err(c: float) -> float:
         codec = k_codec(c)
         return sum(
-            _quadratic(pr.output(pr.probs(_fake(codec, pr.k)), vh) - pr.out, m)
+            pr.error(pr.output(pr.probs(_fake(codec, pr.k)), vh), m)
             for (pr, m), vh in zip(pm, v_start, strict=True)
         )
 
     e0 = k_err(k0)
     k1, v1 = k_codec(1.0), v_codec(1.0)
-    e_none = sum(
-        _quadratic(pr.output(pr.probs(_fake(k1, pr.k)), _fake(v1, pr.v)) - pr.out, m) for pr, m in pm
-    )
+    e_none = sum(pr.error(pr.output(pr.probs(_fake(k1, pr.k)), _fake(v1, pr.v)), m) for pr, m in pm)
     kc, best = k0, e0
     if search_keys:
         kc, best = _grid_min(k_err, grid, kc, best)
@@ -230,8 +263,7 @@ def _search_group(
         def v_err(c: float) -> float:
             codec = v_codec(c)
             return sum(
-                _quadratic(pr.output(p, _fake(codec, pr.v)) - pr.out, m)
-                for (pr, m), p in zip(pm, p_k, strict=True)
+                pr.error(pr.output(p, _fake(codec, pr.v)), m) for (pr, m), p in zip(pm, p_k, strict=True)
             )
 
         vc, best = _grid_min(v_err, grid, vc, best)
