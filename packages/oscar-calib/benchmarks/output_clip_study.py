@@ -46,6 +46,8 @@ def main() -> int:
     ap.add_argument("--out", default="issue13-artifacts")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--search-context", type=int, default=8192)
+    ap.add_argument("--search-seqs", type=int, default=2)
     ap.add_argument(
         "--gradients",
         action="store_true",
@@ -69,7 +71,9 @@ def main() -> int:
         base = CalibrationConfig(tokens=2048, search_context=2048, search_seqs=1)
     else:
         model, tok = load_model("smollm2")
-        base = CalibrationConfig(tokens=args.tokens)
+        base = CalibrationConfig(
+            tokens=args.tokens, search_context=args.search_context, search_seqs=args.search_seqs
+        )
     info = model_info(model)
     row = {}
     if args.row:

@@ -72,6 +72,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="sequences of the output search (default 2)",
     )
+    p.add_argument(
+        "--search-weighting",
+        choices=("o_proj", "fisher"),
+        default=None,
+        help="output search's error: through o_proj (default) or the empirical Fisher (loss gradient)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -104,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 "clip_search",
                 "search_context",
                 "search_seqs",
+                "search_weighting",
             )
             if getattr(args, name) is not None
         },
