@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--select-seqs", type=int, nargs="*", default=[4, 2])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
+    ap.add_argument("--baselines", nargs="*", default=list(BASELINES), help="default: int2 kivi2 hadamard2")
     ap.add_argument("--other-text", default=None)
     ap.add_argument("--other-contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--other-seqs", type=int, nargs="+", default=[4, 2])
@@ -134,7 +135,7 @@ def main() -> int:
     times["selection"] = time.perf_counter() - t
 
     def full(ablations: bool) -> dict[str, Any]:
-        s = {b: build_scheme(b, base_ctx) for b in BASELINES}
+        s = {b: build_scheme(b, base_ctx) for b in args.baselines}
         s.update({f"oscar2 [{a}]": build_scheme("oscar2", ctx[a]) for a in arts})
         if ablations and args.ablate:
             s.update({f"{a} [{args.ablate}]": build_scheme(a, base_ctx) for a in ABLATIONS})
