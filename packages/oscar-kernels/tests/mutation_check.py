@@ -1,6 +1,6 @@
 """Regression tests of the suite's power: plant known bugs in a copy and expect a failure.
 
-Each mutation below is a bug that once passed every test of this package. The check
+Each mutation below is a bug that once passed every test of this package (or, for the\nper-token windows of extend, the bugs that rule is most easily broken by). The check
 copies ``src/`` and ``tests/`` to a temporary directory, applies one mutation by exact
 text replacement (a mutation whose text is no longer in the source fails the check
 loudly: update it with the code), runs only the few tests that must catch it with the
@@ -67,6 +67,27 @@ MUTATIONS = (
         "m = (pos >= lo.sink_tokens) & (pos > length - lo.recent_tokens)",
         ("tests/test_write_windows.py", "-k", "reference and prefill-only"),
     ),
+    Mutation(
+        "extend-window-off-by-one",
+        "src/oscar_kernels/kernels/attention.py",
+        "ok = ok & (tok[None, :] > qpos[:, None] - RECENT)",
+        "ok = ok & (tok[None, :] >= qpos[:, None] - RECENT)",
+        ("tests/test_chunk_invariance.py", "-k", "triton_schedules and group-d and chunks-of-recent"),
+    ),
+    Mutation(
+        "reference-extend-chunk-keys-bf16",
+        "src/oscar_kernels/reference/attention.py",
+        "quant = (j >= s) & (j <= qpos - r)",
+        "quant = (j >= s) & (j <= qpos - r) & (j < p)",
+        ("tests/test_chunk_invariance.py", "-k", "reference_decode"),
+    ),
+    Mutation(
+        "reference-write-ring-before-attention",
+        "src/oscar_kernels/reference/paged_write.py",
+        'pages, ring = parts != "ring", parts != "pages"',
+        'pages, ring = parts != "ring", True',
+        ("tests/test_chunk_invariance.py", "-k", "reference_schedules and group-d and chunks-of-7"),
+    ),
 )
 
 
@@ -104,7 +125,8 @@ def _pytest(root: Path, args: tuple[str, ...]) -> tuple[int, str]:
 
 
 def _imports_copy(root: Path) -> bool:
-    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(
         [sys.executable, "-c", "import oscar_kernels; print(oscar_kernels.__file__)"],
         env=env,
