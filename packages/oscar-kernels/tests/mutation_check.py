@@ -1,6 +1,7 @@
 """Regression tests of the suite's power: plant known bugs in a copy and expect a failure.
 
-Each mutation below is a bug that once passed every test of this package (or, for the\nper-token windows of extend, the bugs that rule is most easily broken by). The check
+Each mutation below is a bug that once passed every test of this package (or, for the
+per-token windows of extend, a bug that rule is most easily broken by). The check
 copies ``src/`` and ``tests/`` to a temporary directory, applies one mutation by exact
 text replacement (a mutation whose text is no longer in the source fails the check
 loudly: update it with the code), runs only the few tests that must catch it with the

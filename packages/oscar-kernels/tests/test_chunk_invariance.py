@@ -75,7 +75,8 @@ def serve(lo, params, keys, values, queries, steps, backend, decode=False, ring_
         sidx = torch.tensor([t[0] for t in tok], dtype=torch.int32, device=dev)
         pos = torch.tensor([t[2] for t in tok], dtype=torch.int32, device=dev)
         btb = bt[rows]
-        slots = (btb[sidx.cpu().long(), pos.cpu().long() // PAGE].long() * PAGE + pos.cpu().long() % PAGE).to(dev)
+        pc = pos.cpu().long()
+        slots = (btb[sidx.cpu().long(), pc // PAGE].long() * PAGE + pc % PAGE).to(dev)
         k = torch.stack([keys[b][p] for _, b, p in tok]).to(dev)
         v = torch.stack([values[b][p] for _, b, p in tok]).to(dev)
         # float32 queries: float32 outputs, so bf16 rounding of the result does not hide small errors
@@ -92,7 +93,9 @@ def serve(lo, params, keys, values, queries, steps, backend, decode=False, ring_
         else:
             paged_write(cache, params, k, v, *args, backend=backend, parts="all" if ring_first else "pages")
             cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-            out = extend_attention(q, k, v, cache, params, cu, prefix, btd, ws, max(counts), backend=backend, **kw)
+            out = extend_attention(
+                q, k, v, cache, params, cu, prefix, btd, ws, max(counts), backend=backend, **kw
+            )
             if not ring_first:
                 paged_write(cache, params, k, v, *args, backend=backend, parts="ring")
         out = out.float().cpu()

@@ -90,7 +90,9 @@ def test_decode_matches_original_basis_oracle(backend, granularity, group, fill)
     lo = CacheLayout(2, D, page_size=4, group_size=group, sink_tokens=SINK, recent_tokens=RECENT)
     # < sink, = sink + recent, one over, and INT2 middles of several lengths
     lens = [2, SINK + RECENT, SINK + RECENT + 1, 17, 30]
-    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, granularity, backend=backend, precise=True, **fill)
+    cache, params, bt, ws, keys, values = fill_cache(
+        lo, lens, gen, granularity, backend=backend, precise=True, **fill
+    )
     ep = params.expand(2, D, cache.device)
     q = torch.randn(len(lens), 6, D, generator=gen).bfloat16().to(DEVICE)  # GQA 3
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
