@@ -148,19 +148,27 @@ def test_batch_of_different_lengths_equals_one_by_one(tiny):
         assert _rel(h, alone) < (1e-5 if DEVICE == "cpu" else 1e-4)
 
 
+def _oscar_cache_greedy(model, rot, prompt, new):
+    """Greedy tokens through :class:`OscarCache` with the prompt fed one token per ``update``:
+    a multi-token update reads its own tokens in BF16 (the chunk-granular rule), one-token
+    updates follow the per-query rule the paged loop applies to its prompt too."""
+    cache = OscarCache.from_rotations(model, rot, Windows(SINK, RECENT))
+    with torch.no_grad():
+        for i in range(prompt.numel() - 1):
+            model(prompt[None, i : i + 1], past_key_values=cache, use_cache=True)
+    out = model.generate(
+        prompt[None], past_key_values=cache, max_new_tokens=new, do_sample=False, min_new_tokens=new
+    )
+    return out[0, prompt.numel() :].tolist()
+
+
 def test_greedy_generation_agrees_with_oscar_cache(tiny):
     """Free-running greedy tokens are reported; teacher-forced argmaxes (feeding OscarCache's
     tokens to the loop) are asserted: one near-tie flip must not count for every later token."""
     model, rot, ids = tiny
     prompts = [ids[1000:1070].to(DEVICE), ids[2000:2051].to(DEVICE)]
     new = 12  # decode walks positions 51..62: a token leaves the recent window into INT2 every step
-    want = []
-    for p in prompts:
-        cache = OscarCache.from_rotations(model, rot, Windows(SINK, RECENT))
-        out = model.generate(
-            p[None], past_key_values=cache, max_new_tokens=new, do_sample=False, min_new_tokens=new
-        )
-        want.append(out[0, p.numel() :].tolist())
+    want = [_oscar_cache_greedy(model, rot, p, new) for p in prompts]
     lm = _lm(model, rot, 128, max_seqs=2)  # one-chunk prefill, as model.generate does
     free = lm.generate(prompts, new).tokens
     forced = lm.generate(prompts, new, forced=want).tokens
@@ -253,7 +261,9 @@ def test_smollm2_short_context_loop_vs_emulation_and_oscar_cache(smollm2):
     m = sequences_metrics(model, ref, {"loop": loop, "emu": emu, "ref": ref}, seq)
     assert abs(m["loop"].perplexity / m["emu"].perplexity - 1) < 5e-3, m
     assert _rel(emu, ref) > 3 * _rel(loop, emu)
-    # greedy continuation of a 330-token prompt: teacher-forced argmaxes vs OscarCache
+    # greedy continuation of a 330-token prompt: teacher-forced argmaxes vs OscarCache, whose
+    # one-call prompt prefill reads the prompt in BF16 (chunk-granular; the loop reads keys
+    # older than 256 tokens as INT2 there): close, not the same rule, hence the slack
     prompt, new = ids[1000:1330].to(DEVICE), 4
     cache = OscarCache.from_rotations(model, rot)
     out = model.generate(
