@@ -96,9 +96,7 @@ def build(lo, lens, params_fn, gen, steps, precise=False):
         cache.v_recent,
     ):
         t.normal_()
-    ref = ok.PagedKVCache(
-        lo, *[getattr(cache, f).clone() for f in ok.PagedKVCache.TENSOR_FIELDS]
-    )
+    ref = ok.PagedKVCache(lo, *[getattr(cache, f).clone() for f in ok.PagedKVCache.TENSOR_FIELDS])
     ep = params_fn()
     ks = [rand_kv(n, lo.num_kv_heads, lo.head_dim, gen) for n in lens]
     vs = [rand_kv(n, lo.num_kv_heads, lo.head_dim, gen) for n in lens]
