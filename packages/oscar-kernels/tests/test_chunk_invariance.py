@@ -12,10 +12,11 @@ same under every schedule: query ``t`` reads key ``j`` as INT2 iff
 Bounds. Torch references: every key and value is the same bf16 or INT2 row under every
 schedule; what differs is the order of float32 sums in score matrices of different
 shapes (``[1, n]`` in decode, ``[m, n]`` in a chunk): measured <= 8e-6 relative per
-token (CPU); asserted 5e-5. A wrong window (off by one, a chunk's own keys
-kept BF16 past ``recent``, a ring row overwritten before it is read) moves a token by
-1-60 %. Triton (interpreter on CPU, bf16 tensor cores on a GPU) against the torch
-reference's one-chunk outputs: bf16 operands, measured <= 0.5 %; asserted 2e-2 per token.
+token (CPU); asserted 5e-5 (5e-4 for the reference on CUDA tensors, measured 6e-5). A
+wrong window (off by one, a chunk's own keys kept BF16 past ``recent``, a ring row
+overwritten before it is read) moves a token by 1-100 %. Triton (interpreter on CPU, bf16
+tensor cores on a GPU) against the torch reference's one-chunk outputs: bf16 operands,
+measured <= 0.5 %; asserted 2e-2 per token.
 H200 (2026-12-01, random rotations, tf32 write): Triton schedules against each other
 <= 0.55 % (chunks of 1 vs one chunk), but 20-26 % against the fp32 reference for every
 schedule including decode (the tf32 write's code flips, not the windows) — hence the
@@ -44,6 +45,9 @@ LENS = [2, SINK, SINK + RECENT - 1, SINK + RECENT, SINK + RECENT + 1, 23, 31]
 # signed-Hadamard rotations and dyadic keys/values, which every device rotates exactly
 # (conftest.make_params(exact=True), d = 64), so the comparison measures attention alone.
 EXACT = DEVICE.type == "cuda"
+# float32 summation order only: <= 8e-6 measured on CPU; the reference on CUDA tensors
+# (cuBLAS reductions) measured 4.7e-5 / 6.0e-5 on the H200 (random rotations)
+REF_TOL = 5e-5 if DEVICE.type == "cpu" else 5e-4
 
 
 def _data(seed: int, group: int | None):
@@ -185,13 +189,13 @@ def case(request):
 def test_reference_schedules_agree_per_token(case, name):
     data, want = case
     got = serve(*data, SCHEDULES[name], "torch")
-    assert max_rel(got, want) < 5e-5, (name, max_rel(got, want))
+    assert max_rel(got, want) < REF_TOL, (name, max_rel(got, want))
 
 
 def test_reference_decode_agrees_with_one_chunk_prefill(case):
     data, want = case
     got = serve(*data, chunks_of(1), "torch", decode=True)
-    assert max_rel(got, want) < 5e-5, max_rel(got, want)
+    assert max_rel(got, want) < REF_TOL, max_rel(got, want)
 
 
 def test_ring_written_before_attention_breaks_invariance(case):

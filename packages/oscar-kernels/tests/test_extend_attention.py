@@ -62,4 +62,4 @@ def test_extend_of_one_token_equals_decode():
     dec = decode_attention(q, cache, params, bt, sl, ws, backend="torch")
     # the same rows under the same rule (the newest token: ring in decode, chunk in extend);
     # only the float32 summation order differs
-    assert rel(ext, dec) < 1e-5
+    assert rel(ext, dec) < (1e-5 if DEVICE.type == "cpu" else 2e-4)
