@@ -685,7 +685,7 @@ def main():
     ap.add_argument(
         "--gluon",
         action="store_true",
-        help="switch the experimental Gluon decode kernel on (OSCAR_GLUON_DECODE=1)",
+        help="Gluon decode kernel wherever it serves (the default; undoes OSCAR_GLUON_DECODE=0)",
     )
     ap.add_argument("--shapes", nargs="*", default=None, help="decode shapes as CTX:B (default all nine)")
     ap.add_argument("--cases", nargs="*", default=None)
@@ -724,18 +724,14 @@ def main():
     if not a.skip_check:
         checks = run_checks(log, a.quick, a.cases)
         json.dump({"env": env, "checks": checks}, open(os.path.join(a.out, "check.json"), "w"), indent=1)
-        impl_cfgs = [{}] if not a.tune else [dict(block_n=32, num_stages=1), {}]
+        impl_cfgs = [{}] if not a.tune else [dict(block_n=64, num_stages=1), {}]
         checks += run_impl_checks(log, impl_cfgs)
         json.dump({"env": env, "checks": checks}, open(os.path.join(a.out, "check.json"), "w"), indent=1)
     bench = {"env": env}
     if not a.skip_bench:
         tune = None
         if a.tune:  # Gluon launch configurations swept at 128k (the best is reported)
-            tune = [
-                dict(block_n=bn, num_stages=st, programs_per_sm=pps)
-                for bn, st in ((32, 2), (64, 2), (32, 1), (64, 1))
-                for pps in (16, 32)
-            ]
+            tune = [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 16, 32)]
         shapes = [(c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)]
         if a.shapes:
             shapes = [tuple(int(x) for x in sh.split(":")) for sh in a.shapes]

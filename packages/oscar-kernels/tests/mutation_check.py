@@ -62,6 +62,27 @@ MUTATIONS = (
         ("tests/test_oracle.py", "-k", "torch"),
     ),
     Mutation(
+        "triton-query-rotation-transposed",
+        "src/oscar_kernels/decode_attention.py",
+        "rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,",
+        "rot, rot.stride(0), rot.stride(1), rot.stride(2), out, hq,",
+        ("tests/test_oracle.py", "-k", "decode and triton"),
+    ),
+    Mutation(
+        "merge-unrotation-transposed",
+        "src/oscar_kernels/decode_attention.py",
+        "rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))",
+        "rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(2), rot.stride(1))",
+        ("tests/test_oracle.py", "-k", "decode and triton"),
+    ),
+    Mutation(
+        "merge-skips-last-chunk-of-splits",
+        "src/oscar_kernels/kernels/attention.py",
+        "        sm = s0 + s < NT\n",
+        "        sm = (s0 + s < NT) & (s0 + CH < NT)\n",
+        ("tests/test_decode_attention.py", "-k", "matches_reference and tl"),
+    ),
+    Mutation(
         "reference-ring-window-off-by-one",
         "src/oscar_kernels/reference/paged_write.py",
         "m = (pos >= lo.sink_tokens) & (pos >= length - lo.recent_tokens)",
@@ -126,6 +147,7 @@ def _pytest(root: Path, args: tuple[str, ...]) -> tuple[int, str]:
 
 
 def _imports_copy(root: Path) -> bool:
+    # the same PYTHONPATH as _pytest (the copy first, then the caller's: e.g. oscar-math)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run(

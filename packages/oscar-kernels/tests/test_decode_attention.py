@@ -82,6 +82,72 @@ def test_decode_input_errors():
             decode_attention(q, cache, params, bt, sl, ws, backend="triton", impl="gluon")
 
 
+def test_split_and_window_program_counts():
+    """The split count never exceeds MAX_SPLITS (the merge's cost) nor makes splits shorter
+    than two tiles; the Gluon kernel cuts the windows into 64-token programs."""
+    from oscar_kernels.decode_attention import MAX_SPLITS, choose_num_splits
+    from oscar_kernels.kernels.attention_gluon import window_programs
+
+    cpu = torch.device("cpu")  # 4 "SMs" off CUDA
+    assert choose_num_splits(1, 1, 1 << 20, cpu, 32, 1 << 12) == MAX_SPLITS
+    assert choose_num_splits(1, 1, 8192, cpu, 32, 1 << 12) == min(MAX_SPLITS, 8192 // 64)
+    assert choose_num_splits(1, 8, 1 << 20, cpu, 32, 16) == 8  # 16 programs x 4 SMs / 8 heads
+    assert choose_num_splits(64, 8, 100, cpu, 64, 16) == 1
+    assert window_programs(64, 256) == 5 and window_programs(0, 0) == 0 and window_programs(5, 12) == 2
+
+
+def test_gluon_switch(monkeypatch):
+    """``OSCAR_GLUON_DECODE=0`` takes the Gluon kernel out of ``impl="auto"`` with a reason;
+    off CUDA (or in the interpreter) there is always a reason and ``auto`` resolves to tl."""
+    from oscar_kernels.decode_attention import resolve_launch
+
+    gen = torch.Generator().manual_seed(0)
+    lo = CacheLayout(1, 128, page_size=16, sink_tokens=4, recent_tokens=8)
+    cache, _, _, _, _, _ = fill_cache(lo, [20], gen)
+    q = torch.randn(1, 4, 128).bfloat16().to(DEVICE)
+    monkeypatch.setenv("OSCAR_GLUON_DECODE", "0")
+    assert gluon_unavailable_reason(cache, q) == "switched off by OSCAR_GLUON_DECODE=0"
+    assert resolve_launch(cache, q, "auto")[0] == "tl"
+    monkeypatch.delenv("OSCAR_GLUON_DECODE")
+    if DEVICE.type == "cpu":
+        assert gluon_unavailable_reason(cache, q) is not None
+        assert resolve_launch(cache, q, "auto")[0] == "tl"
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="runs the Gluon kernel: needs an NVIDIA GPU")
+def test_gluon_long_split_value_offset():
+    """One split of 4096 INT2 tokens whose values are centred on their zero point (the output is
+    ~1 % of the code part, as on real written caches): the kernel's value offset (512 per
+    code) must be cancelled tile by tile. Summed over the split, the tensor cores' truncating
+    fp32 accumulation biased quarter 0 by ~1e-3 relative to the code part, i.e. ~1e-1 here."""
+    from oscar_kernels import allocate_cache
+
+    lo = CacheLayout(2, 128, page_size=64, sink_tokens=0, recent_tokens=0)
+    if (why := gluon_unavailable_reason(allocate_cache(lo, 1, 1, DEVICE))) is not None:
+        pytest.skip(f"Gluon kernel cannot run here: {why}")
+    n = 4096
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache = allocate_cache(lo, n // 64, 1, DEVICE)
+    cache.k_codes.random_(0, 256, generator=gen)
+    cache.v_codes.random_(0, 256, generator=gen)
+    cache.k_scale.uniform_(0.01, 0.1, generator=gen)
+    cache.k_zero.normal_(generator=gen)
+    cache.v_scale.fill_(1.0)
+    cache.v_zero.fill_(-1.5)  # values c - 1.5: the code part dominates, the mean is ~0
+    eye = torch.eye(128)
+    from oscar_kernels import LayerQuantParams
+
+    params = LayerQuantParams(eye, eye, torch.zeros(2, 128), torch.ones(2), 1.0)
+    bt = torch.arange(n // 64, dtype=torch.int32, device=DEVICE)[None]
+    sl = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    ws = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 8, 128, generator=gen, device=DEVICE)  # float32 queries: float32 output
+    ref = decode_attention_ref(q, cache, params.expand(2, 128, DEVICE), bt, sl, ws)
+    out = decode_attention(q, cache, params, bt, sl, ws, backend="triton", impl="gluon", num_splits=1)
+    assert rel(out, ref) < 1e-2
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")
 def test_triton_backend_refused_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -20,6 +20,9 @@ CHUNK = 64  # max_num_batched_tokens: long prompts prefill in 64-token chunks th
 PROMPT_LENS = (24, 120, 330, 480, 700, 900)  # four of them longer than sink + recent = 320
 NEW_TOKENS = 16
 PPL_LEN = 1024
+# SmolLM2-135M: 30 decoder layers, 3 KV heads of dim 64
+NUM_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+SOME_EXCLUDED = (0, 5, NUM_LAYERS - 1)  # first, one inside, last
 
 
 def _model_folder() -> str:
@@ -87,8 +90,8 @@ def _capacity_tokens(llm) -> int:
     return int(cc.num_gpu_blocks) * int(cc.block_size)
 
 
-def _run_all(llm, texts) -> dict:
-    """Everything both engines are asked (greedy batch, prompt logprobs, prefix-cache probes)."""
+def _run_core(llm, texts) -> dict:
+    """Greedy batch, prompt logprobs (perplexity) and KV capacity."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
@@ -100,15 +103,28 @@ def _run_all(llm, texts) -> dict:
     tgt = texts["ppl"]
     nll = [-d[t].logprob for d, t in zip(ppl_out.prompt_logprobs[1:], tgt[1:], strict=True)]
     assert len(nll) == len(tgt) - 1 and lps[0] is None
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in batch],
+        "nll": nll,
+        "ppl": math.exp(sum(nll) / len(nll)),
+        "capacity": _capacity_tokens(llm),
+        "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
+    }
+
+
+def _run_all(llm, texts) -> dict:
+    """Everything the BF16 and OSCAR engines are asked (_run_core + prefix-cache probes)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    core = _run_core(llm, texts)
     long_prompt = texts["prompts"][-1]
     first = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
     again = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
     cont_ids = long_prompt + list(first.outputs[0].token_ids)
     cont = llm.generate([{"prompt_token_ids": cont_ids}], greedy, use_tqdm=False)[0]
     return {
-        "tokens": [list(o.outputs[0].token_ids) for o in batch],
-        "ppl": math.exp(sum(nll) / len(nll)),
-        "capacity": _capacity_tokens(llm),
+        **core,
         "repeat": (list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)),
         "repeat_cached": (first.num_cached_tokens or 0, again.num_cached_tokens or 0),
         "cont": list(cont.outputs[0].token_ids),
@@ -125,29 +141,25 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
+def _answers(model_dir: str, texts, run, **extra) -> dict:
+    """Start an engine, ask it everything ``run`` asks, shut it down (one engine alive at a time)."""
+    llm = _engine(model_dir, **extra)
+    try:
+        return run(llm, texts)
+    finally:
+        _shutdown(llm)
+
+
 @pytest.fixture(scope="module")
 def bf16(model_dir, texts):
-    llm = _engine(model_dir)  # prefix caching on (vLLM's default)
-    try:
-        yield _run_all(llm, texts)
-    finally:
-        _shutdown(llm)
+    return _answers(model_dir, texts, _run_all)  # prefix caching on (vLLM's default)
 
 
 @pytest.fixture(scope="module")
-def oscar_llm(model_dir, artifact, bf16):  # bf16 first: one engine alive at a time
+def oscar(model_dir, artifact, texts, bf16):  # bf16 first
     import oscar_vllm
 
-    llm = _engine(model_dir, **oscar_vllm.llm_kwargs(artifact))  # prefix caching requested (default)
-    try:
-        yield llm
-    finally:
-        _shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def oscar(oscar_llm, texts):
-    return _run_all(oscar_llm, texts)
+    return _answers(model_dir, texts, _run_all, **oscar_vllm.llm_kwargs(artifact))  # caching requested
 
 
 def test_kv_capacity_is_at_least_5x_bf16(bf16, oscar):
@@ -220,3 +232,99 @@ def test_missing_artifact_fails_at_start_up_with_one_clear_error(model_dir, tmp_
     logs = capfd.readouterr()
     text = str(e.value) + logs.out + logs.err
     assert f"{missing}: rotations file not found" in text
+
+
+# ---- exclude_layers: BF16 layers beside INT2 layers ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def all_excluded(model_dir, artifact, texts, oscar):  # after the others: one engine at a time
+    import oscar_vllm
+
+    kw = oscar_vllm.llm_kwargs(artifact, exclude_layers=list(range(NUM_LAYERS)))
+    return _answers(model_dir, texts, _run_core, **kw)
+
+
+@pytest.fixture(scope="module")
+def some_excluded(model_dir, artifact, texts, all_excluded):
+    import oscar_vllm
+
+    kw = oscar_vllm.llm_kwargs(artifact, exclude_layers=list(SOME_EXCLUDED))
+    return _answers(model_dir, texts, _run_core, **kw)
+
+
+def _predicted_capacity(artifact: str, block_size: int, excluded: int) -> int:
+    """Tokens vLLM must give: one block holds every layer's page (INT2 or BF16); the INT2
+    layers' BF16 windows come out of the same ``kv_cache_memory_bytes`` first."""
+    from oscar_math.artifact import load_rotations
+    from oscar_vllm.settings import cell_bytes
+
+    rot = load_rotations(artifact)
+    int2 = NUM_LAYERS - excluded
+    page_int2 = KV_HEADS * block_size * cell_bytes(HEAD_DIM, rot.group_size)
+    page_bf16 = KV_HEADS * block_size * 2 * HEAD_DIM * 2  # K and V, 2 bytes each
+    windows = MAX_SEQS * KV_HEADS * 2 * (rot.sink_tokens + rot.recent_tokens) * HEAD_DIM * 2  # per INT2 layer
+    blocks = (KV_BYTES - int2 * windows) // (int2 * page_int2 + excluded * page_bf16)
+    return blocks * block_size
+
+
+def test_capacity_is_the_byte_arithmetic_with_excluded_layers(
+    bf16, oscar, all_excluded, some_excluded, artifact
+):
+    got = {"bf16": bf16, "oscar": oscar, "all excluded": all_excluded, "some excluded": some_excluded}
+    excluded = {
+        "bf16": NUM_LAYERS,
+        "oscar": 0,
+        "all excluded": NUM_LAYERS,
+        "some excluded": len(SOME_EXCLUDED),
+    }
+    report = {
+        k: (v["capacity"], _predicted_capacity(artifact, v["block_size"], excluded[k]))
+        for k, v in got.items()
+    }
+    print(f"\nKV capacity in tokens at {KV_BYTES >> 20} MiB (measured, predicted): {report}")
+    for name, (measured, predicted) in report.items():
+        assert measured == predicted, name
+    # excluded layers cost their BF16 bytes: strictly between all-INT2 and all-BF16
+    assert bf16["capacity"] < some_excluded["capacity"] < oscar["capacity"]
+
+
+def test_all_layers_excluded_is_the_bf16_engine(bf16, all_excluded):
+    # every layer handed to vLLM's own CPU backend: the same tokens and logprobs as no OSCAR at all
+    assert all_excluded["tokens"] == bf16["tokens"]
+    assert all_excluded["nll"] == pytest.approx(bf16["nll"], abs=1e-6)
+    assert all_excluded["capacity"] == bf16["capacity"]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True)) / (
+        len(a) * NEW_TOKENS
+    )
+
+
+def test_some_layers_excluded_lie_between_int2_and_bf16(bf16, oscar, some_excluded):
+    agree = {
+        k: _agreement(bf16["tokens"], v["tokens"]) for k, v in (("oscar", oscar), ("some", some_excluded))
+    }
+    print(f"\nexclude_layers={list(SOME_EXCLUDED)}: perplexity BF16 {bf16['ppl']:.3f}, "
+          f"some excluded {some_excluded['ppl']:.3f}, all INT2 {oscar['ppl']:.3f}; greedy agreement with "
+          f"BF16: some excluded {agree['some']:.2f}, all INT2 {agree['oscar']:.2f}")  # fmt: skip
+    # the excluded layers are exactly BF16 and the others the same INT2 as the all-INT2 engine,
+    # so the output is neither engine's (both halves are really served) ...
+    assert some_excluded["tokens"] != oscar["tokens"] or some_excluded["nll"] != oscar["nll"]
+    assert some_excluded["nll"] != pytest.approx(bf16["nll"], abs=1e-6)
+    # ... and its perplexity lies between them (0.2 % slack: one 1024-token text)
+    assert bf16["ppl"] * 0.998 < some_excluded["ppl"] < oscar["ppl"] * 1.002
+
+
+def test_bad_exclude_layers_fail_at_start_up(model_dir, artifact, capfd, some_excluded):
+    # one engine start for the path (duplicates and non-ints: test_settings.py, same check)
+    import oscar_vllm
+
+    with pytest.raises(Exception) as e:  # noqa: PT011 - vLLM wraps the worker's error
+        _engine(model_dir, **oscar_vllm.llm_kwargs(artifact, exclude_layers=[2, NUM_LAYERS]))
+    logs = capfd.readouterr()
+    text = str(e.value) + logs.out + logs.err
+    expected = (f'additional_config["oscar"]["exclude_layers"] [{NUM_LAYERS}]: not layers of this model '
+                f"(it has layers 0..{NUM_LAYERS - 1})")  # fmt: skip
+    assert expected in text

@@ -48,6 +48,15 @@ def test_launcher_checks_the_artifact_then_builds_vllm_serve(tmp_path):
         launch.build_command(str(model), str(art), ["--attention-backend", "FLASH_ATTN"])
     with pytest.raises(OscarError, match="no config.json"):
         launch.build_command(str(tmp_path), str(art), [])
+    # --oscar-exclude-layers is oscar serve's own: checked against the model, passed in the config
+    for flag in (["--oscar-exclude-layers", "1,0"], ["--oscar-exclude-layers=1,0"]):
+        cmd = launch.build_command(str(model), str(art), [*flag, "--port", "8001"])
+        assert json.loads(cmd[6]) == {"oscar": {"rotations": str(art.resolve()), "exclude_layers": [0, 1]}}
+        assert cmd[7:] == ["--port", "8001"]
+    with pytest.raises(OscarError, match=r"\[2\]: not layers of this model \(it has layers 0\.\.1\)"):
+        launch.build_command(str(model), str(art), ["--oscar-exclude-layers", "0,2"])
+    with pytest.raises(OscarError, match="comma-separated layer indices"):
+        launch.build_command(str(model), str(art), ["--oscar-exclude-layers", "first"])
 
 
 def test_oscar_serve_reports_a_bad_artifact_in_one_line(tmp_path):

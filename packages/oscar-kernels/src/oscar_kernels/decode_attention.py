@@ -14,7 +14,6 @@ from ._validate import check_decode_bounds, check_index_tensor, check_queries
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import decode_attention_ref
-from .rotate import rotate_queries, unrotate_output
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -35,13 +34,19 @@ __all__ = [
 
 #: decode kernels: ``auto`` (``gluon`` where it serves the call, else ``tl``), ``gluon`` (Triton
 #: Gluon, NVIDIA sm_80+, codes loaded straight into ``mma`` fragments; ``GROUP == HEAD_DIM``,
-#: ``HEAD_DIM % 128 == 0``; experimental and off unless ``OSCAR_GLUON_DECODE=1`` until a GPU
-#: run passes the accuracy checks) or ``tl`` (portable ``tl.dot`` kernel, any group size,
-#: also runs under the Triton interpreter)
+#: ``HEAD_DIM % 128 == 0``; ``OSCAR_GLUON_DECODE=0`` switches it off for ``auto``) or ``tl``
+#: (portable ``tl.dot`` kernel, any group size, also runs under the Triton interpreter)
 DECODE_IMPLS = ("auto", "gluon", "tl")
 
-#: launch defaults per kernel: (block_n, num_warps, programs_per_sm)
-_DEFAULTS = {"gluon": (64, 1, 16), "tl": (128, 4, 8)}
+#: launch defaults per kernel: (block_n, num_warps, programs_per_sm). Gluon: the best of the
+#: H200 sweep (docs/performance.md) at 8k×8/32, 32k×1/8 and 128k×8; 64-token tiles are up
+#: to 10 % faster at 8k×1 only
+_DEFAULTS = {"gluon": (32, 1, 16), "tl": (128, 4, 8)}
+
+#: most INT2 splits per (sequence, KV head): beyond ~128 the merge (one program per query
+#: head, all partials in sequence) costs more than the extra parallelism brings (H200, B = 1:
+#: 128k 78 µs with 132 splits vs 84 µs with 256)
+MAX_SPLITS = 128
 
 
 def _num_sms(device: torch.device) -> int:
@@ -60,13 +65,14 @@ def choose_num_splits(
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
-    Enough programs to put ``programs_per_sm`` on every SM, but no split shorter than two tiles.
+    Enough programs to put ``programs_per_sm`` on every SM, but no split shorter than two
+    tiles and at most :data:`MAX_SPLITS`.
     Depends on ``max_len`` (``block_table.shape[1] * page_size``), not on the actual
     lengths, so it never reads device memory (CUDA-graph safe).
     """
     want = max(1, -(-programs_per_sm * _num_sms(device) // max(1, batch * num_kv_heads)))
     cap = max(1, max_len // (2 * block_n))
-    return int(min(want, cap, 256))
+    return int(min(want, cap, MAX_SPLITS))
 
 
 def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None) -> str | None:
@@ -78,12 +84,8 @@ def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None)
     from ._backend import interpreting
 
     lo = cache.layout
-    if os.environ.get("OSCAR_GLUON_DECODE", "0") != "1":
-        return (
-            "the Gluon decode kernel is experimental: on the H200 it matches the tl kernel on every "
-            "check but one (long-128k: 1.1e-2 vs float64, see docs/performance.md); "
-            "set OSCAR_GLUON_DECODE=1 to run it"
-        )
+    if os.environ.get("OSCAR_GLUON_DECODE", "1") == "0":
+        return "switched off by OSCAR_GLUON_DECODE=0"
     if interpreting():
         return "the Triton interpreter does not run Gluon kernels"
     if cache.device.type != "cuda":
@@ -204,7 +206,7 @@ def decode_attention(
         cache, q, impl, block_n, num_warps, programs_per_sm
     )
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    q_rot = rotate_queries(q, ep)
+    q_rot = _rotate_queries_triton(q, ep)
     if num_splits is None:
         num_splits = choose_num_splits(
             bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n, programs_per_sm
@@ -223,8 +225,26 @@ def decode_attention(
         num_stages,
         unpack=unpack,
         impl=impl,
+        unrotate=ep.v_rotation,
+        out_dtype=q.dtype,
     )
-    return unrotate_output(out, ep, q.dtype)
+    return out
+
+
+def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
+    """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products)."""
+    from .kernels.attention import rotate_rows_kernel
+
+    bsz, hq, d = q.shape
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    rot = ep.k_rotation  # q @ R_K: out[i] = Σ_j q[j]·R[j, i]
+    out = _empty(bsz, hq, d, dtype=torch.bfloat16, device=q.device)
+    rotate_rows_kernel[(bsz * hq,)](
+        q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d),
+    )  # fmt: skip
+    return out
 
 
 def _launch_decode(
@@ -242,7 +262,11 @@ def _launch_decode(
     bf16_pages=None,
     unpack="asm",
     impl="tl",
+    unrotate=None,
+    out_dtype=torch.float32,
 ):
+    """Split kernel + merge; ``unrotate`` (``[H_kv, d, d]`` ``R_V``): the merge also returns
+    ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output)."""
     import triton
 
     from ._backend import interpreting
@@ -250,7 +274,12 @@ def _launch_decode(
 
     lo = cache.layout
     bsz, hq, d = q_rot.shape
-    nt = num_splits + 2
+    if impl == "gluon":
+        from .kernels.attention_gluon import WINDOW_TOKENS_PER_PROGRAM, window_programs
+
+        nt = num_splits + window_programs(lo.sink_tokens, lo.recent_tokens)
+    else:
+        nt = num_splits + 2
     po = _empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
     plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
     kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
@@ -284,6 +313,7 @@ def _launch_decode(
             RING=max(1, lo.recent_tokens),
             BLOCK_N=block_n,
             BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
+            W_TOK=WINDOW_TOKENS_PER_PROGRAM,
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             # every tile inside one page: tiles start at sink + k·block_n
             ONE_PAGE=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,
@@ -309,8 +339,12 @@ def _launch_decode(
             UNPACK=unpack_mode(unpack),
             **opts,
         )
-    out = _empty(bsz, hq, d, dtype=torch.float32, device=q_rot.device)
-    merge_splits_kernel[(bsz * hq,)](po, plse, out, NT=nt, NT_PAD=triton.next_power_of_2(nt), HEAD_DIM=d)
+    rot = plse if unrotate is None else unrotate  # not read without ROTATE
+    rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
+    out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
+    merge_splits_kernel[(bsz * hq,)](
+        po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=32, ROTATE=unrotate is not None, RC=min(32, d)
+    )  # fmt: skip
     return out
 
 

@@ -7,6 +7,10 @@
   allocated when the layer is built, so they are part of the non-KV memory vLLM measures
   (GPU profiling, CPU RSS); with an explicit ``kv_cache_memory_bytes`` the backend takes
   their size out of that budget.
+* ``exclude_layers``: those layers leave OSCAR once the model is loaded
+  (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
+  them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
+  group (docs/vllm.md, "Layers kept in BF16").
 * Per step: write every new token (:func:`oscar_kernels.paged_write`), then attend —
   :func:`oscar_kernels.decode_attention` when every row is a one-token decode, else
   :func:`oscar_kernels.extend_attention` over the whole mixed batch (a decode row is a
@@ -185,6 +189,12 @@ class OscarAttentionImpl(AttentionImpl):
             if bad:
                 raise OscarError(f"the OSCAR attention backend does not support {what}")
         check_head_dim(head_size)
+        # what vLLM's own backend is built with if this layer is excluded (BF16)
+        self._impl_args = (
+            *(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window),
+            *(kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name),
+        )
+        self._impl_kwargs = dict(_)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -193,6 +203,8 @@ class OscarAttentionImpl(AttentionImpl):
         cfg = compat.current_config()
         compat.check_prefix_caching(cfg)
         self.rotations = _artifact_for(cfg)
+        self.excluded = frozenset(settings_from(getattr(cfg, "additional_config", None)).exclude_layers)
+        self._cfg = cfg
         rot = self.rotations
         _LOADED_GROUP["group"] = rot.group_size
         pc = cfg.parallel_config
@@ -211,16 +223,45 @@ class OscarAttentionImpl(AttentionImpl):
         )
         self.max_seqs = int(cfg.scheduler_config.max_num_seqs)
         self.device = torch.device(cfg.device_config.device)
-        # Allocate (and touch) the windows now so that they count as non-KV memory.
-        self.windows = _windows(self.layout, self.max_seqs, self.device)
-        _take_from_explicit_budget(cfg, sum(w.numel() * w.element_size() for w in self.windows))
+        self.windows: tuple[torch.Tensor, ...] | None = None
+        if not self.excluded:  # else the layer index is known after loading (process_weights_after_loading)
+            self._allocate_windows()
         self._cache: PagedKVCache | None = None
         self._cache_src: int | None = None
         self._params = None
 
+    def _allocate_windows(self) -> None:
+        # Allocated (and touched) while the model is loaded, so they count as non-KV memory.
+        self.windows = _windows(self.layout, self.max_seqs, self.device)
+        _take_from_explicit_budget(self._cfg, sum(w.numel() * w.element_size() for w in self.windows))
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Hand an excluded layer to vLLM's own backend; give an INT2 layer its BF16 windows.
+
+        vLLM calls this once the model is loaded and before it asks the layers for their
+        KV-cache specs, so an excluded layer's spec, builder and KV write are the default
+        backend's (a plain BF16 page) and OSCAR allocates nothing for it.
+        """
+        if not self.excluded:
+            return
+        name, layer = compat.layer_of_impl(self._cfg, self)
+        if compat.layer_index(name) in self.excluded:
+            backend = compat.serve_with_default_backend(
+                self._cfg, layer, self._impl_args, self._impl_kwargs, act_dtype
+            )
+            log.info("OSCAR: %s is excluded: BF16 KV cache through vLLM's %s", name, backend.get_name())
+        elif self.windows is None:
+            self._allocate_windows()
+
     def _layer_state(self, layer: Any, kv_cache: torch.Tensor) -> tuple[PagedKVCache, Any]:
         if self._params is None:
             idx = compat.layer_index(getattr(layer, "layer_name", ""))
+            if idx in self.excluded or self.windows is None:  # the hand-over above never ran
+                raise OscarError(
+                    f"OSCAR: layer {idx} was not prepared at load time (vLLM did not call the attention "
+                    "implementation's process_weights_after_loading), so exclude_layers cannot be honoured; "
+                    "serve without exclude_layers"
+                )
             params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
             self._params = params.expand(self.num_kv_heads, self.head_size, kv_cache.device)
         if self._cache is None or self._cache_src != kv_cache.data_ptr():
@@ -230,6 +271,7 @@ class OscarAttentionImpl(AttentionImpl):
                 self.layout = lo
             buf = compat.page_buffer(kv_cache, page_bytes(lo))
             c = cache_from_page_buffer(lo, buf, 1)
+            assert self.windows is not None  # checked with the parameters above
             ks, vs, kr, vr = self.windows
             self._cache = replace(c, k_sink=ks, v_sink=vs, k_recent=kr, v_recent=vr)
             self._cache.validate()

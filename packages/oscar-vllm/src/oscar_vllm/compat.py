@@ -1,9 +1,10 @@
 """Every vLLM-version-specific piece of glue, in one module.
 
-Checked against vLLM 0.32.0 (the CPU build the tests run); 0.33 is declared supported
-from its documented API (docs/vllm.md lists the differences) and every name that may
-differ is looked up defensively here, so a difference shows up as one :class:`~oscar_math.errors.OscarError`
-naming the vLLM version, not as an ``AttributeError`` deep in a worker.
+Run against vLLM 0.32.0 (the CPU build the tests use); checked against vLLM 0.33.0's sources
+(``benchmarks/api_check.py`` and a file-by-file diff; docs/vllm.md has the audit table: nothing
+used here changed). Names that may differ are looked up defensively here, so a difference shows
+up as one :class:`~oscar_math.errors.OscarError` naming the vLLM version, not as an
+``AttributeError`` deep in a worker.
 
 Importing this module does not import vLLM; the functions do.
 """
@@ -32,6 +33,8 @@ __all__ = [
     "current_config",
     "oscar_selected",
     "layer_index",
+    "layer_of_impl",
+    "serve_with_default_backend",
     "page_buffer",
     "request_slots",
     "kv_cache_layouts",
@@ -202,6 +205,71 @@ def layer_index(layer_name: str) -> int:
     if not m:
         raise OscarError(f"cannot tell the decoder layer of attention layer {layer_name!r}")
     return int(m.group(1))
+
+
+def layer_of_impl(vllm_config: Any, impl: Any) -> tuple[str, Any]:
+    """``(name, layer)`` of the attention layer whose ``impl`` is ``impl``.
+
+    vLLM registers every attention layer in ``compilation_config.static_forward_context``
+    (name -> layer) once it is built; an implementation is not told its layer's name.
+    """
+    ctx = vllm_config.compilation_config.static_forward_context
+    for name, layer in ctx.items():
+        if getattr(layer, "impl", None) is impl:
+            return name, layer
+    raise OscarError(
+        f"OSCAR: cannot find the attention layer of an OSCAR implementation in vLLM {vllm_version()}'s "
+        "forward context (needed for exclude_layers)"
+    )
+
+
+def serve_with_default_backend(
+    vllm_config: Any, layer: Any, impl_args: tuple, impl_kwargs: dict[str, Any], act_dtype: Any
+) -> Any:
+    """Hand ``layer`` over to the backend vLLM picks when no backend is selected; return that class.
+
+    Used for the layers ``exclude_layers`` keeps in BF16: the layer gets that backend's
+    implementation (built with the arguments vLLM gave OSCAR's) and reports that backend
+    from ``get_attn_backend()``, so vLLM derives the layer's KV-cache spec (a plain BF16
+    page), its metadata builder and its KV write from that backend, exactly as without
+    OSCAR. Must run before vLLM collects the KV-cache specs, i.e. while the model is
+    loaded (``AttentionImpl.process_weights_after_loading``).
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import get_attn_backend
+
+    attn = vllm_config.attention_config
+    selected = attn.backend
+    with set_current_vllm_config(vllm_config):
+        # vLLM's own selection with OSCAR deselected (on CPU, cpu_select then answers
+        # vLLM's CPU backend); the registry/platform caches key on the backend, so the
+        # OSCAR layers' selection is untouched.
+        attn.backend = None
+        try:
+            backend = get_attn_backend(
+                layer.head_size,
+                act_dtype,
+                layer.kv_cache_dtype,
+                has_sink=getattr(layer, "has_sink", False),
+                use_mm_prefix=getattr(layer, "use_mm_prefix", False),
+                attn_type=layer.attn_type,
+            )
+        finally:
+            attn.backend = selected
+        if backend.get_name() == BACKEND_NAME:
+            raise OscarError(
+                "OSCAR: vLLM selected OSCAR again for a layer in exclude_layers (backend_per_kind set?)"
+            )
+        kwargs = dict(impl_kwargs)
+        if backend.supports_alibi_sqrt():  # what Attention.__init__ adds for such backends
+            kwargs["use_alibi_sqrt"] = False
+        impl = backend.get_impl_cls()(*impl_args, **kwargs)
+        layer.attn_backend = backend
+        layer.impl = impl
+        layer.backend = AttentionBackendEnum[backend.get_name()]
+        impl.process_weights_after_loading(act_dtype)
+    return backend
 
 
 def kv_cache_layouts() -> tuple | None:

@@ -8,9 +8,11 @@ worker processes from the launching environment.
 Keys of ``additional_config["oscar"]``:
 
 * ``rotations`` (str, required unless ``$OSCAR_ROTATIONS`` is set): the artifact.
-* ``exclude_layers`` (list of int, optional): decoder layers that must not be served
-  in INT2; refused at start-up (BF16 layers next to INT2 layers need a second KV-cache
-  page format, which this version does not declare).
+* ``exclude_layers`` (list of int, optional): decoder layers (``0 .. num_layers-1``)
+  that keep a plain BF16 KV cache and vLLM's own attention backend; every other layer
+  is served in INT2. Artifacts always cover every layer (``oscar_math.artifact``
+  requires ``layers.{i}.*`` for each ``i < num_layers``), so this list is the one way to
+  keep layers in BF16.
 
 Everything here is plain Python (no vLLM import) so it is unit-tested without vLLM.
 """
@@ -27,7 +29,15 @@ import torch
 from oscar_math.artifact import Rotations, load_rotations
 from oscar_math.errors import OscarError
 
-__all__ = ["cell_bytes", "OscarSettings", "settings_from", "load_checked", "shard_kv_heads", "check_head_dim"]
+__all__ = [
+    "cell_bytes",
+    "OscarSettings",
+    "settings_from",
+    "check_excluded",
+    "load_checked",
+    "shard_kv_heads",
+    "check_head_dim",
+]
 
 ENV_ROTATIONS = "OSCAR_ROTATIONS"
 
@@ -58,12 +68,28 @@ def settings_from(additional_config: Any) -> OscarSettings:
             '--additional-config \'{"oscar": {"rotations": "FILE"}}\' (or set OSCAR_ROTATIONS=FILE); '
             "make one with 'oscar calibrate MODEL --out FILE'"
         )
-    exclude = section.get("exclude_layers", [])
-    if not isinstance(exclude, list) or not all(isinstance(i, int) for i in exclude):
-        raise OscarError(
-            f'additional_config["oscar"]["exclude_layers"] must be a list of ints, got {exclude!r}'
-        )
-    return OscarSettings(rotations=str(path), exclude_layers=tuple(exclude))
+    return OscarSettings(rotations=str(path), exclude_layers=_exclude_list(section.get("exclude_layers", [])))
+
+
+_EXCLUDE = 'additional_config["oscar"]["exclude_layers"]'
+
+
+def _exclude_list(value: Any) -> tuple[int, ...]:
+    """The excluded layers, sorted; one-line errors for a non-list, non-ints and repeats."""
+    # bool is an int subclass: `true` in JSON is a mistake, not layer 1
+    if not isinstance(value, list | tuple) or not all(type(i) is int for i in value):
+        raise OscarError(f"{_EXCLUDE} must be a list of layer indices (ints), got {value!r}")
+    repeated = sorted({i for i in value if value.count(i) > 1})
+    if repeated:
+        raise OscarError(f"{_EXCLUDE} lists layers {repeated} more than once")
+    return tuple(sorted(value))
+
+
+def check_excluded(exclude_layers: tuple[int, ...], num_layers: int) -> None:
+    """Every excluded layer is a decoder layer of the model (no negative indices)."""
+    bad = [i for i in exclude_layers if not 0 <= i < num_layers]
+    if bad:
+        raise OscarError(f"{_EXCLUDE} {bad}: not layers of this model (it has layers 0..{num_layers - 1})")
 
 
 def cell_bytes(head_dim: int, group: int) -> int:
@@ -93,16 +119,8 @@ def load_checked(settings: OscarSettings, num_layers: int, num_kv_heads: int, he
         OscarError: one line naming the file and the problem (missing, corrupt, other model).
     """
     check_head_dim(head_dim)
-    rot = _load(settings.rotations, num_layers, num_kv_heads, head_dim)
-    if settings.exclude_layers:
-        bad = [i for i in settings.exclude_layers if not 0 <= i < num_layers]
-        if bad:
-            raise OscarError(f"exclude_layers {bad} are not layers of this model (0..{num_layers - 1})")
-        raise OscarError(
-            "exclude_layers is not supported by this version of oscar-vllm (every layer is served in INT2); "
-            "calibrate and serve without it"
-        )
-    return rot
+    check_excluded(settings.exclude_layers, num_layers)
+    return _load(settings.rotations, num_layers, num_kv_heads, head_dim)
 
 
 def shard_kv_heads(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:

@@ -536,22 +536,68 @@ def decode_split_kernel(
 
 
 @triton.jit
-def merge_splits_kernel(
-    po_ptr, plse_ptr, out_ptr, NT: tl.constexpr, NT_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
-):
-    """Program ``r`` (one query head of one sequence): LSE-merge ``NT`` partials."""
+def _rotate_store(x, rot_ptr, stride_ri, stride_rj, out_ptr, HEAD_DIM: tl.constexpr, RC: tl.constexpr):
+    """``out[i] = Σ_j x[j]·rot[i*stride_ri + j*stride_rj]`` in float32, ``RC`` rows at a time
+    (``x @ R``: strides of ``Rᵀ``; ``x @ Rᵀ``: strides of ``R``); stored in ``out``'s dtype."""
+    j = tl.arange(0, HEAD_DIM)
+    for i0 in tl.static_range(0, HEAD_DIM, RC):
+        i = i0 + tl.arange(0, RC)
+        r = tl.load(rot_ptr + i[:, None] * stride_ri + j[None, :] * stride_rj)
+        y = tl.sum(r * x[None, :], 1)
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            # round to nearest even by hand: the interpreter truncates float32 → bf16
+            u = y.to(tl.uint32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            tl.store(out_ptr + i, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+        else:
+            tl.store(out_ptr + i, y)
+
+
+@triton.jit
+def rotate_rows_kernel(
+    x_ptr, stride_xb, stride_xh, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, HQ, GQA,
+    HEAD_DIM: tl.constexpr, RC: tl.constexpr,
+):  # fmt: skip
+    """Program ``r = b*HQ + hq``: row ``x[b, hq]`` times its KV head's rotation (float32 FMAs,
+    one launch instead of the three of ``rotate_queries``); ``out`` is ``[B, HQ, d]`` contiguous."""
     r = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, NT_PAD)
-    smask = s < NT
-    lse = tl.load(plse_ptr + r * NT + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    b = r // HQ
+    hq = r % HQ
+    x = tl.load(x_ptr + b * stride_xb + hq * stride_xh + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    rot = rot_ptr + (hq // GQA) * stride_rh
+    _rotate_store(x, rot, stride_ri, stride_rj, out_ptr + r * HEAD_DIM, HEAD_DIM, RC)
+
+
+@triton.jit
+def merge_splits_kernel(
+    po_ptr, plse_ptr, out_ptr, rot_ptr, stride_rh, stride_ri, stride_rj, NT, HQ, GQA,
+    HEAD_DIM: tl.constexpr, CH: tl.constexpr, ROTATE: tl.constexpr, RC: tl.constexpr,
+):  # fmt: skip
+    """Program ``r`` (one query head of one sequence): LSE-merge ``NT`` partials, ``CH`` at a
+    time (any split count without holding ``[NT, d]`` in registers); with ``ROTATE`` the
+    merged row is un-rotated here (``o @ R_Vᵀ``) and stored in ``out``'s dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, CH)
+    m = tl.full([], float("-inf"), tl.float32)
+    for s0 in range(0, NT, CH):
+        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=s0 + s < NT, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    den = tl.sum(w, 0)
     d = tl.arange(0, HEAD_DIM)
-    o = tl.load(po_ptr + (r * NT + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + r * HEAD_DIM + d, out)
+    den = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, NT, CH):
+        sm = s0 + s < NT
+        w = tl.exp2(tl.load(plse_ptr + r * NT + s0 + s, mask=sm, other=float("-inf")) - m)
+        den += tl.sum(w, 0)
+        o = tl.load(po_ptr + (r * NT + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    out = acc / tl.where(den > 0, den, 1.0)
+    if ROTATE:
+        rot = rot_ptr + ((r % HQ) // GQA) * stride_rh
+        _rotate_store(out, rot, stride_ri, stride_rj, out_ptr + r * HEAD_DIM, HEAD_DIM, RC)
+    else:
+        tl.store(out_ptr + r * HEAD_DIM + d, out)
 
 
 @triton.jit

@@ -19,12 +19,16 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
   query (keys) and into the final output (values), the offset 512 is removed algebraically.
 * Scale and zero are applied per token outside the dot:
   ``q·(s·c + z) = s·(q'·x − 512·Σq') + z·Σq`` and ``Σ_t p_t(s_t·c_t + z_t)`` from
-  ``acc = Σ (p·s)·x``, ``Σ p·s`` and ``Σ p·z`` (all three rescaled by the online softmax),
-  so the tensor cores see raw codes.
+  ``acc = Σ (p·s)·(x − 512)`` and ``Σ p·z`` (both rescaled by the online softmax), so the
+  tensor cores see raw codes. The value offset ``512·Σ_tile(p·s)`` is subtracted from the
+  accumulator *before* each tile's ``mma`` (its initial value), never summed over a split:
+  ``mma.sync`` accumulates in fp32 with truncation, and a split-long offset sum biased
+  quarter 0 (``f = 1/2``: the offset is ~700× its signal) by 1e-2 … 1e-1.
 * The next tile's codes, scales and page ids are loaded before the current tile is
   computed (register double buffering: one tile always in flight per warp).
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
-  into A-operand registers), in two extra programs per (sequence, KV head).
+  into A-operand registers), in extra programs of 64 window tokens each per (sequence, KV
+  head) (:func:`window_programs`: 5 for the default 64 + 256).
 
 Requires ``triton.experimental.gluon`` (Triton >= 3.6); :data:`GLUON_IMPORT_ERROR` says why
 it is unavailable otherwise.
@@ -43,6 +47,15 @@ except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon"
 
 #: fp16 bit pattern of the unpack offset (``0x6000`` = 512.0, mantissa unit 0.5)
 UNPACK_BASE = 512.0
+
+#: BF16 window tokens per program (sink and recent windows are cut into pieces this long)
+WINDOW_TOKENS_PER_PROGRAM = 64
+
+
+def window_programs(sink: int, recent: int, w_tok: int = WINDOW_TOKENS_PER_PROGRAM) -> int:
+    """Programs per (sequence, KV head) after the INT2 splits: the windows in ``w_tok`` pieces."""
+    return -(-sink // w_tok) + -(-recent // w_tok)
+
 
 if gluon is not None:
 
@@ -310,12 +323,14 @@ if gluon is not None:
         RING: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_W: gl.constexpr,
+        W_TOK: gl.constexpr,
         PREFETCH: gl.constexpr,
         ONE_PAGE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """Program ``(b*H_kv + h, split)``; splits as in ``attention.decode_split_kernel``
-        (``NUM_SPLITS`` is a run-time argument here: one compiled kernel serves every batch)."""
+        """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
+        (``NUM_SPLITS`` is a run-time argument here: one compiled kernel serves every batch),
+        then :func:`window_programs` programs of ``W_TOK`` BF16 window tokens each."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
         )
@@ -331,7 +346,9 @@ if gluon is not None:
         ROWL: gl.constexpr = gl.SliceLayout(1, MMA)  # per token of a score tile
         COLL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
         Q4: gl.constexpr = HEAD_DIM // 4
-        NT = NUM_SPLITS + 2
+        NWS: gl.constexpr = (SINK + W_TOK - 1) // W_TOK  # window programs: sink, then recent
+        NWR: gl.constexpr = (RECENT + W_TOK - 1) // W_TOK
+        NT = NUM_SPLITS + NWS + NWR
         pid = gl.program_id(0)
         split = gl.program_id(1)
         b = pid // H_KV
@@ -347,8 +364,7 @@ if gluon is not None:
         a2 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
         a3 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
         if split < NUM_SPLITS:
-            # Σ(p·s) and Σ(p·z) per head: o_j = (a_j - 512·lps)/f_j + lpz (see module docstring)
-            lps = gl.zeros([NP], gl.float32, layout=COLL)
+            # Σ(p·z) per head: o_j = a_j/f_j + lpz (see module docstring)
             lpz = gl.zeros([NP], gl.float32, layout=COLL)
             qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)  # 1/f_0 = 2
             qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
@@ -400,14 +416,19 @@ if gluon is not None:
                 p, alpha, m_i = _softmax_cols(s2, m_i)
                 l_i = l_i * alpha + gl.sum(p, 0)
                 pv = (p * vs[:, None]).to(gl.float16)
-                # sums of the rounded operand, so the 512 offset cancels exactly
-                lps = lps * alpha + gl.sum(pv.to(gl.float32), 0)
                 lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
                 pb = gl.convert_layout(pv, LB)
-                a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
-                a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
-                a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
-                a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                # the tile's share of the 512 offset (sum of the rounded operand, so it cancels
+                # exactly) leaves through the accumulator's initial value, tile by tile: the
+                # accumulators hold only Σ p·s·f·c. Summed over a whole split instead, the
+                # offset is ~700× the quarter-0 signal and the tensor cores' truncating fp32
+                # accumulation biases the output by ~1e-2 at 1000 tokens per split (1e-1 at
+                # 14k: docs/performance.md, benchmarks/gluon_numerics.py)
+                toff = (gl.sum(pv.to(gl.float32), 0) * 512.0)[None, :]
+                a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :] - toff)
+                a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :] - toff)
+                a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :] - toff)
+                a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :] - toff)
                 if PREFETCH:
                     kc = kc_n
                     vc = vc_n
@@ -416,33 +437,37 @@ if gluon is not None:
                     vs = vs_n
                     vz = vz_n
                     ms = ms_n
-            off = lps * 512.0
-            a0 = (a0 - off[None, :]) * 2.0 + lpz[None, :]
-            a1 = (a1 - off[None, :]) * 0.5 + lpz[None, :]
-            a2 = (a2 - off[None, :]) * 0.125 + lpz[None, :]
-            a3 = (a3 - off[None, :]) * 0.03125 + lpz[None, :]
+            a0 = a0 * 2.0 + lpz[None, :]
+            a1 = a1 * 0.5 + lpz[None, :]
+            a2 = a2 * 0.125 + lpz[None, :]
+            a3 = a3 * 0.03125 + lpz[None, :]
         else:
             qb0 = _load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.bfloat16, False)
             qb1 = _load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.bfloat16, False)
             qb2 = _load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.bfloat16, False)
             qb3 = _load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.bfloat16, False)
             ws = gl.load(wslot_ptr + b).to(gl.int64)
-            if split == NUM_SPLITS:
+            # window program w: W_TOK tokens of the sink (w < NWS) or of the recent window, so
+            # no program walks all 256 ring rows serially (that one warp bounded short contexts)
+            w = split - NUM_SPLITS
+            if w < NWS:
                 if SINK > 0:
+                    wlo = w * W_TOK
                     m_i, l_i, a0, a1, a2, a3 = _bf16_window(
                         qb0, qb1, qb2, qb3, m_i, l_i, a0, a1, a2, a3,
                         ksink_ptr + ws * stride_ws0 + h * stride_ws1,
                         vsink_ptr + ws * stride_ws0 + h * stride_ws1,
-                        0, gl.minimum(length, SINK), 1 << 30, stride_ws2, sm_scale_log2,
-                        BLOCK_W, Q4, NP, MMA, LA, LB,
+                        wlo, gl.minimum(gl.minimum(length, SINK), wlo + W_TOK), 1 << 30, stride_ws2,
+                        sm_scale_log2, BLOCK_W, Q4, NP, MMA, LA, LB,
                     )  # fmt: skip
             else:
                 if RECENT > 0:
+                    wlo = gl.maximum(length - RECENT, SINK) + (w - NWS) * W_TOK
                     m_i, l_i, a0, a1, a2, a3 = _bf16_window(
                         qb0, qb1, qb2, qb3, m_i, l_i, a0, a1, a2, a3,
                         kring_ptr + ws * stride_wr0 + h * stride_wr1,
                         vring_ptr + ws * stride_wr0 + h * stride_wr1,
-                        gl.maximum(length - RECENT, SINK), length, RING, stride_wr2, sm_scale_log2,
+                        wlo, gl.minimum(length, wlo + W_TOK), RING, stride_wr2, sm_scale_log2,
                         BLOCK_W, Q4, NP, MMA, LA, LB,
                     )  # fmt: skip
         has = l_i > 0
@@ -496,6 +521,7 @@ def compile_decode_gluon(
         RING=256,
         BLOCK_N=block_n,
         BLOCK_W=32,
+        W_TOK=WINDOW_TOKENS_PER_PROGRAM,
         PREFETCH=prefetch,
         ONE_PAGE=one_page,
         num_warps=num_warps,

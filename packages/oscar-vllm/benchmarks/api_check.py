@@ -1,0 +1,176 @@
+"""Check every vLLM name and signature oscar-vllm relies on against the importable vLLM.
+
+No model, no device: imports, signatures, dataclass fields, KV-cache spec arithmetic and a
+few source facts (the call order the plugin depends on). Run it against the installed vLLM
+(the nox session does, through ``test_vllm_plugin.py``) or against another release's Python
+sources without installing it, e.g. vLLM 0.33.0, which has no CPU build::
+
+    pip download vllm==0.33.0 --no-deps -d /tmp/v33 && cd /tmp/v33 && unzip -q vllm-0.33.0-*.whl 'vllm/*.py'
+    PYTHONPATH=/tmp/v33 python packages/oscar-vllm/benchmarks/api_check.py
+
+(the compiled extensions are not needed for these checks). Prints one line per check and
+exits 1 if any fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+
+
+def _params(fn: Callable) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _has_params(fn: Callable, *names: str) -> None:
+    missing = [n for n in names if n not in _params(fn)]
+    assert not missing, f"{fn.__qualname__} lacks parameters {missing}"
+
+
+def _source_has(obj: object, *snippets: str) -> None:
+    src = inspect.getsource(obj)  # type: ignore[arg-type]
+    missing = [s for s in snippets if s not in src]
+    assert not missing, f"{getattr(obj, '__qualname__', obj)} no longer contains {missing}"
+
+
+def check_version() -> str:
+    from oscar_vllm import compat
+
+    version = compat.check_version()
+    return version
+
+
+def check_registry() -> str:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from oscar_vllm import compat
+
+    compat.register_backend()
+    assert AttentionBackendEnum["OSCAR"].get_class().__name__ == "OscarAttentionBackend"
+    assert "CPU_ATTN" in AttentionBackendEnum.__members__
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return f"OSCAR registered; CPU_ATTN layouts {CPUAttentionBackend.supported_kv_cache_layouts()}"
+
+
+def check_backend_api() -> str:
+    from vllm.v1.attention import backend as api
+
+    from oscar_vllm.backend import OscarAttentionImpl, OscarMetadataBuilder
+
+    for name in ("customize_spec", "supported_kv_cache_layouts", "get_supported_kernel_block_sizes",
+                 "supports_alibi_sqrt", "supports_attn_type", "get_supported_head_sizes"):  # fmt: skip
+        assert callable(getattr(api.AttentionBackend, name, None)), f"AttentionBackend.{name} is gone"
+    assert _params(api.AttentionImpl.forward) == _params(OscarAttentionImpl.forward), (
+        "AttentionImpl.forward changed"
+    )
+    _has_params(api.AttentionImplBase.process_weights_after_loading, "act_dtype")
+    assert _params(api.AttentionMetadataBuilder.__init__)[:5] == _params(OscarMetadataBuilder.__init__)[:5]
+    _has_params(api.AttentionMetadataBuilder.build, "common_prefix_len", "common_attn_metadata", "fast_build")
+    fields = {f.name for f in dataclasses.fields(api.CommonAttentionMetadata)}
+    needed = {"query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound",
+              "block_table_tensor", "slot_mapping", "num_reqs", "req_idx"}  # fmt: skip
+    assert needed <= fields, f"CommonAttentionMetadata lacks {sorted(needed - fields)}"
+    return "AttentionBackend/Impl/MetadataBuilder/CommonAttentionMetadata as used"
+
+
+def check_specs() -> str:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, UniformTypeKVCacheSpecs
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    from oscar_vllm import backend, compat
+    from oscar_vllm.settings import cell_bytes
+
+    bf16 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
+    backend._LOADED_GROUP["group"] = 64
+    int2 = customize_attention_spec(backend.OscarAttentionBackend, bf16)
+    assert int2.page_size_bytes == 3 * 128 * cell_bytes(64, 64), int2
+    both = UniformTypeKVCacheSpecs.from_specs({"int2": int2, "bf16": bf16})
+    assert both is not None and both.page_size_bytes == int2.page_size_bytes + bf16.page_size_bytes
+    assert compat.kv_cache_layouts() == (KVCacheLayout.LBHNC,) and KVCacheLayout.LBHNC.is_block_compact
+    return f"INT2 page {int2.page_size_bytes} B + BF16 page {bf16.page_size_bytes} B in one uniform-type spec"
+
+
+def check_grouping() -> str:
+    # 0.32: vllm.v1.core.kv_cache_utils; 0.33 moved the planning to kv_cache_planning
+    for mod_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        if hasattr(mod, "get_kv_cache_groups"):
+            src = inspect.getsource(mod.get_kv_cache_groups)
+            first, unify = (
+                src.find("UniformTypeKVCacheSpecs.from_specs"),
+                src.find("unify_kv_cache_spec_page_size("),
+            )
+            assert 0 <= first < unify, (
+                "get_kv_cache_groups no longer tries one uniform-type group before unifying"
+            )
+            return f"{mod_name}.get_kv_cache_groups: one group for mixed page sizes before any unification"
+    raise AssertionError("get_kv_cache_groups not found")
+
+
+def check_config_and_engine() -> str:
+    from vllm.config import AttentionConfig, CacheConfig, CompilationConfig, set_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank  # noqa: F401
+    from vllm.v1.attention.selector import get_attn_backend
+    from vllm.v1.engine import core
+
+    from oscar_vllm import compat
+
+    assert compat.current_config() is None  # no config set: get_current_vllm_config raises AssertionError
+    assert callable(set_current_vllm_config)
+    for cls, names in ((AttentionConfig, {"backend"}),
+                       (CacheConfig, {"enable_prefix_caching", "kv_cache_memory_bytes", "block_size"}),
+                       (CompilationConfig, {"static_forward_context"})):  # fmt: skip
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert names <= fields, f"{cls.__name__} lacks {sorted(names - fields)}"
+    _has_params(
+        get_attn_backend, "head_size", "dtype", "kv_cache_dtype", "has_sink", "use_mm_prefix", "attn_type"
+    )
+    assert _params(core.EngineCore._initialize_kv_caches) == ["self", "vllm_config"]
+    _source_has(core.EngineCore.__init__, "self._initialize_kv_caches(vllm_config)", "Scheduler(")
+    assert compat.guard_possible()
+    return "configs, get_attn_backend, EngineCore._initialize_kv_caches (before the scheduler)"
+
+
+def check_attention_layer() -> str:
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.model_loader import utils as loader_utils
+
+    assigned = ("self.attn_backend =", "self.impl =", "self.backend =", "self.layer_name = prefix",
+                "self.kv_cache_dtype =", "self.attn_type =", "[prefix] = self")  # fmt: skip
+    _source_has(Attention.__init__, *assigned)
+    _source_has(Attention.get_attn_backend, "return self.attn_backend")
+    _source_has(Attention.process_weights_after_loading, "self.impl.process_weights_after_loading(act_dtype)")
+    _source_has(
+        loader_utils.process_weights_after_loading, "module.process_weights_after_loading(model_config.dtype)"
+    )
+    return "Attention layer attributes and the load-time hook exclude_layers uses"
+
+
+CHECKS = (check_version, check_registry, check_backend_api, check_specs, check_grouping,
+          check_config_and_engine, check_attention_layer)  # fmt: skip
+
+
+def main() -> int:
+    import vllm
+
+    print(f"vLLM {getattr(vllm, '__version__', '?')} from {vllm.__file__}")
+    failed = 0
+    for check in CHECKS:
+        try:
+            print(f"ok    {check.__name__}: {check()}")
+        except Exception as e:  # report every check, then fail
+            failed += 1
+            print(f"FAIL  {check.__name__}: {type(e).__name__}: {e}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
