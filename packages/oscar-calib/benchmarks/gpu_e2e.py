@@ -8,10 +8,13 @@ under ``--out`` after every stage and exits 1 if a check fails:
 2. ``artifact``: calibration on the GPU (2048 tokens of ``data/calib-text.txt``, seq 1024,
    seed 0) vs the artifact made on CPU with the same command (``data/smollm2-cpu-2048.safetensors``).
 3. ``ppl``: perplexity on held-out text at 2k and 8k, bf16 model: ``bf16`` (no
-   quantisation), ``oscar2`` (the emulation, ``Windows(prefill_chunk=256)``) and
-   ``oscar2-kernels`` (the paged loop, prefill chunks of 256) on the same sequences.
+   quantisation), ``oscar2`` (the emulation, per-query windows) and ``oscar2-kernels``
+   (the paged loop, prefill chunks of 256; the kernels apply the windows per query token,
+   so the chunk does not change the rule) on the same sequences.
 4. ``generate``: greedy tokens of the loop (3 prompts of different lengths in one batch)
-   vs ``model.generate`` with :class:`OscarCache`; free-running and teacher-forced agreement.
+   vs ``model.generate`` with :class:`OscarCache`, whose prompt is fed one token per
+   ``update`` (the per-query rule; one multi-token update would read the prompt in BF16);
+   free-running and teacher-forced agreement.
 5. ``throughput``: decode tokens/s of the loop with the INT2 cache vs the same loop with
    plain BF16 pages (``paged_bf16_decode``), batch 1 and 8.
 
@@ -166,11 +169,12 @@ def stage_ppl(rep: Report, model, tok, rot, contexts, num_seqs: int, chunk: int)
         num_sequences=num_seqs,
         error_sequences=0,
         needle_contexts=(),
-        prefill_chunk=chunk,
-    )
+    )  # per-query emulation; oscar2-kernels prefills in chunks of paged.KERNELS_EVAL_CHUNK
+    from oscar_calib.paged import KERNELS_EVAL_CHUNK
+
     t0 = time.perf_counter()
     res = run_eval(model, tok, rot, cfg, progress=False, model_name="smollm2")
-    out = {"seconds": time.perf_counter() - t0, "prefill_chunk": chunk}
+    out = {"seconds": time.perf_counter() - t0, "prefill_chunk": KERNELS_EVAL_CHUNK}
     for ctx, block in res.contexts.items():
         ppl = {n: e["per_sequence"]["perplexity"] for n, e in block.items()}
         ratios = [k / e - 1 for k, e in zip(ppl["oscar2-kernels"], ppl["oscar2"], strict=True)]
@@ -208,6 +212,9 @@ def stage_generate(rep: Report, model, tok, rot, lengths, new: int) -> None:
         cache = OscarCache.from_rotations(model, rot)
         _sync()
         t0 = time.perf_counter()
+        with torch.no_grad():  # one token per update: the per-query rule the loop applies
+            for i in range(p.numel() - 1):
+                model(p[None, i : i + 1], past_key_values=cache, use_cache=True)
         o = model.generate(
             p[None], past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False
         )
@@ -278,7 +285,12 @@ def main() -> int:
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--num-seqs", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=256,
+        help="unused since the kernels apply per-token windows (kept for old command lines)",
+    )
     ap.add_argument("--stages", nargs="+", default=["calibrate", "artifact", "ppl", "generate", "throughput"])
     ap.add_argument("--gen-lengths", type=int, nargs="+", default=[700, 1500, 2600])
     ap.add_argument("--gen-new", type=int, default=32)

@@ -123,7 +123,7 @@ def test_smollm2_calibration(tmp_path):
     from oscar_calib.models import load_model
 
     model, tok = load_model("smollm2")
-    config = CalibrationConfig(tokens=1024, seq_len=512, max_samples=512)
+    config = CalibrationConfig(tokens=1024, seq_len=512, max_samples=512, search_context=1024, search_seqs=1)
     rot = calibrate(model, tok, config, model_name="smollm2", progress=False)
     path = save_rotations(tmp_path / "smollm2.safetensors", rot)
     loaded = load_rotations(path, model="smollm2", num_layers=30, num_kv_heads=3, head_dim=64)

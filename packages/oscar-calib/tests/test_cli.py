@@ -152,6 +152,7 @@ def test_calibrate_smollm2_then_inspect(tmp_path, capsys):
     out = tmp_path / "smollm2.safetensors"
     args = ["calibrate", "smollm2", "--out", str(out), "--tokens", "512", "--seq-len", "256"]
     args += ["--clip-power", "1", "--value-clip-power", "0.25", "--key-clip-objective", "attention"]
+    args += ["--clip-search", "row"]
     assert main([*args, "--granularity", "layer", "--group-size", "32", "--seed", "3", "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "512 tokens" in printed

@@ -247,6 +247,18 @@ def check_case(
     qe = torch.randn(int(cu[-1]), hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
     ke = torch.cat([ks[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk, strict=True))])
     ve = torch.cat([vs[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunk, strict=True))])
+    # the cache holds the chunks' ring rows (build wrote everything); an engine writes them
+    # after extend: put the prefix's ring rows back, as the cache is before the chunk's ring write
+    for b, (n, c) in enumerate(zip(lens, chunk, strict=True)):
+        p = n - c
+        r0 = max(lo.sink_tokens, p - lo.recent_tokens)
+        if c == 0 or r0 >= p or lo.recent_tokens == 0:
+            continue
+        pos = torch.arange(r0, p)
+        slots = (bt[b].cpu().long()[pos // lo.page_size] * lo.page_size + pos % lo.page_size).to(DEV)
+        args = (ks[b][r0:p], vs[b][r0:p], slots, pos.to(DEV).int(), torch.zeros_like(pos).to(DEV).int())
+        sl1 = torch.tensor([p], dtype=torch.int32, device=DEV)
+        ok.paged_write(cache, ep, *args, sl1, ws[b : b + 1], backend="triton", precise=precise, parts="ring")
     ext_mod._empty = _poison
     oe = ok.extend_attention(
         qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton", unpack=unpack
@@ -261,12 +273,32 @@ def check_case(
             continue
         p = n - c
         s0 = int(cu[b])
-        hk, hv = ok.gather_rotated_kv(cache, bt[b], int(ws[b]), p, n, dtype=torch.float64)
-        kk = torch.cat([hk, ker[s0 : s0 + c].double()])
-        vv = torch.cat([hv, ver[s0 : s0 + c].double()])
-        mask = torch.arange(n, device=DEV)[None, :] <= (p + torch.arange(c, device=DEV))[:, None]
-        want = unrot64(dense64(qer[s0 : s0 + c], kk, vv, scale, mask[None]), ep)
-        e_ext = max(e_ext, rel(oe[s0 : s0 + c], want))
+        # per query token t: key j is the INT2 row iff sink <= j <= t - recent, else BF16 (sink
+        # row, ring row of a prefix key, the chunk's rotated key); both copies, one mask
+        kq, vq = ok.gather_rotated_kv(cache, bt[b], int(ws[b]), n, n + lo.recent_tokens, dtype=torch.float64)
+        kb, vb = kq.clone(), vq.clone()
+        hk, hv = ok.gather_rotated_kv(cache, bt[b], int(ws[b]), p, p + 1, dtype=torch.float64)
+        kb[:p], vb[:p] = hk, hv
+        c0 = max(p, lo.sink_tokens)
+        if lo.recent_tokens > 0 and c0 < n:
+            kb[c0:n], vb[c0:n] = ker[s0 + c0 - p : s0 + c].double(), ver[s0 + c0 - p : s0 + c].double()
+        t = p + torch.arange(c, device=DEV)[:, None]
+        j = torch.arange(n, device=DEV)[None, :]
+        quant = ((j >= lo.sink_tokens) & (j <= t - lo.recent_tokens))[None]
+        g = qer.shape[1] // kq.shape[1]
+        sc = (
+            torch.where(
+                quant,
+                torch.einsum("mhd,nhd->hmn", qer[s0 : s0 + c], kq.repeat_interleave(g, 1)),
+                torch.einsum("mhd,nhd->hmn", qer[s0 : s0 + c], kb.repeat_interleave(g, 1)),
+            )
+            * scale
+        )
+        pr = torch.softmax(sc.masked_fill(~(j <= t)[None], float("-inf")), -1)
+        o64 = torch.einsum("hmn,nhd->mhd", pr * ~quant, vb.repeat_interleave(g, 1)) + torch.einsum(
+            "hmn,nhd->mhd", pr * quant, vq.repeat_interleave(g, 1)
+        )
+        e_ext = max(e_ext, rel(oe[s0 : s0 + c], unrot64(o64, ep)))
     res["extend_rel_err_vs_f64_cache"] = e_ext
     res["pass"] = bool(
         res["decode_finite"]

@@ -76,6 +76,7 @@ def fill_cache(
     pad=0,
     precise=False,
     exact=False,
+    pending=None,
 ):
     """Allocate a cache and write random tokens for sequences of ``lens`` (scattered pages).
 
@@ -111,7 +112,7 @@ def fill_cache(
         keys = [(torch.randn(n, h, d, generator=gen) * 2 + 0.5).bfloat16().to(DEVICE) for n in lens]
         values = [torch.randn(n, h, d, generator=gen).bfloat16().to(DEVICE) for n in lens]
 
-    def write(first, last):
+    def write(first, last, parts="all"):
         rows = [(b, p) for b in range(len(lens)) for p in range(first[b], last[b])]
         if not rows:
             return
@@ -141,7 +142,17 @@ def fill_cache(
             ws.to(DEVICE),
             backend=backend,
             precise=precise,
+            parts=parts,
         )
+
+    full = list(lens)
+    if pending is not None:
+        lens = [n - c for n, c in zip(full, pending, strict=True)]
+
+    def finish():
+        if pending is not None:
+            write(lens, full, parts="pages")
+        return cache, params, bt.to(DEVICE), ws.to(DEVICE), keys, values
 
     if cuts is not None:
         ends = sorted(set(cuts))
@@ -150,10 +161,10 @@ def fill_cache(
             nxt = [min(n, max(c, e)) for n, c in zip(lens, done, strict=True)]
             write(done, nxt)
             done = nxt
-        return cache, params, bt.to(DEVICE), ws.to(DEVICE), keys, values
+        return finish()
     pre = [max(0, n - steps) for n in lens]
     write([0] * len(lens), pre)
     for s in range(steps):
         cur = [min(n, p + s) for n, p in zip(lens, pre, strict=True)]
         write(cur, [min(n, c + 1) for n, c in zip(lens, cur, strict=True)])
-    return cache, params, bt.to(DEVICE), ws.to(DEVICE), keys, values
+    return finish()

@@ -1,6 +1,7 @@
 """Regression tests of the suite's power: plant known bugs in a copy and expect a failure.
 
-Each mutation below is a bug that once passed every test of this package. The check
+Each mutation below is a bug that once passed every test of this package (or, for the
+per-token windows of extend, a bug that rule is most easily broken by). The check
 copies ``src/`` and ``tests/`` to a temporary directory, applies one mutation by exact
 text replacement (a mutation whose text is no longer in the source fails the check
 loudly: update it with the code), runs only the few tests that must catch it with the
@@ -87,6 +88,27 @@ MUTATIONS = (
         "m = (pos >= lo.sink_tokens) & (pos >= length - lo.recent_tokens)",
         "m = (pos >= lo.sink_tokens) & (pos > length - lo.recent_tokens)",
         ("tests/test_write_windows.py", "-k", "reference and prefill-only"),
+    ),
+    Mutation(
+        "extend-window-off-by-one",
+        "src/oscar_kernels/kernels/attention.py",
+        "ok = ok & (tok[None, :] > qpos[:, None] - RECENT)",
+        "ok = ok & (tok[None, :] >= qpos[:, None] - RECENT)",
+        ("tests/test_chunk_invariance.py", "-k", "triton_schedules and group-d and chunks-of-recent"),
+    ),
+    Mutation(
+        "reference-extend-chunk-keys-bf16",
+        "src/oscar_kernels/reference/attention.py",
+        "quant = (j >= s) & (j <= qpos - r)",
+        "quant = (j >= s) & (j <= qpos - r) & (j < p)",
+        ("tests/test_chunk_invariance.py", "-k", "reference_decode"),
+    ),
+    Mutation(
+        "reference-write-ring-before-attention",
+        "src/oscar_kernels/reference/paged_write.py",
+        'pages, ring = parts != "ring", parts != "pages"',
+        'pages, ring = parts != "ring", True',
+        ("tests/test_chunk_invariance.py", "-k", "reference_schedules and group-d and chunks-of-7"),
     ),
 )
 

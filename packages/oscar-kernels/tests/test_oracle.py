@@ -39,7 +39,8 @@ def effective_kv_original(k, v, ep, lo, window_end, int2=True):
     """``[n, H, d]`` float64 keys/values attention must see, in the original basis.
 
     Positions ``j < sink`` and ``j >= max(sink, window_end - recent)`` are the bf16 rotated
-    rows; the rest are dequantised INT2 (``int2=False``: every row bf16, for a chunk's own keys).
+    rows; the rest are dequantised INT2 (``int2=False``: every row bf16). ``window_end - 1`` is
+    the query's position: extend and decode apply the windows per query token.
     """
     k64, v64 = k.double().cpu(), v.double().cpu()
     mean = ep.k_mean.double().cpu()
@@ -108,15 +109,14 @@ def test_decode_matches_original_basis_oracle(backend, granularity, group, fill)
 def test_extend_matches_original_basis_oracle(backend, granularity):
     gen = torch.Generator().manual_seed(22)
     lo = CacheLayout(2, D, page_size=4, group_size=16, sink_tokens=SINK, recent_tokens=RECENT)
-    lens = [5, 12, 20, 27]
-    chunks = [5, 1, 4, 11]  # a first chunk, decode-like, chunk inside the window, chunk > recent
+    lens = [5, 12, 20, 27, 14]
+    # a first chunk, decode-like, chunk inside the window, chunk > recent, a first chunk > sink + recent
+    chunks = [5, 1, 4, 11, 14]
     prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
+    # the chunks' INT2 + sink rows written before attention, their ring rows after (not here)
     cache, params, bt, ws, keys, values = fill_cache(
-        lo, prefix, gen, granularity, backend=backend, precise=True
+        lo, lens, gen, granularity, backend=backend, precise=True, pending=chunks
     )
-    for b in range(len(prefix)):  # the chunks' keys/values continue each sequence
-        keys[b] = torch.cat([keys[b], torch.randn(chunks[b], 2, D, generator=gen).bfloat16().to(DEVICE)])
-        values[b] = torch.cat([values[b], torch.randn(chunks[b], 2, D, generator=gen).bfloat16().to(DEVICE)])
     ep = params.expand(2, D, cache.device)
     cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(chunks), 4, D, generator=gen).bfloat16().to(DEVICE)  # GQA 2
@@ -126,12 +126,10 @@ def test_extend_matches_original_basis_oracle(backend, granularity):
     kw = {"block_m": 16, "block_n": 16} if backend == "triton" else {}
     out = extend_attention(q, k, v, cache, params, cu, pl, bt, ws, max(chunks), backend=backend, **kw)
     for b, (n, c) in enumerate(zip(lens, chunks, strict=True)):
-        p = n - c
-        kh, vh = effective_kv_original(keys[b][:p], values[b][:p], ep, lo, n)
-        kc, vc = effective_kv_original(keys[b][p:], values[b][p:], ep, lo, c, int2=False)
-        mask = torch.arange(n)[None, :] <= (p + torch.arange(c))[:, None]
         s0 = int(cu[b])
-        want = attend(q[s0 : s0 + c].cpu(), torch.cat([kh, kc]), torch.cat([vh, vc]), mask[None])
-        for i in range(c):  # every query of every sequence on its own
-            e = rel(out[s0 + i], want[i])
+        for i in range(c):  # every query of every sequence on its own, with its own window
+            t = n - c + i
+            kk, vv = effective_kv_original(keys[b][: t + 1], values[b][: t + 1], ep, lo, t + 1)
+            want = attend(q[s0 + i : s0 + i + 1].cpu(), kk, vv)[0]
+            e = rel(out[s0 + i], want)
             assert e < TOL, (b, i, e)

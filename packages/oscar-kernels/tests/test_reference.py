@@ -63,27 +63,25 @@ def test_decode_ref_matches_raw_oracle(granularity, group):
 
 
 def test_extend_ref_matches_raw_oracle():
+    """Per query token: key j of query t is INT2 iff sink <= j <= t - recent, wherever j is."""
     gen = torch.Generator().manual_seed(2)
     lo = CacheLayout(2, 32, page_size=8, sink_tokens=4, recent_tokens=6)
-    lens = [5, 12, 30]
-    chunks = [5, 3, 9]  # a whole first chunk, and chunks over cached prefixes
-    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen)
+    lens = [5, 12, 30, 29]
+    chunks = [5, 3, 9, 20]  # a whole first chunk, chunks over cached prefixes, one > recent
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, pending=chunks)
     ep = params.expand(2, 32, cache.device)
-    cu = torch.tensor([0, 5, 8, 17], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
     prefix = torch.tensor([n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32)
-    q = torch.randn(17, 4, 32, generator=gen).bfloat16()
+    q = torch.randn(sum(chunks), 4, 32, generator=gen).bfloat16()
     k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
     v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
     out = extend_attention_ref(q, k, v, cache, ep, cu, prefix, bt, ws, max(chunks))
     qr = rotate_queries(q, ep).double()
     for b, (n, c) in enumerate(zip(lens, chunks, strict=True)):
-        kq, vq = effective_kv(keys[b], values[b], ep, lo, n)
-        # the chunk's own keys are exact (bf16-rounded rotations), not quantised
-        kq[n - c :], vq[n - c :] = effective_kv(
-            keys[b][n - c :], values[b][n - c :], ep, CacheLayout(2, 32, sink_tokens=c, recent_tokens=0), c
-        )
         s0 = int(cu[b])
-        mask = torch.arange(n)[None, :] <= (n - c + torch.arange(c))[:, None]
-        want = attend64(qr[s0 : s0 + c], kq, vq, ep, mask[None])
-        err = (out[s0 : s0 + c].double() - want).norm() / want.norm()
-        assert err < 1e-2, (b, err)
+        for i in range(c):  # every query on its own: its own window
+            t = n - c + i
+            kq, vq = effective_kv(keys[b][: t + 1], values[b][: t + 1], ep, lo, t + 1)
+            want = attend64(qr[s0 + i : s0 + i + 1], kq, vq, ep)[0]
+            err = (out[s0 + i].double() - want).norm() / want.norm()
+            assert err < 1e-2, (b, i, err)

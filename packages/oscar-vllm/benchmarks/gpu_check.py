@@ -172,8 +172,11 @@ def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:
         )  # fmt: skip
         md_ref = build_step(qsl, qsl, seq, seq, table, slot, b, req_rows, slots_ref)
         assert torch.equal(md_dev.window_slots.cpu(), md_ref.window_slots)
-        write_step(dev_cache, ep_dev, k.to(device), v.to(device), md_dev, backend="triton")
-        write_step(ref_cache, ep_ref, k, v, md_ref, backend="torch")
+        # run_layer's order: a decode-only step writes everything before attention, an extend
+        # step the INT2 rows + sink before and the ring rows after
+        parts = "all" if md_ref.all_decode else "pages"
+        write_step(dev_cache, ep_dev, k.to(device), v.to(device), md_dev, backend="triton", parts=parts)
+        write_step(ref_cache, ep_ref, k, v, md_ref, backend="torch", parts=parts)
         snap = _snapshot(dev_cache)
         used = torch.tensor(sorted({blk for r, _ in step for blk in tables[r]}), dtype=torch.long)
         mism = max(
@@ -189,6 +192,9 @@ def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:
             dev_cache, ep_dev, q.to(device), k.to(device), v.to(device), md_dev, scale, backend="triton"
         )
         ref = attend_step(snap, ep_ref, q, k, v, md_ref, scale, backend="torch")
+        if parts == "pages":
+            write_step(dev_cache, ep_dev, k.to(device), v.to(device), md_dev, backend="triton", parts="ring")
+            write_step(ref_cache, ep_ref, k, v, md_ref, backend="torch", parts="ring")
         out = out.float().cpu()
         err = float((out - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
         if not torch.isfinite(out).all():

@@ -239,8 +239,9 @@ def test_engine_perplexity_matches_the_harness(bf16, oscar, texts, model_dir, ar
           f"vLLM OSCAR {oscar['ppl']:.3f} ({100 * v_gap:+.2f}%); "
           f"oscar eval bf16 {h_bf16:.3f}, oscar2 {h_oscar:.3f} ({100 * h_gap:+.2f}%)")  # fmt: skip
     assert abs(bf16["ppl"] / h_bf16 - 1) < 0.05  # same model, same text: only kernel numerics differ
-    # OSCAR costs perplexity, and no more than the harness's token-granular windows do plus a margin:
-    # vLLM attends a 64-token prefill chunk's own keys in BF16 (windows are chunk-granular)
+    # OSCAR costs perplexity, and no more than the harness measures plus a margin: the engine
+    # applies the same per-token windows (its 64-token prefill chunks do not change the rule);
+    # what differs is engine numerics (its BF16 perplexity is itself 0.4 % off the harness's)
     assert oscar["ppl"] > bf16["ppl"] * 0.995
     assert v_gap < h_gap + 0.05
 

@@ -17,10 +17,16 @@ do not fit a per-token packed store).
 Semantics of one ``update`` (``n0`` tokens cached, ``T`` new ones): the new tokens
 are written (the oldest ones beyond the recent window go to INT2), and attention
 reads every *earlier* token as it is stored after the write and the ``T`` new tokens
-exactly — as a serving engine does for a prefill chunk, which attends to its own
-fresh K/V. For a decode step (``T = 1``) that is exactly the per-query rule of
-:mod:`oscar_calib.simulate`: token ``s`` is read quantised iff
-``sink <= s <= t - recent``.
+exactly. For a decode step (``T = 1``) that is exactly the per-query rule of
+:mod:`oscar_calib.simulate` and of the kernels: token ``s`` is read quantised iff
+``sink <= s <= t - recent``. For ``T > 1`` (``model.generate``'s prompt) it is the
+chunk-granular rule (``Windows(prefill_chunk=T)``): transformers' ``Cache.update``
+returns one key tensor for all ``T`` queries, so per-query windows cannot be expressed
+here; the kernels (``oscar_kernels.extend_attention``) and the engine plugins apply
+the per-query rule in prefill too. ``oscar eval``'s perplexity does not use this
+class (it emulates per query, :mod:`oscar_calib.simulate`); its passkey test does: the
+haystack is one ``update`` (its tokens read each other in BF16), and the question and
+answer read the haystack as stored (INT2 outside the windows).
 
 This is the torch reference: it dequantises the stored INT2 rows on every step
 (like transformers' ``QuantizedCache``); :meth:`OscarLayer.memory_bytes` counts

@@ -39,11 +39,15 @@ __all__ = [
     "CalibrationConfig",
     "calibrate",
     "calibration_chunks",
+    "refine_clip_by_output",
     "rotations_from_statistics",
+    "search_chunks",
     "tool_version",
 ]
 
 CONFIG_VERSION = 1
+#: how stored clip ratios are chosen (CalibrationConfig.clip_search)
+CLIP_SEARCHES = ("output", "row")
 
 
 def tool_version() -> str:
@@ -86,6 +90,20 @@ class CalibrationConfig:
             logit error; ``"attention"`` weighs each row by the attention its token receives
             (``Σ_t S_ts²``, the weight the value search uses), so the rare keys attention
             relies on dominate the choice.
+        clip_search: ``"output"`` (default) refines each KV head's key, then value ratio on a grid
+            by the error of that head's attention output under the serving windows, on
+            ``search_seqs`` calibration sequences of ``search_context`` tokens, starting from
+            the tempered row-search ratios (:mod:`oscar_calib.output_clip`; chosen on the
+            calibration split, docs/results.md "Long context"); ``"row"`` stores the tempered
+            row-search ratios ``alpha ** clip_power`` as before.
+        search_context: tokens per sequence of the output search (at most the model's
+            context length).
+        search_seqs: sequences of the output search.
+        search_row_stride: the output search scores every n-th query row.
+        search_weighting: the output search's error of a row's attention output: ``"o_proj"``
+            (``W_hᵀ W_h``: what the residual stream receives) or ``"fisher"`` (the empirical
+            Fisher ``(gᵀ Δo)²``, ``g`` the next-token loss gradient w.r.t. the output; one
+            backward pass per search sequence).
         bit_reversal: bit-reversal permutation of eigen-directions into groups.
         hadamard: ``"group"``, ``"full"`` or ``"none"`` (see ``compose_rotation``).
         max_samples: token rows kept per layer for the clip search.
@@ -105,6 +123,11 @@ class CalibrationConfig:
     clip_power: float = 0.7
     value_clip_power: float | None = 0.5
     key_clip_objective: str = "logit"
+    clip_search: str = "row"
+    search_context: int = 8192
+    search_seqs: int = 2
+    search_row_stride: int = 32
+    search_weighting: str = "o_proj"
     bit_reversal: bool = True
     hadamard: str = "group"
     max_samples: int = 2048
@@ -122,6 +145,17 @@ class CalibrationConfig:
         _int("sink", 0)
         _int("recent", 0)
         _int("max_samples", 1)
+        _int("search_context", 2)
+        _int("search_seqs", 1)
+        _int("search_row_stride", 1)
+        check(self.clip_search in CLIP_SEARCHES, "clip_search", f"one of {CLIP_SEARCHES}", self.clip_search)
+        weightings = ("o_proj", "fisher")
+        check(
+            self.search_weighting in weightings,
+            "search_weighting",
+            f"one of {weightings}",
+            self.search_weighting,
+        )
         check(
             self.tokens >= self.seq_len, "tokens", f"at least seq_len={self.seq_len} (one chunk)", self.tokens
         )
@@ -355,6 +389,93 @@ def calibrate(
     }
     name = model_name or getattr(model.config, "name_or_path", None) or info.model_type
     with _single_thread():  # small ops: threads cost more than they gain
-        return rotations_from_statistics(
+        rotations = rotations_from_statistics(
             stats, config, model=Path(str(name)).name or str(name), calibration=calibration
         )
+    if config.clip and config.clip_search == "output":
+        rotations = refine_clip_by_output(model, tokenizer, rotations, config, progress=progress)
+    return rotations
+
+
+def search_chunks(tokenizer: Any, config: CalibrationConfig, max_positions: int = 0) -> list[torch.Tensor]:
+    """The output search's sequences: ``search_seqs`` windows of ``search_context`` tokens of
+    the calibration part (seed ``seed + 1``, so not the row-search chunks' choice), shortened to
+    ``max_positions`` if the model's context is shorter."""
+    text = load_text(config.text)
+    calibration_text, _ = split_text(text, config.heldout_fraction)
+    ctx = config.search_context if max_positions <= 0 else min(config.search_context, max_positions)
+    return token_chunks(tokenizer, calibration_text, ctx, ctx * config.search_seqs, config.seed + 1)
+
+
+def refine_clip_by_output(
+    model: Any,
+    tokenizer: Any,
+    rotations: Rotations,
+    config: CalibrationConfig,
+    *,
+    progress: bool = False,
+    search_keys: bool = True,
+    search_values: bool = True,
+) -> Rotations:
+    """Replace ``rotations``' clip ratios by the output search's (:mod:`oscar_calib.output_clip`).
+
+    Rotations, key mean, windows and format stay as they are; the metadata records the
+    search and its objective (``output_error_ratio``: chosen / start, summed over layers).
+    """
+    import dataclasses
+    import sys
+    import time
+
+    from .output_clip import capture_layers, output_metrics, search_output_clip
+
+    info = model_info(model)
+    start = time.perf_counter()
+    chunks = search_chunks(tokenizer, config, info.max_positions)
+    captures = capture_layers(
+        model,
+        chunks,
+        first_row=config.sink + config.recent,
+        row_stride=config.search_row_stride,
+        gradients=config.search_weighting == "fisher",
+    )
+    metrics = output_metrics(model, info.num_q_heads, info.head_dim)
+    if progress:
+        print(f"output clip search on {len(chunks)} x {chunks[0].numel()} tokens", file=sys.stderr)
+    with _single_thread():
+        found = search_output_clip(
+            captures,
+            metrics,
+            rotations,
+            sink=config.sink,
+            recent=config.recent,
+            search_keys=search_keys,
+            search_values=search_values,
+        )
+    meta = dict(rotations.calibration)
+    # the stored ratios are no longer searched ** power: schemes must not undo a power
+    meta.pop("clip_power", None)
+    meta.pop("value_clip_power", None)
+    meta.pop("clip_error_ratio", None)  # the row search's error of ratios no longer stored
+    meta["row_clip_power"] = {
+        "k": float(config.clip_power),
+        "v": float(config.clip_power if config.value_clip_power is None else config.value_clip_power),
+    }
+    meta["clip_search"] = {
+        "objective": f"attention output error ({config.search_weighting} weighting), serving windows",
+        "sequences": len(chunks),
+        "tokens_per_sequence": int(chunks[0].numel()),
+        "row_stride": config.search_row_stride,
+        "keys": search_keys,
+        "values": search_values,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    meta["output_error_ratio"] = {
+        "chosen_vs_row_search": round(sum(found.error_chosen) / max(sum(found.error_start), 1e-30), 4),
+        "chosen_vs_unclipped": round(sum(found.error_chosen) / max(sum(found.error_unclipped), 1e-30), 4),
+    }
+    return dataclasses.replace(
+        rotations,
+        k_clip=tuple(c.to(rotations.k_clip[0].dtype) for c in found.k_clip),
+        v_clip=tuple(c.to(rotations.v_clip[0].dtype) for c in found.v_clip),
+        calibration=meta,
+    )

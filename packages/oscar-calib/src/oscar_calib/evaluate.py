@@ -48,8 +48,10 @@ class EvalConfig:
         needle_schemes: schemes run on the passkey test (None: all).
         seed: seeds sequence choice, passkeys and the Hadamard baseline.
         text: text file (None: the built-in corpus); its held-out part is used.
-        prefill_chunk: emulate (and serve, for ``oscar2-kernels``) a prefill in chunks of
-            this many tokens (see :class:`~oscar_calib.simulate.Windows`); 1 = per-query rule.
+        prefill_chunk: emulate the chunk-granular rule of an engine that prefills in chunks
+            of this many tokens (see :class:`~oscar_calib.simulate.Windows`); 1 = the
+            per-query rule, which the kernels apply whatever their chunk. ``oscar2-kernels``
+            prefills in chunks of this many tokens when > 1 (else 256).
     """
 
     contexts: tuple[int, ...] = (1024, 2048)

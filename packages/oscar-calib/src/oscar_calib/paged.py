@@ -3,8 +3,7 @@
 Every decoder layer's attention goes through ``oscar_kernels`` (the optional extra
 ``oscar-calib[kernels]``): the new tokens' keys/values are written by ``paged_write``
 (rotate, clip, quantise, pack into INT2 pages, plus the BF16 sink/recent windows), a
-prefill chunk attends with ``extend_attention`` (its own keys in BF16, the cached
-prefix from the windows and the INT2 pages) and a decode step with
+prefill chunk attends with ``extend_attention`` and a decode step with
 ``decode_attention``. The ops dispatch by device: Triton kernels for CUDA tensors, the
 torch references on CPU, so the same loop is what CPU CI tests and what runs on a GPU.
 
@@ -16,11 +15,12 @@ from one shared pool (a free list); each live sequence owns one row of the windo
 pools. The windows slide by themselves (see ``docs/kernels.md``): nothing moves when a
 token leaves the recent window.
 
-Semantics: a prefill chunk ``[P, P + C)`` reads prefix key ``j`` quantised iff
-``sink <= j < P + C - recent`` (the window *after* the chunk), its own keys exact — the
-rule :class:`oscar_calib.cache.OscarCache` applies to one ``update`` and
-:mod:`oscar_calib.simulate` applies with ``Windows(prefill_chunk=C)``. With ``C = 1``
-(decode) it is the per-query rule of ``oscar eval``'s ``oscar2``.
+Semantics: per query token, in prefill chunks and decode alike — query ``t`` reads key
+``j`` quantised iff ``sink <= j <= t - recent`` (the rule of ``oscar eval``'s ``oscar2``
+emulation, :mod:`oscar_calib.simulate` with ``prefill_chunk=1``). So the outputs do not
+depend on the prefill chunk size or on which sequences share a step. A prefill step
+writes the chunk's INT2 rows and sink rows, attends, then writes its ring rows
+(``paged_write(parts=...)``); a decode step writes everything, then attends.
 
     lm = PagedLM(model, rotations, PagedConfig(max_seqs=4, max_len=4096))
     out = lm.generate([ids_a, ids_b], max_new_tokens=32)          # greedy, batched
@@ -350,23 +350,16 @@ class PagedLM:
             return self._attend_bf16(i, q, k, v, scaling)[None]
         ok = _kernels()
         cache, ep, be = self.caches[i], self.params[i], self.config.backend
-        ok.paged_write(
-            cache,
-            ep,
-            k,
-            v,
-            st.slot_mapping,
-            st.positions,
-            st.seq_index,
-            st.seq_lens,
-            st.window_slots,
-            backend=be,
-        )
-        if st.decode:  # one new token per sequence, already written (decode reads it from the ring)
+        wargs = (st.slot_mapping, st.positions, st.seq_index, st.seq_lens, st.window_slots)
+        if st.decode:  # one new token per sequence: write it all, then decode reads it from the ring
+            ok.paged_write(cache, ep, k, v, *wargs, backend=be)
             out = ok.decode_attention(
                 q, cache, ep, st.block_table, st.seq_lens, st.window_slots, softmax_scale=scaling, backend=be
             )
         else:
+            # INT2 rows + sink before (a chunk longer than recent reads its own older keys as
+            # INT2), ring rows after (they overwrite rows the chunk's first queries read)
+            ok.paged_write(cache, ep, k, v, *wargs, backend=be, parts="pages")
             out = ok.extend_attention(
                 q,
                 k,
@@ -381,6 +374,7 @@ class PagedLM:
                 softmax_scale=scaling,
                 backend=be,
             )
+            ok.paged_write(cache, ep, k, v, *wargs, backend=be, parts="ring")
         return out[None]
 
     def _attend_bf16(
@@ -521,14 +515,20 @@ class PagedLM:
 # -------------------------------------------------------------------- the eval scheme
 
 
+#: prefill chunk of ``oscar2-kernels`` in ``oscar eval`` (the result does not depend on it)
+KERNELS_EVAL_CHUNK = 256
+
+
 class PagedScheme(KVScheme):
     """``oscar2-kernels``: ``oscar2`` served through :class:`PagedLM` instead of emulated.
 
     Fake quantisation, codecs and bits delegate to ``oscar2`` (so the passkey test and
     error capture see the same numbers); :func:`oscar_calib.evaluate.run_eval` calls
     :meth:`final_hidden` for perplexity, which runs the real kernels (Triton on CUDA,
-    the torch references on CPU), prefilling in chunks of the evaluation's
-    ``Windows.prefill_chunk``.
+    the torch references on CPU). The kernels apply the windows per query token whatever
+    the chunk, so the result is comparable with the per-query emulation
+    (``prefill_chunk=1``); it prefills in chunks of the evaluation's
+    ``Windows.prefill_chunk`` when that is > 1, else of :data:`KERNELS_EVAL_CHUNK` tokens.
     """
 
     paged = True
@@ -556,6 +556,7 @@ class PagedScheme(KVScheme):
     def final_hidden(self, model: Any, input_ids: torch.Tensor, windows: Any) -> torch.Tensor:
         """``[T, hidden]`` of one sequence served through the kernels."""
         n = int(input_ids.numel())
+        chunk = int(getattr(windows, "prefill_chunk", 1))
         cfg = PagedConfig(
             max_seqs=1,
             max_len=n,
@@ -563,7 +564,7 @@ class PagedScheme(KVScheme):
             sink=windows.sink,
             recent=windows.recent,
             group_size=self.group_size,
-            prefill_chunk=int(getattr(windows, "prefill_chunk", 1)),
+            prefill_chunk=chunk if chunk > 1 else KERNELS_EVAL_CHUNK,
         )
         return PagedLM(model, self.rotations, cfg).final_hidden([input_ids.reshape(-1)])[0]
 

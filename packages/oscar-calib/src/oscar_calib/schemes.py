@@ -21,8 +21,12 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``kivi2``                 KIVI: keys per channel over 32-token blocks, values per token
 ``hadamard2``             seeded random-sign Hadamard rotation, per-token INT2
 ``oscar2``                calibrated rotations + key centering + the artifact's clip ratios as
-                          stored (tempered ``alpha ** p`` by calibration: what engines serve)
-``oscar2-calclip``        ``oscar2`` with the untempered searched ratios ``alpha``
+                          stored (what engines serve: by default chosen by the output search,
+                          :mod:`oscar_calib.output_clip`; with ``clip_search="row"`` the
+                          tempered ``alpha ** p``)
+``oscar2-calclip``        ``oscar2`` with the untempered searched ratios ``alpha`` (row-search
+                          artifacts only: an output-search artifact records no power, so
+                          this equals ``oscar2`` there)
 ``oscar2-noclip``         ``oscar2`` without clipping
 ``oscar2-nocenter``       ``oscar2`` without key centering
 ``oscar2-nobitrev``       ``oscar2`` without the bit-reversal permutation (group < d only)

@@ -56,10 +56,12 @@ class Windows:
     Attributes:
         sink: first tokens kept exact.
         recent: last tokens (up to and including the query's own) kept exact.
-        prefill_chunk: the served engine prefills in chunks of this many tokens; every
-            query of a chunk reads the window as it stands *after* the chunk (the chunk's
-            own keys exact), as ``extend_attention`` and ``OscarCache`` do. 1 (default)
-            is the per-query decode rule.
+        prefill_chunk: 1 (default): the per-query rule, which the kernels and both engine
+            plugins apply in prefill and decode alike. ``C > 1``: the chunk-granular rule
+            of an engine that prefills in chunks of ``C`` tokens and lets every query of a
+            chunk read the window as it stands *after* the chunk (the chunk's own keys
+            exact) — what ``OscarCache`` does for one multi-token ``update`` and what
+            ``extend_attention`` did before 2026-12-01.
     """
 
     sink: int = 64

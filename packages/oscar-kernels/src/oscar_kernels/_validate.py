@@ -131,7 +131,7 @@ def check_extend_bounds(
     window_slots: torch.Tensor,
     check_bounds: bool | None = None,
 ) -> None:
-    """Bounds of extend's index tensors: chunk offsets inside ``q``, prefix pages, window rows."""
+    """Bounds of extend's index tensors: chunk offsets inside ``q``, prefix + chunk pages, window rows."""
     if not bounds_checks_enabled(check_bounds):
         return
     cu = cu_seqlens_q.long()
@@ -139,11 +139,13 @@ def check_extend_bounds(
     bad_cu = torch.zeros_like(cu, dtype=torch.bool)
     bad_cu[0] = cu[0] != 0
     bad_cu[1:] = (chunk < 0) | (chunk > max_query_len) | (cu[1:] > num_tokens)
-    failures = _page_failures(cache, block_table, prefix_lens, "prefix_lens")
+    # the chunk's own INT2 rows and sink rows are read too (written before the call)
+    total = prefix_lens.long() + chunk.clamp_min(0)
+    failures = _page_failures(cache, block_table, total, "prefix_lens + chunk length")
     failures += [
         ("cu_seqlens_q", f"offsets from 0, non-decreasing by at most max_query_len = {max_query_len}, "
          f"up to T = {num_tokens}", bad_cu, cu),
-        _slot_failure(cache, window_slots, prefix_lens > 0),  # rows are read for the cached prefix only
+        _slot_failure(cache, window_slots, total > 0),
     ]  # fmt: skip
     _raise_first(failures)
 

@@ -50,11 +50,17 @@ def extend_attention(
     """Causal attention of new chunks (varlen batch) over their cached prefixes.
 
     Sequence ``b`` has ``prefix_lens[b]`` tokens already in the cache and
-    ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new tokens in ``q/k/v``. Prefix key ``j``
-    is read from the sink if ``j < sink``, from the ring if
-    ``j >= max(sink, prefix + chunk - recent)`` (the window *after* this chunk, so it
-    is valid whether or not the chunk was already written), else from INT2 pages,
-    dequantised tile by tile in registers. The chunk's own keys are used in BF16.
+    ``cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new tokens in ``q/k/v``. The windows apply
+    per query token, exactly as in decode: query ``t`` reads key ``j <= t`` as its INT2
+    row iff ``sink <= j <= t - recent``, and in BF16 otherwise — from the sink rows
+    (``j < sink``), the ring (a prefix key) or this call's rotated ``k``/``v`` (a key of
+    the chunk). A token's output therefore does not depend on how its prompt was cut
+    into chunks or batched, and equals what token-by-token decode computes.
+
+    Order of writes: the chunk's INT2 rows and sink rows must be written before this
+    call (``paged_write(..., parts="pages")``: a chunk longer than ``recent`` reads its
+    own older keys as INT2), its ring rows after it (``parts="ring"``: they overwrite
+    the ring rows of positions ``t - recent`` that the chunk's first queries read).
 
     Args:
         q: ``[T, H_q, d]``; k, v: ``[T, H_kv, d]`` un-rotated (after RoPE).

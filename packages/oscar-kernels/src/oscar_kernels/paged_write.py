@@ -15,7 +15,10 @@ from .reference.paged_write import paged_write_ref
 #: the last compiled kernel (diagnostics for benchmarks)
 LAST_COMPILED: dict = {}
 
-__all__ = ["paged_write"]
+__all__ = ["paged_write", "WRITE_PARTS"]
+
+#: what one :func:`paged_write` call stores: everything, the INT2 pages + sink rows, or the ring rows
+WRITE_PARTS = ("all", "pages", "ring")
 
 
 def _validate(cache: PagedKVCache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots):
@@ -85,13 +88,21 @@ def paged_write(
     block_t: int | None = None,
     num_warps: int = 4,
     check_bounds: bool | None = None,
+    parts: str = "all",
 ) -> None:
     """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K, one for V).
 
     Every token goes to its INT2 slot; a token also goes to its sequence's BF16 sink
     row when ``position < sink`` and to its ring row ``position % recent`` when
-    ``position >= max(sink, seq_len - recent)``. Order of writes vs attention does
-    not matter (see ``docs/kernels.md``).
+    ``position >= max(sink, seq_len - recent)``.
+
+    ``parts`` splits the write around a prefill chunk's attention (``docs/kernels.md``,
+    "Order of writes"): ``"pages"`` stores the INT2 rows and the sink rows only,
+    ``"ring"`` the ring rows only, ``"all"`` both. A decode step (one token per sequence)
+    writes ``"all"`` before attention. A chunk writes ``"pages"`` before
+    :func:`oscar_kernels.extend_attention` (which reads the chunk's INT2 rows and sink rows)
+    and ``"ring"`` after it: the chunk's ring rows overwrite the rows of positions
+    ``p - recent`` that the chunk's first queries still read in BF16.
 
     Args:
         cache: the layer's cache.
@@ -109,15 +120,19 @@ def paged_write(
             written tokens are in range (one host synchronisation; ``None`` =
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
             captured). Raises :class:`OscarError`.
+        parts: ``"all"`` | ``"pages"`` | ``"ring"`` (see above).
     """
     lo = cache.layout
+    check(parts in WRITE_PARTS, "parts", f"one of {WRITE_PARTS}", parts)
     _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
     check_write_bounds(cache, slot_mapping, positions, seq_index, seq_lens, window_slots, check_bounds)
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
-    if key.shape[0] == 0:
+    if key.shape[0] == 0 or (parts == "ring" and lo.recent_tokens == 0):
         return
     if not use_triton(cache.device, backend):
-        paged_write_ref(cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
+        paged_write_ref(
+            cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, parts
+        )
         return
     _launch(
         cache,
@@ -132,6 +147,7 @@ def paged_write(
         precise,
         block_t,
         num_warps,
+        parts,
     )
 
 
@@ -148,6 +164,7 @@ def _launch(
     precise,
     block_t,
     num_warps,
+    parts,
 ):
     import triton
 
@@ -223,6 +240,8 @@ def _launch(
             SINK=lo.sink_tokens,
             RECENT=lo.recent_tokens,
             HAS_MEAN=has_mean,
+            WRITE_PAGES=parts != "ring",
+            WRITE_RING=parts != "pages",
             BLOCK_T=block_t,
             DOT_PRECISION=prec,
             **kwargs,

@@ -246,9 +246,11 @@ def rebuild_windows(
     ``j >= max(sink, window_end - recent)`` of those positions get the dequantised INT2
     values (rotated basis, as the ring stores them). Attention over the prefix then reads
     exactly the INT2 values of those tokens, whether through the windows or the pages.
-    ``window_end`` (default ``prefix_len``) is the length after the coming chunk: ring rows
-    of earlier prefix positions are never read again, and skipping them means no rebuilt
-    row shares a ring row with a chunk token (``p ≡ j mod recent`` needs ``p >= j + recent``).
+    ``window_end`` (default ``prefix_len``): the next chunk's first query ``prefix_len``
+    reads ring rows ``j > prefix_len - recent`` (windows apply per query token), and the
+    chunk's own ring rows are written after its attention, so no rebuilt row is
+    overwritten before it is read. This is not an exact hit: the rebuilt rows hold INT2
+    values where a miss reads BF16 (see docs/sglang.md).
     """
     if window_end is None:
         window_end = prefix_len

@@ -143,6 +143,9 @@ class StepContext:
     seq_index: torch.Tensor
     seq_lens: torch.Tensor
     window_slots: torch.Tensor
+    #: what ``set_kv_buffer`` stores: ``"all"`` in decode; ``"pages"`` (INT2 + sink) in extend,
+    #: whose ring rows the backend writes after attention (windows apply per query token)
+    parts: str = "all"
 
 
 class OscarTokenToKVPool(MHATokenToKVPool):
@@ -228,7 +231,20 @@ class OscarTokenToKVPool(MHATokenToKVPool):
     def set_kv_buffer(
         self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor, *args: Any, **kwargs: Any
     ) -> None:
-        """Quantise and store ``cache_k/cache_v`` at ``loc`` (``paged_write``; windows included)."""
+        """Quantise and store ``cache_k/cache_v`` at ``loc`` (``paged_write``; windows included).
+
+        In an extend step only the INT2 rows and sink rows (the step's ``parts``): the
+        backend writes the ring rows after attention (:meth:`write_ring`).
+        """
+        self._store(layer, loc, cache_k, cache_v, None)
+
+    def write_ring(self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        """The ring rows of an extend step's tokens, after its attention read the old ones."""
+        self._store(layer, loc, cache_k, cache_v, "ring")
+
+    def _store(
+        self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor, parts: str | None
+    ) -> None:
         if self.step is None:
             raise OscarError("OSCAR pool: set_kv_buffer called before OscarAttnBackend.init_forward_metadata")
         loc, _, _ = unwrap_write_loc(loc)
@@ -247,6 +263,7 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             st.seq_index[:n],
             st.seq_lens,
             st.window_slots,
+            parts=parts or st.parts,
         )
 
 
@@ -262,7 +279,7 @@ class _Meta:
     cu_seqlens_q: torch.Tensor | None = None
     prefix_lens: torch.Tensor | None = None
     max_query_len: int = 0
-    rebuild: tuple = ()  # (b, slot, start, prefix_len, window_end) of radix-hit prefixes
+    rebuild: tuple = ()  # (b, slot, start, prefix_len) of radix-hit prefixes
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -329,10 +346,10 @@ class OscarAttnBackend(AttentionBackend):
             if p > written:
                 # prefix positions this request did not write (radix-cache hit): their
                 # BF16 rows are not in this slot, rebuild them from the shared INT2 pages
-                rebuild.append((b, slot, written, p, p + c))
+                rebuild.append((b, slot, written, p))
             pool.tracker.mark(slot, gen, p + c)
         pool.step = StepContext(
-            positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots
+            positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots, parts="pages"
         )
         self.meta = _Meta(
             False, bt, seq_lens, slots, cu, prefix, max(ext_cpu) if len(ext_cpu) else 0, tuple(rebuild)
@@ -363,9 +380,9 @@ class OscarAttnBackend(AttentionBackend):
         self._check_layer(layer)
         m, pool = self.meta, self.pool
         cache = pool.cache(layer.layer_id)
-        for b, slot, start, p, end in m.rebuild:
-            rebuild_windows(cache, m.block_table[b], slot, start, p, end)
-        self._write(layer, k, v, forward_batch, save_kv_cache)
+        for b, slot, start, p in m.rebuild:
+            rebuild_windows(cache, m.block_table[b], slot, start, p)
+        self._write(layer, k, v, forward_batch, save_kv_cache)  # INT2 rows + sink
         lo = pool.layout
         q3 = q.reshape(-1, layer.tp_q_head_num, lo.head_dim)
         out = extend_attention(
@@ -381,6 +398,11 @@ class OscarAttnBackend(AttentionBackend):
             m.max_query_len,
             softmax_scale=layer.scaling,
         )
+        if k is not None and v is not None:
+            # after attention: these ring rows replace rows the chunk's first queries read. Also
+            # when the model stored its K/V itself (save_kv_cache=False): the pool's
+            # set_kv_buffer wrote the INT2 rows + sink only in an extend step
+            pool.write_ring(layer, forward_batch.out_cache_loc, k, v)
         return out.reshape(-1, layer.tp_q_head_num * lo.head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201

@@ -14,7 +14,9 @@
 * Per step: write every new token (:func:`oscar_kernels.paged_write`), then attend —
   :func:`oscar_kernels.decode_attention` when every row is a one-token decode, else
   :func:`oscar_kernels.extend_attention` over the whole mixed batch (a decode row is a
-  one-token chunk). CUDA tensors run the Triton kernels, CPU tensors the torch references.
+  one-token chunk), which applies the windows per query token: its step writes the INT2
+  rows + sink before attention and the ring rows after (:func:`oscar_vllm.step.run_layer`).
+  CUDA tensors run the Triton kernels, CPU tensors the torch references.
 
 Version-specific glue lives in :mod:`oscar_vllm.compat`; options in :mod:`oscar_vllm.settings`.
 """

@@ -161,11 +161,26 @@ def write_step(
     v: torch.Tensor,
     md: StepMetadata,
     backend: str = "auto",
+    parts: str = "all",
 ) -> None:
-    """Quantise the step's ``k``/``v`` (``[T, H_kv, d]``) into ``cache`` (INT2 pages + BF16 windows)."""
+    """Quantise the step's ``k``/``v`` (``[T, H_kv, d]``) into ``cache`` (INT2 pages + BF16 windows).
+
+    ``parts`` as :func:`oscar_kernels.paged_write`: :func:`run_layer` writes ``"all"`` before
+    a decode-only step, ``"pages"`` before and ``"ring"`` after an extend step.
+    """
     ws = md.window_slots
     paged_write(
-        cache, params, k, v, md.slot_mapping, md.positions, md.seq_index, md.seq_lens, ws, backend=backend
+        cache,
+        params,
+        k,
+        v,
+        md.slot_mapping,
+        md.positions,
+        md.seq_index,
+        md.seq_lens,
+        ws,
+        backend=backend,
+        parts=parts,
     )
 
 
@@ -181,9 +196,10 @@ def attend_step(
 ) -> torch.Tensor:
     """Attention of the step's queries over the cache (after :func:`write_step`).
 
-    Decode kernel when every row is a one-token decode; otherwise one extend call over
-    the whole mixed batch (a decode row is a one-token chunk; extend and decode agree
-    there, see oscar-kernels' tests). Returns ``[T, H_q, d]`` in ``q.dtype``.
+    Decode kernel when every row is a one-token decode (everything written before);
+    otherwise one extend call over the whole mixed batch (a decode row is a one-token
+    chunk; extend and decode agree there, see oscar-kernels' tests), after the INT2 +
+    sink write and before the ring write. Returns ``[T, H_q, d]`` in ``q.dtype``.
     """
     if md.all_decode:
         return decode_attention(
@@ -222,6 +238,13 @@ def run_layer(
     scale: float,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """One layer's step: :func:`write_step` then :func:`attend_step` (what the backend runs)."""
-    write_step(cache, params, k, v, md, backend)
-    return attend_step(cache, params, q, k, v, md, scale, backend)
+    """One layer's step (what the backend runs): write, attend, and for an extend step the
+    ring rows last — the windows apply per query token (``oscar_kernels.extend_attention``),
+    and a chunk's ring rows overwrite rows its first queries still read."""
+    if md.all_decode:
+        write_step(cache, params, k, v, md, backend)
+        return attend_step(cache, params, q, k, v, md, scale, backend)
+    write_step(cache, params, k, v, md, backend, parts="pages")
+    out = attend_step(cache, params, q, k, v, md, scale, backend)
+    write_step(cache, params, k, v, md, backend, parts="ring")
+    return out

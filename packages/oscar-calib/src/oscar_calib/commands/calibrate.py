@@ -51,6 +51,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="P",
         help="the same for values (default 0.5)",
     )
+    p.add_argument(
+        "--clip-search",
+        choices=("output", "row"),
+        default=None,
+        help="output (default): refine each KV head's ratios by its attention-output error on long "
+        "calibration sequences; row: store the tempered row-search ratios (searched ** P)",
+    )
+    p.add_argument(
+        "--search-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per sequence of the output search (default 8192, at most the model's context)",
+    )
+    p.add_argument(
+        "--search-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences of the output search (default 2)",
+    )
+    p.add_argument(
+        "--search-weighting",
+        choices=("o_proj", "fisher"),
+        default=None,
+        help="output search's error: through o_proj (default) or the empirical Fisher (loss gradient)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -76,7 +103,15 @@ def run(args: argparse.Namespace) -> int:
         clip=not args.no_clip,
         **{
             name: getattr(args, name)
-            for name in ("clip_power", "value_clip_power", "key_clip_objective")
+            for name in (
+                "clip_power",
+                "value_clip_power",
+                "key_clip_objective",
+                "clip_search",
+                "search_context",
+                "search_seqs",
+                "search_weighting",
+            )
             if getattr(args, name) is not None
         },
     )
@@ -99,7 +134,15 @@ def run(args: argparse.Namespace) -> int:
         f"calibrated on {cal['tokens']} tokens ({cal['chunks']} x {cal['seq_len']}) of {cal['text']}, "
         f"seed {cal['seed']}, in {seconds:.1f} s"
     )
-    if config.clip:
+    if config.clip and "output_error_ratio" in cal:
+        ratio = cal["output_error_ratio"]
+        print(
+            f"clip ratios: K mean {k_clip:.3f}, V mean {v_clip:.3f} (output search on "
+            f"{cal['clip_search']['sequences']} x {cal['clip_search']['tokens_per_sequence']} tokens: "
+            f"attention-output error x{ratio['chosen_vs_row_search']:.2f} of the row search's ratios, "
+            f"x{ratio['chosen_vs_unclipped']:.2f} of no clipping)"
+        )
+    elif config.clip:
         ratio = cal.get("clip_error_ratio", {})
         print(
             f"clip ratios: K mean {k_clip:.3f}, V mean {v_clip:.3f} "

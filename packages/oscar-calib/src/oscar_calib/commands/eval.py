@@ -36,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="C",
-        help="emulate an engine that prefills in chunks of C tokens (default 1: per-query decode rule); "
-        "also the chunk oscar2-kernels prefills with",
+        help="emulate an engine with chunk-granular windows that prefills in chunks of C tokens "
+        "(default 1: the per-query rule, which oscar-kernels and the engine plugins apply); "
+        "also the chunk oscar2-kernels prefills with (default 256)",
     )
     p.add_argument(
         "--needle-context",

@@ -282,6 +282,56 @@ def _bf16_range(
 
 
 @triton.jit
+def _bf16_rows_causal(
+    q0,
+    q1,
+    q2,
+    q3,
+    m_i,
+    l_i,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    base_k,
+    base_v,
+    lo,
+    hi,
+    shift,
+    ring,
+    stride_row,
+    qpos,
+    sm_scale_log2,
+    WINDOW: tl.constexpr,
+    RECENT: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    Q4: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Attend to bf16 rows ``((tok + shift) % ring) * stride_row`` for ``tok`` in ``[lo, hi)``.
+
+    Query row ``i`` (position ``qpos[i]``) reads ``tok <= qpos[i]``, and with ``WINDOW``
+    only ``tok > qpos[i] - RECENT`` (the recent window; older keys are read as INT2).
+    """
+    for t0 in range(lo, hi, BLOCK_W):
+        tok = t0 + tl.arange(0, BLOCK_W)
+        tmask = tok < hi
+        row = ((tok + shift) % ring).to(tl.int64) * stride_row
+        s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT)
+        ok = tmask[None, :] & (tok[None, :] <= qpos[:, None])
+        if WINDOW:
+            ok = ok & (tok[None, :] > qpos[:, None] - RECENT)
+        s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _load_q(q_ptr, qrow, rmask, Q4: tl.constexpr, DOT: tl.constexpr):
     j = tl.arange(0, Q4)
     ptr = q_ptr + qrow[:, None] + j[None, :]
@@ -605,10 +655,20 @@ def extend_kernel(
 ):
     """Program ``(query block, b*H_q + hq)``: ``BLOCK_M`` chunk queries of one head.
 
-    Keys: sink ``[0, min(SINK, P))``, INT2 ``[SINK, min(P, max(SINK, L - RECENT)))``,
-    ring ``[max(SINK, L - RECENT), P)`` with ``P`` the prefix and ``L = P + chunk``
-    length, then the chunk's own rotated bf16 keys, causally. INT2 tiles are
-    dequantised in registers; nothing is materialised.
+    Per query token ``t`` (``P`` the prefix, ``L = P + chunk``): key ``j <= t`` is read as
+    the INT2 row iff ``SINK <= j <= t - RECENT``, else in BF16 — the sink row for
+    ``j < SINK``, the ring row for a prefix key, the chunk's own rotated key otherwise.
+    The caller has written the chunk's INT2 rows and sink rows (``paged_write`` parts
+    ``"pages"``) but not yet its ring rows. For the block's queries ``[t_lo, t_hi)``:
+
+    * sink ``[0, min(SINK, t_hi))``, causal;
+    * INT2 ``[SINK, t_hi - RECENT)`` (prefix and chunk), masked to ``j <= t - RECENT``;
+    * ring ``[max(SINK, t_lo - RECENT + 1), P)`` and chunk ``[max(SINK, P, ...), t_hi)``,
+      masked to ``t - RECENT < j <= t``.
+
+    Keys in the ``BLOCK_M - 1`` positions where the two rules meet are visited twice,
+    once per copy, each query taking exactly one. INT2 tiles are dequantised in
+    registers; nothing is materialised.
     """
     mb = tl.program_id(0)
     pid = tl.program_id(1)
@@ -624,6 +684,9 @@ def extend_kernel(
         ws = tl.load(wslot_ptr + b).to(tl.int64)
         m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = m < qlen
+        qpos = prefix + m
+        t_lo = prefix + mb * BLOCK_M
+        t_hi = tl.minimum(total, t_lo + BLOCK_M)
         qrow = (qs + m).to(tl.int64) * stride_qt + hq * stride_qh
         q0, q1, q2, q3, qsum = _load_q(q_ptr, qrow, mmask, Q4, DOT)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -633,9 +696,9 @@ def extend_kernel(
         acc2 = tl.zeros([BLOCK_M, Q4], tl.float32)
         acc3 = tl.zeros([BLOCK_M, Q4], tl.float32)
         j = tl.arange(0, Q4)
-        # sink
+        # sink rows (the chunk's own sink positions were written before this call)
         if SINK > 0:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
                 q0,
                 q1,
                 q2,
@@ -649,17 +712,20 @@ def extend_kernel(
                 ksink_ptr + ws * stride_ws0 + h * stride_ws1,
                 vsink_ptr + ws * stride_ws0 + h * stride_ws1,
                 0,
-                tl.minimum(prefix, SINK),
+                tl.minimum(t_hi, SINK),
+                0,
                 1 << 30,
                 stride_ws2,
+                qpos,
                 sm_scale_log2,
+                False,
+                RECENT,
                 BLOCK_N,
                 Q4,
                 DOT,
             )
-        # INT2 history
-        rstart = tl.maximum(total - RECENT, SINK)
-        hi = tl.minimum(prefix, rstart)
+        # INT2 rows: j <= t - RECENT, prefix and chunk alike
+        hi = t_hi - RECENT
         for t0 in range(SINK, hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
@@ -671,7 +737,8 @@ def extend_kernel(
             s = _int2_scores(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
-            s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
+            ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
+            s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
             acc0 = acc0 * alpha[:, None]
             acc1 = acc1 * alpha[:, None]
@@ -681,9 +748,10 @@ def extend_kernel(
             acc0, acc1, acc2, acc3 = _int2_pv(
                 p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
-        # recent ring (history part only)
         if RECENT > 0:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+            w0 = tl.maximum(t_lo - RECENT + 1, SINK)  # the oldest key any query of the block reads in BF16
+            # recent ring: prefix keys (the chunk's ring rows are written after this call)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
                 q0,
                 q1,
                 q2,
@@ -696,33 +764,46 @@ def extend_kernel(
                 acc3,
                 kring_ptr + ws * stride_wr0 + h * stride_wr1,
                 vring_ptr + ws * stride_wr0 + h * stride_wr1,
-                rstart,
-                prefix,
+                w0,
+                tl.minimum(prefix, t_hi),
+                0,
                 RING,
                 stride_wr2,
+                qpos,
                 sm_scale_log2,
+                True,
+                RECENT,
                 BLOCK_N,
                 Q4,
                 DOT,
             )
-        # the chunk itself, causally
-        qpos = prefix + m
-        hi = tl.minimum(total, prefix + (mb + 1) * BLOCK_M)
-        base_k = kn_ptr + h * stride_nh
-        base_v = vn_ptr + h * stride_nh
-        for t0 in range(prefix, hi, BLOCK_N):
-            tok = t0 + tl.arange(0, BLOCK_N)
-            tmask = tok < hi
-            row = (qs + tok - prefix).to(tl.int64) * stride_nt
-            s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT)
-            ok = tmask[None, :] & (tok[None, :] <= qpos[:, None])
-            s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-            acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
+            # the chunk's own keys, rotated bf16, causally
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
+                q0,
+                q1,
+                q2,
+                q3,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                kn_ptr + h * stride_nh,
+                vn_ptr + h * stride_nh,
+                tl.maximum(w0, prefix),
+                t_hi,
+                qs - prefix,
+                1 << 30,
+                stride_nt,
+                qpos,
+                sm_scale_log2,
+                True,
+                RECENT,
+                BLOCK_N,
+                Q4,
+                DOT,
+            )
         inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         orow = (qs + m).to(tl.int64) * stride_ot + hq * stride_oh
         _store_rows(o_ptr, orow, mmask, acc0, acc1, acc2, acc3, inv, Q4)

@@ -70,10 +70,16 @@ def paged_write_kernel(
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
     HAS_MEAN: tl.constexpr,
+    WRITE_PAGES: tl.constexpr,
+    WRITE_RING: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program: ``BLOCK_T`` tokens of one KV head (``program_id(1)``) of K or V."""
+    """One program: ``BLOCK_T`` tokens of one KV head (``program_id(1)``) of K or V.
+
+    ``WRITE_PAGES``: the INT2 row and the sink row; ``WRITE_RING``: the ring row
+    (``paged_write``'s ``parts``).
+    """
     pid = tl.program_id(0)
     h = tl.program_id(1)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -95,80 +101,81 @@ def paged_write_kernel(
     x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
     x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
 
-    # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
-    alpha = tl.load(alpha_ptr + h).to(tl.float32)
-    page = slot // page_size
-    off = slot % page_size
-    mrow = page * stride_sp + h * stride_sh + off * stride_st
-    NG: tl.constexpr = HEAD_DIM // GROUP
-    z0 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    z1 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    z2 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    z3 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    i0 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    i1 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    i2 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    i3 = tl.zeros([BLOCK_T, Q4], tl.float32)
-    for g in tl.static_range(NG):
-        # column masks of group g inside each quarter
-        c0 = (j // GROUP) == g
-        c1 = ((j + Q4) // GROUP) == g
-        c2 = ((j + 2 * Q4) // GROUP) == g
-        c3 = ((j + 3 * Q4) // GROUP) == g
-        mn = tl.minimum(
-            tl.minimum(
-                tl.min(tl.where(c0[None, :], x0, float("inf")), 1),
-                tl.min(tl.where(c1[None, :], x1, float("inf")), 1),
-            ),
-            tl.minimum(
-                tl.min(tl.where(c2[None, :], x2, float("inf")), 1),
-                tl.min(tl.where(c3[None, :], x3, float("inf")), 1),
-            ),
-        )
-        mx = tl.maximum(
-            tl.maximum(
-                tl.max(tl.where(c0[None, :], x0, -float("inf")), 1),
-                tl.max(tl.where(c1[None, :], x1, -float("inf")), 1),
-            ),
-            tl.maximum(
-                tl.max(tl.where(c2[None, :], x2, -float("inf")), 1),
-                tl.max(tl.where(c3[None, :], x3, -float("inf")), 1),
-            ),
-        )
-        lo = tl.where(mn < 0, mn * alpha, mn)
-        hi = tl.where(mx > 0, mx * alpha, mx)
-        z = round_bf16(lo)
-        sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
-        inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
-        tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
-        tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
-        z0 = tl.where(c0[None, :], z[:, None], z0)
-        z1 = tl.where(c1[None, :], z[:, None], z1)
-        z2 = tl.where(c2[None, :], z[:, None], z2)
-        z3 = tl.where(c3[None, :], z[:, None], z3)
-        i0 = tl.where(c0[None, :], inv[:, None], i0)
-        i1 = tl.where(c1[None, :], inv[:, None], i1)
-        i2 = tl.where(c2[None, :], inv[:, None], i2)
-        i3 = tl.where(c3[None, :], inv[:, None], i3)
-    # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
-    k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
-    k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
-    k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
-    k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
-    packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
-    row = page * stride_cp + h * stride_ch + off * stride_ct
-    tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
+    if WRITE_PAGES:
+        # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
+        alpha = tl.load(alpha_ptr + h).to(tl.float32)
+        page = slot // page_size
+        off = slot % page_size
+        mrow = page * stride_sp + h * stride_sh + off * stride_st
+        NG: tl.constexpr = HEAD_DIM // GROUP
+        z0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        z1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        z2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        z3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        for g in tl.static_range(NG):
+            # column masks of group g inside each quarter
+            c0 = (j // GROUP) == g
+            c1 = ((j + Q4) // GROUP) == g
+            c2 = ((j + 2 * Q4) // GROUP) == g
+            c3 = ((j + 3 * Q4) // GROUP) == g
+            mn = tl.minimum(
+                tl.minimum(
+                    tl.min(tl.where(c0[None, :], x0, float("inf")), 1),
+                    tl.min(tl.where(c1[None, :], x1, float("inf")), 1),
+                ),
+                tl.minimum(
+                    tl.min(tl.where(c2[None, :], x2, float("inf")), 1),
+                    tl.min(tl.where(c3[None, :], x3, float("inf")), 1),
+                ),
+            )
+            mx = tl.maximum(
+                tl.maximum(
+                    tl.max(tl.where(c0[None, :], x0, -float("inf")), 1),
+                    tl.max(tl.where(c1[None, :], x1, -float("inf")), 1),
+                ),
+                tl.maximum(
+                    tl.max(tl.where(c2[None, :], x2, -float("inf")), 1),
+                    tl.max(tl.where(c3[None, :], x3, -float("inf")), 1),
+                ),
+            )
+            lo = tl.where(mn < 0, mn * alpha, mn)
+            hi = tl.where(mx > 0, mx * alpha, mx)
+            z = round_bf16(lo)
+            sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
+            inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
+            tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
+            tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
+            z0 = tl.where(c0[None, :], z[:, None], z0)
+            z1 = tl.where(c1[None, :], z[:, None], z1)
+            z2 = tl.where(c2[None, :], z[:, None], z2)
+            z3 = tl.where(c3[None, :], z[:, None], z3)
+            i0 = tl.where(c0[None, :], inv[:, None], i0)
+            i1 = tl.where(c1[None, :], inv[:, None], i1)
+            i2 = tl.where(c2[None, :], inv[:, None], i2)
+            i3 = tl.where(c3[None, :], inv[:, None], i3)
+        # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
+        k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
+        k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
+        k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
+        k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
+        packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
+        row = page * stride_cp + h * stride_ch + off * stride_ct
+        tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
 
     if SINK + RECENT > 0:
         pos = tl.load(pos_ptr + t, mask=valid, other=0)
         sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
         length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
         ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
-        if SINK > 0:
+        if WRITE_PAGES and SINK > 0:
             m = valid & (pos < SINK)
             p = tl.where(m, pos, 0)
             _store_quarters(sink_ptr + ws * stride_ks + h * stride_kh + p * stride_kt, m, x0, x1, x2, x3, Q4)
-        if RECENT > 0:
+        if WRITE_RING and RECENT > 0:
             m = valid & (pos >= SINK) & (pos >= length - RECENT)
             p = tl.where(m, pos % RECENT, 0)
             _store_quarters(ring_ptr + ws * stride_rs + h * stride_rgh + p * stride_rt, m, x0, x1, x2, x3, Q4)

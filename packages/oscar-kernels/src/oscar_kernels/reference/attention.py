@@ -22,6 +22,23 @@ def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
     return g.reshape(n, h, d)
 
 
+def _pages_rotated(
+    cache: PagedKVCache, block_table_row: torch.Tensor, length: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantised INT2 rows ``[length, H_kv, d]`` (rotated basis) of positions ``[0, length)``."""
+    lo = cache.layout
+    j = torch.arange(length, device=cache.device)
+    page = block_table_row.long()[j // lo.page_size]
+    off = j % lo.page_size
+    k = _dequant(
+        cache.k_codes[page, :, off], cache.k_scale[page, :, off], cache.k_zero[page, :, off], lo.group, dtype
+    )
+    v = _dequant(
+        cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group, dtype
+    )
+    return k, v
+
+
 def gather_rotated_kv(
     cache: PagedKVCache,
     block_table_row: torch.Tensor,
@@ -33,20 +50,12 @@ def gather_rotated_kv(
     """Keys/values ``[length, H_kv, d]`` of one sequence, in the rotated basis.
 
     Position ``j`` comes from the sink if ``j < sink``, from the ring if
-    ``j >= max(sink, window_end - recent)``, else from the dequantised INT2 pages.
-    ``window_end`` is the sequence length that defines the recent window (the
-    cache length in decode; prefix + chunk length in extend).
+    ``j >= max(sink, window_end - recent)``, else from the dequantised INT2 pages:
+    what a query at position ``window_end - 1`` reads (decode: ``window_end`` is the
+    cache length).
     """
     lo = cache.layout
-    j = torch.arange(length, device=cache.device)
-    page = block_table_row.long()[j // lo.page_size]
-    off = j % lo.page_size
-    k = _dequant(
-        cache.k_codes[page, :, off], cache.k_scale[page, :, off], cache.k_zero[page, :, off], lo.group, dtype
-    )
-    v = _dequant(
-        cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group, dtype
-    )
+    k, v = _pages_rotated(cache, block_table_row, length, dtype)
     s = lo.sink_tokens
     ns = min(s, length)
     if ns > 0:
@@ -109,21 +118,57 @@ def extend_attention_ref(
     max_query_len: int,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """Reference of :func:`oscar_kernels.extend_attention` (same arguments)."""
+    """Reference of :func:`oscar_kernels.extend_attention` (same arguments).
+
+    Query ``t`` reads key ``j <= t`` as the INT2 row iff ``sink <= j <= t - recent``, else
+    in BF16: the sink row (``j < sink``), the ring row (a prefix key) or the chunk's own
+    rotated key. Both copies of every key are built; a ``[m, n]`` mask picks one per pair.
+    """
+    lo = cache.layout
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     qr = rotate_queries(q, ep).float()
     kr, vr = rotate_chunk(k, v, ep)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    s, r = lo.sink_tokens, lo.recent_tokens
     for b in range(prefix_lens.shape[0]):
         s0, s1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         m, p = s1 - s0, int(prefix_lens[b])
         if m == 0:
             continue
-        hk, hv = gather_rotated_kv(cache, block_table[b], int(window_slots[b]), p, p + m)
-        kk = torch.cat([hk, kr[s0:s1].float()])
-        vv = torch.cat([hv, vr[s0:s1].float()])
-        qpos = p + torch.arange(m, device=q.device)
-        mask = torch.arange(p + m, device=q.device)[None, :] <= qpos[:, None]  # [m, p+m]
-        out[s0:s1] = _attend(qr[s0:s1], kk, vv, scale, mask[None])
+        n, ws = p + m, int(window_slots[b])
+        kq, vq = _pages_rotated(cache, block_table[b], n, torch.float32)  # the chunk's rows included
+        kb, vb = kq.clone(), vq.clone()  # BF16 copies: INT2 rows stay only where never read as BF16
+        ns = min(s, n)
+        if ns > 0:
+            kb[:ns] = cache.k_sink[ws, :, :ns].transpose(0, 1).float()
+            vb[:ns] = cache.v_sink[ws, :, :ns].transpose(0, 1).float()
+        if r > 0:
+            r0 = max(s, p - r + 1)  # the oldest prefix key the first query reads in BF16
+            if r0 < p:
+                rows = torch.arange(r0, p, device=q.device) % r
+                kb[r0:p] = cache.k_recent[ws, :, rows].transpose(0, 1).float()
+                vb[r0:p] = cache.v_recent[ws, :, rows].transpose(0, 1).float()
+            c0 = max(s, p)
+            kb[c0:n] = kr[s0 + c0 - p : s1].float()
+            vb[c0:n] = vr[s0 + c0 - p : s1].float()
+        qpos = p + torch.arange(m, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        causal = j <= qpos  # [m, n]
+        quant = (j >= s) & (j <= qpos - r)
+        out[s0:s1] = _attend_mixed(qr[s0:s1], kb, vb, kq, vq, scale, causal, quant)
     return unrotate_output(out, ep, q.dtype)
+
+
+def _attend_mixed(q, kb, vb, kq, vq, scale, causal, quant):
+    """``q [m, H_q, d]`` over two copies ``[n, H_kv, d]`` of the keys/values: the INT2 copy
+    where ``quant [m, n]``, the BF16 copy elsewhere, causally."""
+    g = q.shape[1] // kb.shape[1]
+    sb = torch.einsum("mhd,nhd->hmn", q, kb.repeat_interleave(g, dim=1)) * scale
+    sq = torch.einsum("mhd,nhd->hmn", q, kq.repeat_interleave(g, dim=1)) * scale
+    sc = torch.where(quant[None], sq, sb).masked_fill(~causal[None], float("-inf"))
+    pr = torch.softmax(sc, dim=-1)
+    pq = pr * quant[None]
+    return torch.einsum("hmn,nhd->mhd", pr - pq, vb.repeat_interleave(g, dim=1)) + torch.einsum(
+        "hmn,nhd->mhd", pq, vq.repeat_interleave(g, dim=1)
+    )

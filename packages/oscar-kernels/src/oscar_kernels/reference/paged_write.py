@@ -22,6 +22,7 @@ def paged_write_ref(
     seq_index: torch.Tensor,
     seq_lens: torch.Tensor,
     window_slots: torch.Tensor,
+    parts: str = "all",
 ) -> None:
     """Write ``N`` tokens into ``cache`` (in place). Arguments as :func:`oscar_kernels.paged_write`."""
     lo = cache.layout
@@ -32,10 +33,13 @@ def paged_write_ref(
     kr = torch.einsum("nhd,hde->nhe", k - ep.k_mean, ep.k_rotation)
     vr = torch.einsum("nhd,hde->nhe", v, ep.v_rotation)
     page, off = slot // lo.page_size, slot % lo.page_size
+    pages, ring = parts != "ring", parts != "pages"
     for x, a, codes, scale, zero in (
         (kr, ep.k_clip, cache.k_codes, cache.k_scale, cache.k_zero),
         (vr, ep.v_clip, cache.v_codes, cache.v_scale, cache.v_zero),
     ):
+        if not pages:
+            break
         q = quantize_int2(x, lo.group, clip_ratio=a[:, None])
         codes[page, :, off] = q.codes
         scale[page, :, off] = q.scale
@@ -44,11 +48,11 @@ def paged_write_ref(
     sidx = seq_index[valid].long()
     length = seq_lens.long()[sidx]
     ws = window_slots.long()[sidx]
-    if lo.sink_tokens > 0:
+    if pages and lo.sink_tokens > 0:
         m = pos < lo.sink_tokens
         cache.k_sink[ws[m], :, pos[m]] = kr[m].to(torch.bfloat16)
         cache.v_sink[ws[m], :, pos[m]] = vr[m].to(torch.bfloat16)
-    if lo.recent_tokens > 0:
+    if ring and lo.recent_tokens > 0:
         m = (pos >= lo.sink_tokens) & (pos >= length - lo.recent_tokens)
         row = pos[m] % lo.recent_tokens
         cache.k_recent[ws[m], :, row] = kr[m].to(torch.bfloat16)
