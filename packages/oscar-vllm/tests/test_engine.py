@@ -7,7 +7,9 @@ same memory setting. Skipped with the reason when vLLM or the model is unavailab
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
 
 import pytest
 
@@ -85,6 +87,15 @@ def _engine(model_dir: str, **extra):
     )
 
 
+def _steps() -> list[dict]:
+    """The OSCAR builder's step records so far (``$OSCAR_VLLM_STEP_LOG``; none for other backends)."""
+    path = os.environ.get("OSCAR_VLLM_STEP_LOG")
+    if not path or not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def _capacity_tokens(llm) -> int:
     cc = llm.llm_engine.vllm_config.cache_config
     return int(cc.num_gpu_blocks) * int(cc.block_size)
@@ -96,6 +107,7 @@ def _run_core(llm, texts) -> dict:
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     batch = llm.generate([{"prompt_token_ids": p} for p in texts["prompts"]], greedy, use_tqdm=False)
+    batch_steps = _steps()
     ppl_out = llm.generate(
         [{"prompt_token_ids": texts["ppl"]}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
     )[0]
@@ -105,6 +117,7 @@ def _run_core(llm, texts) -> dict:
     assert len(nll) == len(tgt) - 1 and lps[0] is None
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in batch],
+        "batch_steps": batch_steps,
         "nll": nll,
         "ppl": math.exp(sum(nll) / len(nll)),
         "capacity": _capacity_tokens(llm),
@@ -116,20 +129,30 @@ def _run_all(llm, texts) -> dict:
     """Everything the BF16 and OSCAR engines are asked (_run_core + prefix-cache probes)."""
     from vllm import SamplingParams
 
-    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
     core = _run_core(llm, texts)
     long_prompt = texts["prompts"][-1]
+    n0 = len(_steps())
     first = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
+    n1 = len(_steps())
     again = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
+    steps = _steps()
     cont_ids = long_prompt + list(first.outputs[0].token_ids)
     cont = llm.generate([{"prompt_token_ids": cont_ids}], greedy, use_tqdm=False)[0]
     return {
         **core,
         "repeat": (list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)),
+        "repeat_logprobs": tuple(_logprobs(o) for o in (first, again)),
+        "repeat_steps": (steps[n0:n1], steps[n1:]),
         "repeat_cached": (first.num_cached_tokens or 0, again.num_cached_tokens or 0),
         "cont": list(cont.outputs[0].token_ids),
         "cont_cached": cont.num_cached_tokens or 0,
     }
+
+
+def _logprobs(out) -> list[float]:
+    c = out.outputs[0]
+    return [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)]
 
 
 def _shutdown(llm) -> None:
@@ -156,10 +179,15 @@ def bf16(model_dir, texts):
 
 
 @pytest.fixture(scope="module")
-def oscar(model_dir, artifact, texts, bf16):  # bf16 first
+def oscar(model_dir, artifact, texts, bf16, tmp_path_factory):  # bf16 first
     import oscar_vllm
 
-    return _answers(model_dir, texts, _run_all, **oscar_vllm.llm_kwargs(artifact))  # caching requested
+    # every step's chunks and window slots (the engine-core process inherits the variable)
+    os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
+    try:
+        return _answers(model_dir, texts, _run_all, **oscar_vllm.llm_kwargs(artifact))  # caching requested
+    finally:
+        del os.environ["OSCAR_VLLM_STEP_LOG"]
 
 
 def test_kv_capacity_is_at_least_5x_bf16(bf16, oscar):
@@ -177,8 +205,12 @@ def test_greedy_tokens_agree_with_bf16(bf16, oscar, texts):
         assert len(a) == len(b) == NEW_TOKENS
         agree.append(sum(x == y for x, y in zip(a, b, strict=True)) / NEW_TOKENS)
         prefix.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), NEW_TOKENS))
+    # OSCAR's outputs depend on the chunk boundaries, which depend on whether vLLM's engine-core
+    # process had received prompt 2 when it ran its first step (docs/vllm.md, "Reproducibility")
+    first_steps = [s["query_lens"] for s in oscar["batch_steps"][:2]]
     print(f"\ngreedy agreement per prompt (lens {PROMPT_LENS}): {[f'{x:.2f}' for x in agree]}, "
-          f"first divergence at {prefix}, mean {sum(agree) / len(agree):.2f}")  # fmt: skip
+          f"first divergence at {prefix}, mean {sum(agree) / len(agree):.2f}; OSCAR's first steps' "
+          f"chunks {first_steps}")  # fmt: skip
     # oscar eval measures ~91-95% top-1 agreement per position on this model; the first
     # generated token of a prompt therefore matches with p ~0.9, and 4 of 6 is a loose bound
     # (Bin(6, 0.9) < 4 has probability 1.6%); a broken backend matches ~0.
@@ -221,6 +253,18 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, oscar):
     # reused and the repeated prompt and the continuation are computed as with caching off
     assert oscar["repeat_cached"] == (0, 0) and oscar["cont_cached"] == 0
     assert oscar["repeat"][0] == oscar["repeat"][1]
+
+
+def test_same_chunks_give_the_same_outputs_in_other_window_slots_and_blocks(oscar):
+    # the repeated prompt ran alone both times (the same chunks) but in another window slot and
+    # other KV blocks: the outputs must be bitwise the same (nothing but the chunking may matter)
+    a, b = oscar["repeat_steps"]
+    assert [(s["prefix_lens"], s["query_lens"]) for s in a] == [
+        (s["prefix_lens"], s["query_lens"]) for s in b
+    ]
+    assert a[0]["window_slots"] != b[0]["window_slots"] and a[0]["first_blocks"] != b[0]["first_blocks"]
+    assert oscar["repeat"][0] == oscar["repeat"][1]
+    assert oscar["repeat_logprobs"][0] == oscar["repeat_logprobs"][1]
 
 
 def test_missing_artifact_fails_at_start_up_with_one_clear_error(model_dir, tmp_path, capfd, oscar):

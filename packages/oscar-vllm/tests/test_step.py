@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oscar_math.errors import OscarError
-from oscar_vllm.step import WindowSlots, build_step
+from oscar_vllm.step import WindowSlots, build_step, run_layer
 
 
 def test_window_slots_follow_requests_by_first_block():
@@ -46,6 +46,92 @@ def test_build_step_positions_and_decode_detection():
     assert md2.all_decode and md2.window_slots.tolist() == [3]
     with pytest.raises(OscarError, match="prefix-cache hit"):  # V1 path: continuing rows never seen
         build_step(qsl, qsl, seq, seq, table, slot, 3, None, WindowSlots(4))
+
+
+# ---- a request's outputs depend on its own chunks only -------------------------------------
+# (docs/vllm.md, "Reproducibility": vLLM's schedule may differ run to run; nothing else may matter)
+
+_LEN = {0: 50, 1: 30, 2: 40}  # request -> tokens (prompt and decodes alike)
+
+
+def _data(g: torch.Generator) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Each request's q/k/v per position (``H_q = 4``, ``H_kv = 2``, ``d = 32``)."""
+    return {
+        r: (
+            torch.randn(n, 4, 32, generator=g).to(torch.bfloat16),
+            (torch.randn(n, 2, 32, generator=g) * 2 + 0.5).to(torch.bfloat16),
+            torch.randn(n, 2, 32, generator=g).to(torch.bfloat16),
+        )
+        for r, n in _LEN.items()
+    }
+
+
+def _serve(
+    steps, blocks, slots: WindowSlots, fill: float, data, g: torch.Generator
+) -> dict[int, torch.Tensor]:
+    """Run ``steps`` (lists of (request, first position, tokens)) through build_step/run_layer with
+    the torch references over a garbage page buffer and windows filled with ``fill``; returns each
+    request's outputs by position."""
+    from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
+
+    lo = CacheLayout(2, 32, page_size=16, group_size=16, sink_tokens=8, recent_tokens=16)
+    pg = torch.Generator().manual_seed(1)  # the same rotations in every run
+    rk, rv = (torch.linalg.qr(torch.randn(2, 32, 32, generator=pg))[0] for _ in range(2))
+    params = LayerQuantParams(rk, rv, 0.3 * torch.randn(2, 32, generator=pg), 0.9, 0.9).expand(2, 32, "cpu")
+    n_pages = 1 + max(max(b) for b in blocks.values())
+    buf = torch.randint(0, 256, (n_pages, page_bytes(lo)), dtype=torch.uint8, generator=g)
+    cache = cache_from_page_buffer(lo, buf, slots.num_slots)
+    for f in ("k_sink", "v_sink", "k_recent", "v_recent"):
+        getattr(cache, f).fill_(fill)
+    out = {r: torch.full((n, 4, 32), float("nan")) for r, n in _LEN.items()}
+    for step in steps:
+        qlens = [n for _, _, n in step]
+        qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+        seq = torch.tensor([p + n for _, p, n in step], dtype=torch.int32)
+        table = torch.tensor([(blocks[r] + [0] * 4)[:4] for r, _, _ in step], dtype=torch.int32)
+        mapping = [blocks[r][i // 16] * 16 + i % 16 for r, p, n in step for i in range(p, p + n)]
+        slot = torch.tensor([*mapping, -1, -1])  # vLLM pads the token count with -1
+        md = build_step(qsl, qsl, seq, seq, table, slot, len(step), None, slots)
+        q, k, v = (torch.cat([data[r][i][p : p + n] for r, p, n in step]) for i in range(3))
+        o = run_layer(cache, params, q, k, v, md, 32**-0.5)
+        for j, (r, p, n) in enumerate(step):
+            out[r][p : p + n] = o[int(qsl[j]) : int(qsl[j + 1])].float()
+    return out
+
+
+def test_outputs_depend_on_a_requests_own_chunks_only(monkeypatch):
+    """Same chunks per request -> bitwise the same outputs, whatever the batch order, the other
+    rows of a step (a decode row runs the extend path when another row prefills), the KV blocks,
+    the window slots and the memory left in pages and windows (NaN: a read of an unwritten
+    window row would show)."""
+    data = _data(torch.Generator().manual_seed(0))
+    # request 0: 20 + 20 + 4 prompt tokens, then decodes; request 1: 16 + 10, then decodes
+    alone = [[(0, 0, 20), (1, 0, 16)], [(0, 20, 20), (1, 16, 10)], [(0, 40, 4), (1, 26, 1)]]
+    alone += [[(0, 44 + i, 1), (1, 27 + i, 1)] for i in range(3)]  # all-decode steps
+    alone += [[(0, 47 + i, 1)] for i in range(3)]
+    first = _serve(alone, {0: [1, 2, 3, 4], 1: [5, 6]}, WindowSlots(4), 0.0, data, torch.Generator())
+    # the same chunks of requests 0 and 1, with request 2 prefilling beside them (their decode rows
+    # then go through the extend path), rows in other orders, other blocks and slots, NaN windows
+    mixed = [[(1, 0, 16), (2, 0, 8), (0, 0, 20)], [(0, 20, 20), (2, 8, 10), (1, 16, 10)]]
+    mixed += [[(2, 18, 12), (1, 26, 1), (0, 40, 4)], [(1, 27, 1), (0, 44, 1), (2, 30, 5)]]
+    mixed += [[(0, 45, 1), (2, 35, 5), (1, 28, 1)], [(1, 29, 1), (0, 46, 1)]]
+    mixed += [[(0, 47 + i, 1)] for i in range(3)]
+    slots = WindowSlots(4)
+    slots.assign([9], [True], [True])  # a finished request holds slot 0
+    blocks = {0: [7, 3, 10, 8], 1: [2, 11], 2: [4, 5, 6]}
+    second = _serve(mixed, blocks, slots, float("nan"), data, torch.Generator().manual_seed(5))
+    for r in (0, 1):
+        assert torch.isfinite(first[r]).all()
+        assert torch.equal(first[r], second[r]), r
+    # ... and the check can fail: window slots by batch row (not by request) read other requests' rows
+    monkeypatch.setattr(WindowSlots, "assign", lambda self, blocks, starts, active: list(range(len(blocks))))
+    planted = _serve(mixed, blocks, WindowSlots(4), float("nan"), data, torch.Generator().manual_seed(5))
+    assert not all(torch.equal(first[r], planted[r]) for r in (0, 1))
+    # a request's own chunks do matter (windows are applied per chunk): 50 tokens as 25 + 25
+    other = [[(0, 0, 22)], [(0, 22, 22)], *([(0, 44 + i, 1)] for i in range(6))]
+    other = _serve(other, {0: [1, 2, 3, 4]}, WindowSlots(4), 0.0, data, torch.Generator())[0]
+    diff = float((first[0] - other).abs().max())
+    print(f"\nrequest 0, prompt as 20+20+4 vs 22+22 tokens: max |diff| {diff:.2e}")
 
 
 def test_gpu_check_script_reduced_on_cpu(monkeypatch):

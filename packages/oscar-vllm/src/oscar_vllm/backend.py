@@ -23,7 +23,9 @@ Version-specific glue lives in :mod:`oscar_vllm.compat`; options in :mod:`oscar_
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -42,9 +44,13 @@ from oscar_math.errors import OscarError
 
 from . import compat
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
-from .step import StepMetadata, WindowSlots, build_step, run_layer
+from .step import StepMetadata, WindowSlots, build_step, run_layer, step_record
 
 log = logging.getLogger("oscar_vllm")
+
+#: file to which every step's batch (chunk lengths, prefixes, window slots) is appended as one
+#: JSON line (diagnostics: outputs depend on chunk boundaries, docs/vllm.md "Reproducibility")
+STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
 
 #: group size of the artifact loaded by this process's layers (read by customize_spec)
 _LOADED_GROUP: dict[str, int] = {}
@@ -148,7 +154,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         cm = common_attn_metadata
         seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
         rows = compat.request_slots(cm)
-        return build_step(
+        md = build_step(
             cm.query_start_loc,
             cm.query_start_loc_cpu,
             cm.seq_lens,
@@ -159,6 +165,11 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             None if rows is None else torch.as_tensor(rows, dtype=torch.int32),
             self.slots,
         )
+        path = os.environ.get(STEP_LOG_ENV)
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(step_record(md)) + "\n")
+        return md
 
 
 class OscarAttentionImpl(AttentionImpl):

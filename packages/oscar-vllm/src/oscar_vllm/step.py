@@ -15,7 +15,15 @@ import torch
 from oscar_kernels import PagedKVCache, decode_attention, extend_attention, paged_write
 from oscar_math.errors import OscarError
 
-__all__ = ["StepMetadata", "WindowSlots", "build_step", "write_step", "attend_step", "run_layer"]
+__all__ = [
+    "StepMetadata",
+    "WindowSlots",
+    "build_step",
+    "step_record",
+    "write_step",
+    "attend_step",
+    "run_layer",
+]
 
 
 @dataclass
@@ -132,6 +140,18 @@ def build_step(
         window_slots=ws,
         all_decode=bool(b) and bool((q_lens_cpu <= 1).all()) and bool((prefix_cpu > 0).all()),
     )
+
+
+def step_record(md: StepMetadata) -> dict:
+    """A step's batch as host lists: per row the chunk length, the cached prefix before it,
+    the window slot and the first KV block (what decides each sequence's outputs)."""
+    qsl = md.query_start_loc.cpu().tolist()
+    return {
+        "query_lens": [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)],
+        "prefix_lens": md.prefix_lens.cpu().tolist(),
+        "window_slots": md.window_slots.cpu().tolist(),
+        "first_blocks": md.block_table[:, 0].cpu().tolist() if md.block_table.shape[1] else [],
+    }
 
 
 def write_step(
