@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_context_run import BASELINES, score, table  # noqa: E402
+from long_context_run import BASELINES, load_smollm2, score, table  # noqa: E402
 
-from oscar_calib.models import load_model  # noqa: E402
 from oscar_calib.schemes import SchemeContext, build_scheme  # noqa: E402
 from oscar_calib.simulate import Windows  # noqa: E402
 from oscar_calib.text import builtin_text, load_text, split_text, token_chunks  # noqa: E402
@@ -90,13 +89,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     times: dict[str, float] = {}
-    t = time.perf_counter()
-    model, tok = load_model("smollm2", dtype=torch.bfloat16, device=dev)
-    times["load"] = time.perf_counter() - t
-    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(f"device {dev} ({gpu}), load {times['load']:.1f} s")
+    model, tok, dev = load_smollm2(times)
     windows = Windows(64, 256)
     arts = {}
     for spec in args.artifact:

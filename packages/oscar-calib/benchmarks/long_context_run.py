@@ -105,6 +105,22 @@ def table(title: str, res: dict[str, Any], bits: dict[str, float] | None = None)
     return "\n".join(lines)
 
 
+def load_smollm2(times: dict[str, float], tiny: bool = False) -> tuple[Any, Any, str]:
+    """SmolLM2 in bf16 on the GPU if any (``tiny``: a 2-layer random model); sets ``times["load"]``."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t = time.perf_counter()
+    if tiny:
+        from oscar_calib.models import tiny_random_model
+
+        model, tok = tiny_random_model("llama", num_hidden_layers=2)
+    else:
+        model, tok = load_model("smollm2", dtype=torch.bfloat16, device=dev)
+    times["load"] = time.perf_counter() - t
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"device {dev} ({gpu}), load {times['load']:.1f} s")
+    return model, tok, dev
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="long-context-run")
@@ -122,18 +138,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     times: dict[str, float] = {}
-    t = time.perf_counter()
-    if args.tiny:
-        from oscar_calib.models import tiny_random_model
-
-        model, tok = tiny_random_model("llama", num_hidden_layers=2)
-    else:
-        model, tok = load_model("smollm2", dtype=torch.bfloat16, device=dev)
-    times["load"] = time.perf_counter() - t
-    gpu = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(f"device {dev} ({gpu}), load {times['load']:.1f} s")
+    model, tok, dev = load_smollm2(times, args.tiny)
     windows = Windows(64, 256)
     name = model_name("smollm2")
 
