@@ -47,7 +47,7 @@ def make_artifact(
 class Harness:
     """One layer, ``H_Q`` query / ``H_KV`` KV heads; the OSCAR and SGLang's BF16 pool share one allocator."""
 
-    def __init__(self, artifact, *, num_tokens=256, max_reqs=6, max_context=128):
+    def __init__(self, artifact, *, num_tokens=256, max_reqs=6, max_context=128, radix="off", snapshots=0):
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.layers.radix_attention import RadixAttention
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -72,7 +72,12 @@ class Harness:
             enable_memory_saver=False,
         )
         self.pool = OscarTokenToKVPool(
-            num_tokens, quant=quant, max_seqs=self.req_pool.req_to_token.shape[0], **common
+            num_tokens,
+            quant=quant,
+            max_seqs=self.req_pool.req_to_token.shape[0],
+            radix=radix,
+            snapshots=snapshots,
+            **common,
         )
         self.bf16 = MHATokenToKVPool(num_tokens, **common)
         self.alloc = PagedTokenToKVPoolAllocator(num_tokens, PAGE, torch.bfloat16, "cpu", self.pool, False)
@@ -149,3 +154,98 @@ def qkv(length: int, seed: int, scale: float = 1.0):
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def token_qkv(tokens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v of each position as a function of the tokens up to it (what a model computes), so
+    requests sharing a prefix have the same K/V there, as in a real radix-cache hit."""
+    rows = [qkv(1, hash(tuple(tokens[: i + 1])) % (2**31)) for i in range(len(tokens))]
+    return tuple(torch.cat([r[j] for r in rows]) for j in range(3))
+
+
+class TreeFlow:
+    """Requests through SGLang's real ``UnifiedRadixCache`` and ``Req`` the way the scheduler drives
+    them: ``match_prefix`` -> row + page allocation -> extend chunks, each followed by ``checkpoint``
+    (``checkpoint_kv_cache``) -> decode steps -> ``finish_req`` (what ``release_kv_cache`` does)."""
+
+    def __init__(self, h: Harness) -> None:
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        self.h = h
+        self.tree = UnifiedRadixCache(
+            CacheInitParams(
+                disable=False,
+                req_to_token_pool=h.req_pool,
+                token_to_kv_pool_allocator=h.alloc,
+                page_size=PAGE,
+                tree_components=(ComponentType.FULL,),
+            )
+        )
+        self.n = 0
+
+    def run(self, tokens, *, decode=0, chunks=(), use_tree=True):
+        """Prefill ``tokens`` (extend from the radix hit, split at ``chunks``), decode ``decode`` more
+        tokens, finish. Returns (outputs of every computed position as ``{pos: out}``, hit length)."""
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.test.mem_cache_utils import finish_req
+
+        h, tree = self.h, self.tree
+        self.n += 1
+        tokens = list(tokens)
+        req = Req(
+            rid=f"r{self.n}",
+            origin_input_text="",
+            origin_input_ids=array("q", tokens),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=decode + 1),
+        )
+        req.refresh_fill_ids()
+        m = 0
+        if use_tree:
+            res = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+            m = int(res.device_prefix_len)
+            req.last_node = res.last_device_node
+            req.lock = tree.lock(res.last_device_node)
+        req.kv.cache_protected_len = m
+        slot = h.req_pool.alloc([req])[0]
+        if m:
+            path = tree.tree_core.collect_full_device_indices(req.last_node, tree.root_node_handle())
+            h.req_pool.req_to_token[slot, :m] = path[:m].to(torch.int32)
+        total = len(tokens) + decode
+        cap = -(-total // PAGE) * PAGE
+        h.req_pool.req_to_token[slot, m:cap] = h.alloc.alloc(cap - m).to(torch.int32)
+        req.kv.kv_allocated_len = total
+        all_tokens = tokens + [1000 + i for i in range(decode + 1)]  # "greedy": same tokens every run
+        q, k, v = token_qkv(all_tokens[:total])
+        outs = {}
+        bounds = [m] + [c for c in chunks if m < c < len(tokens)] + [len(tokens)]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            o = h.run(h.oscar, h.batch("extend", [slot], [a], [b - a]), q[a:b], k[a:b], v[a:b])
+            outs.update({a + i: o[i] for i in range(b - a)})
+            req.kv.kv_committed_len = b
+            req.extend_end = b
+            if use_tree:
+                tree.checkpoint(req, up_to=b)
+        for pos in range(len(tokens), total):
+            req.output_ids.append(all_tokens[pos])
+            o = h.run(
+                h.oscar,
+                h.batch("decode", [slot], [pos], [1]),
+                q[pos : pos + 1],
+                k[pos : pos + 1],
+                v[pos : pos + 1],
+            )
+            outs[pos] = o[0]
+            req.kv.kv_committed_len = pos + 1
+        req.output_ids.append(all_tokens[total])  # the last sampled token has no KV yet
+        req.finished_reason = FINISH_LENGTH(length=decode + 1)
+        if use_tree:
+            finish_req(tree, req, up_to=req.owned_kv_len())
+        h.req_pool.free(req)
+        return outs, m, all_tokens[:total]

@@ -317,8 +317,9 @@ def test_chunked_extend_and_decode_int2_within_bound(artifact):
 
 
 def test_radix_hit_reads_no_stale_rows_and_equals_int2_prefix(artifact):
-    """A prefix from the radix cache (pages shared with another request) in a reused request slot."""
-    h = Harness(artifact)
+    """A prefix from the radix cache (pages shared with another request) in a reused request slot,
+    mode int2 (approximate hits: the prefix's window rows rebuilt from its INT2 pages)."""
+    h = Harness(artifact, radix="int2")
     P, C = 24, 6
     q, k, v = qkv(P + C, 31)
     donor = h.new_request(P)

@@ -9,8 +9,12 @@ SGLang classes and hooks that use it live in :mod:`oscar_sglang.sglang_glue`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +38,65 @@ __all__ = [
     "block_table",
     "WindowTracker",
     "rebuild_windows",
+    "ENV_RADIX",
+    "ENV_SNAPSHOTS",
+    "RADIX_MODES",
+    "radix_mode",
+    "snapshot_count",
+    "prefix_digests",
+    "SnapshotStore",
 ]
 
 #: environment variable that carries the artifact path to every SGLang process
 ENV_ROTATIONS = "OSCAR_ROTATIONS"
 #: the name of the attention backend (``--attention-backend oscar``)
 BACKEND_NAME = "oscar"
+#: what the radix (prefix) cache does under OSCAR (``--oscar-radix-cache``), see :func:`radix_mode`
+ENV_RADIX = "OSCAR_SGLANG_RADIX_CACHE"
+#: window snapshots kept for exact radix hits (``--oscar-window-snapshots``)
+ENV_SNAPSHOTS = "OSCAR_SGLANG_WINDOW_SNAPSHOTS"
+RADIX_MODES = ("off", "exact", "int2")
+
+
+def radix_mode() -> str:
+    """The radix-cache policy under ``--attention-backend oscar`` (``$OSCAR_SGLANG_RADIX_CACHE``).
+
+    * ``off`` (default): SGLang's radix cache is built disabled, so there are no hits;
+    * ``exact``: hits are cut back to the longest page-aligned prefix whose BF16 window rows
+      were kept (a window snapshot), which are copied into the request: a hit == a miss;
+    * ``int2``: any hit; the prefix's window rows are rebuilt from its INT2 pages
+      (approximate: those tokens are read at INT2 where a miss reads BF16).
+    """
+    mode = os.environ.get(ENV_RADIX, "").strip().lower() or "off"
+    if mode not in RADIX_MODES:
+        raise OscarError(
+            f"Invalid {ENV_RADIX} / --oscar-radix-cache: expected one of {', '.join(RADIX_MODES)}, "
+            f"got {mode!r}"
+        )
+    return mode
+
+
+def snapshot_count(mode: str, request_slots: int) -> int:
+    """Window snapshot rows to allocate: 0 unless ``mode == "exact"``; default two per request slot.
+
+    Each request slot may hold up to two not-yet-published snapshots (the latest page
+    boundary, and the one before while an overlapped step is in flight); the rest hold
+    published prefixes, evicted least recently used first.
+    """
+    if mode != "exact":
+        return 0
+    raw = os.environ.get(ENV_SNAPSHOTS, "").strip()
+    if not raw:
+        return 2 * request_slots
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise OscarError(
+            f"Invalid {ENV_SNAPSHOTS} / --oscar-window-snapshots: expected an integer >= 1, got {raw!r}"
+        )
+    return n
 
 
 def rotations_path() -> str:
@@ -173,16 +230,17 @@ def window_bytes_per_slot(layout: CacheLayout, num_layers: int) -> int:
 
 
 def tokens_after_windows(
-    max_tokens: int, max_running_requests: int, layout: CacheLayout, num_layers: int
+    max_tokens: int, max_running_requests: int, layout: CacheLayout, num_layers: int, snapshots: int = 0
 ) -> int:
     """Token capacity left once the window rows of every request slot are paid for.
 
     SGLang sizes ``req_to_token_pool`` with ``max_running_requests + 1`` rows (row 0 is
-    padding); each row owns one set of windows, whose bytes come out of the same budget
+    padding); each row owns one set of windows, and each of the ``snapshots`` window
+    snapshots (exact radix hits) is one more set. Their bytes come out of the same budget
     that sized ``max_tokens`` INT2 tokens. Rounded down to whole pages.
     """
     cell = int2_bytes_per_token(layout, num_layers)
-    windows = window_bytes_per_slot(layout, num_layers) * (max_running_requests + 1)
+    windows = window_bytes_per_slot(layout, num_layers) * (max_running_requests + 1 + snapshots)
     left = max_tokens - math.ceil(windows / cell)
     return max(0, left // layout.page_size * layout.page_size)
 
@@ -286,3 +344,110 @@ def rebuild_windows(
         rows = j[ring] % r
         cache.k_recent[slot][:, rows] = k[:, ring]
         cache.v_recent[slot][:, rows] = v[:, ring]
+
+
+# --------------------------------------------------------------------------- exact radix hits
+
+
+def prefix_digests(
+    token_ids: Sequence[int], extra_key: object, cache_salt: object, page_size: int, upto: int
+) -> list[bytes]:
+    """Content digests of the prefixes ``token_ids[:m]`` for ``m = page_size, 2·page_size, …, <= upto``.
+
+    The identity SGLang's radix tree uses for KV (token ids in the namespace of
+    ``extra_key`` / ``cache_salt``): equal digests mean equal K/V, so the BF16 window rows
+    of a prefix can be found by content, whatever token slots now hold its pages.
+    """
+    h = hashlib.blake2b(repr((extra_key, cache_salt)).encode(), digest_size=16)
+    ids = token_ids if isinstance(token_ids, array) and token_ids.typecode == "q" else array("q", token_ids)
+    out = []
+    for m in range(page_size, upto + 1, page_size):
+        h.update(ids[m - page_size : m].tobytes())
+        out.append(h.digest())
+    return out
+
+
+class SnapshotStore:
+    """Host-side index of the window snapshot rows (``count`` extra window rows from ``base``).
+
+    A *snapshot* is one window row (sink rows + ring) as a request had it at a page-aligned
+    length ``K``: everything a query at position ``K`` reads in BF16 besides the INT2
+    pages. The backend *captures* one when a request's write crosses a page boundary
+    (tagged ``(slot, generation, K)``); when SGLang inserts that request's first ``K``
+    tokens into the radix tree the snapshot is *published* under the content digest of
+    those tokens. A later hit of exactly that prefix copies it into the new request's
+    window row, which then holds what a miss would have written (bitwise).
+
+    Buffers are recycled in this order: free, candidates of requests that left their slot
+    (generation changed), published snapshots least recently used first. Never the
+    buffers passed in ``busy`` (read by the current step).
+    """
+
+    def __init__(self, base: int, count: int, keep_per_slot: int = 2) -> None:
+        self.base, self.count, self.keep = base, count, keep_per_slot
+        self.free: list[int] = list(range(base + count - 1, base - 1, -1))
+        self.cand: dict[int, tuple[int, int, int]] = {}  # buf -> (slot, generation, K)
+        self.slot_cands: dict[int, list[int]] = {}  # slot -> bufs, oldest first
+        self.published: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # digest -> (buf, K), LRU first
+        self.buf_digest: dict[int, bytes] = {}
+
+    def _drop_cand(self, buf: int) -> None:
+        slot = self.cand.pop(buf)[0]
+        self.slot_cands[slot].remove(buf)
+        self.free.append(buf)
+
+    def _alloc(self, current_gen: Sequence[int], busy: set[int]) -> int | None:
+        if self.free:
+            return self.free.pop()
+        for buf, (slot, gen, _) in list(self.cand.items()):
+            if current_gen[slot] != gen and buf not in busy:
+                self._drop_cand(buf)
+                return self.free.pop()
+        for digest, (buf, _) in self.published.items():
+            if buf not in busy:
+                del self.published[digest]
+                del self.buf_digest[buf]
+                return buf
+        return None
+
+    def capture(
+        self, slot: int, generation: int, length: int, current_gen: Sequence[int], busy: set[int]
+    ) -> int | None:
+        """A buffer to copy ``slot``'s windows at length ``length`` into (``None``: none free).
+
+        ``current_gen[slot]``: the generation each request slot holds now (candidates of
+        other generations are garbage).
+        """
+        lst = self.slot_cands.setdefault(slot, [])
+        for buf in [b for b in lst if self.cand[b][1] != generation or self.cand[b][2] == length]:
+            if buf not in busy:
+                self._drop_cand(buf)
+        while len(lst) >= self.keep and lst[0] not in busy:
+            self._drop_cand(lst[0])
+        buf = self._alloc(current_gen, busy)
+        if buf is None:
+            return None
+        self.cand[buf] = (slot, generation, length)
+        lst.append(buf)
+        return buf
+
+    def publish(self, slot: int, generation: int, length: int, digest: bytes) -> bool:
+        """Publish the candidate of ``slot`` at ``length`` under ``digest``; False if there is none."""
+        if digest in self.published:
+            self.published.move_to_end(digest)
+            return True
+        for buf in self.slot_cands.get(slot, []):
+            if self.cand[buf] == (slot, generation, length):
+                del self.cand[buf]
+                self.slot_cands[slot].remove(buf)
+                self.published[digest] = (buf, length)
+                self.buf_digest[buf] = digest
+                return True
+        return False
+
+    def lookup(self, digest: bytes) -> tuple[int, int] | None:
+        """``(buf, length)`` of the published snapshot of that prefix (marked recently used)."""
+        hit = self.published.get(digest)
+        if hit is not None:
+            self.published.move_to_end(digest)
+        return hit

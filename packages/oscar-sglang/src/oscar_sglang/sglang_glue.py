@@ -23,6 +23,7 @@ Hook targets (dotted paths, all SGLang 0.5.23):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -43,14 +44,21 @@ from oscar_math.errors import OscarError
 
 from .core import (
     BACKEND_NAME,
+    ENV_RADIX,
     ENV_ROTATIONS,
+    ENV_SNAPSHOTS,
+    RADIX_MODES,
     RankQuant,
+    SnapshotStore,
     WindowTracker,
     block_table,
     int2_bytes_per_token,
     load_rank_quant,
+    prefix_digests,
+    radix_mode,
     rebuild_windows,
     rotations_path,
+    snapshot_count,
     tokens_after_windows,
     window_bytes_per_slot,
 )
@@ -74,6 +82,10 @@ __all__ = ["register", "OscarTokenToKVPool", "OscarAttnBackend", "oscar_selected
 _T_ARGS = "sglang.srt.server_args.ServerArgs"
 _T_CELL = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
 _T_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_T_TREES = (
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache",
+    "sglang.srt.mem_cache.radix_cache.RadixCache",
+)
 
 
 # --------------------------------------------------------------------------- selection
@@ -170,6 +182,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         *,
         quant: RankQuant,
         max_seqs: int,
+        radix: str = "off",
+        snapshots: int = 0,
         start_layer: int | None = None,
         end_layer: int | None = None,
         **_unused: Any,
@@ -196,8 +210,24 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             torch.zeros(self.num_pages, page_bytes(lo), dtype=torch.uint8, device=device)
             for _ in range(layer_num)
         ]
-        self.caches: list[PagedKVCache] = [cache_from_page_buffer(lo, b, max_seqs) for b in self.page_buffers]
+        if radix not in RADIX_MODES:
+            raise OscarError(f"Invalid radix mode: expected one of {RADIX_MODES}, got {radix!r}")
+        if radix == "exact" and snapshots < 1:
+            raise OscarError("Invalid OSCAR pool: radix mode 'exact' needs at least one window snapshot row")
+        # window rows [0, max_seqs) belong to request slots, [max_seqs, max_seqs + snapshots) are
+        # window snapshots for exact radix hits (same tensors: a snapshot is copied row to row)
+        self.caches: list[PagedKVCache] = [
+            cache_from_page_buffer(lo, b, max_seqs + snapshots) for b in self.page_buffers
+        ]
         self.max_seqs = max_seqs
+        self.radix = radix
+        self.store = SnapshotStore(max_seqs, snapshots) if snapshots else None
+        #: token slot of a hit's last prefix position -> (digest, length), set by the match hook
+        self.pending_hits: dict[int, tuple[bytes, int]] = {}
+        #: radix hits served without a snapshot (rebuilt from INT2): only in mode "int2", or if a
+        #: snapshot was recycled between SGLang's match and the forward (logged)
+        self.inexact_hits = 0
+        self.exact_hits = 0
         self.tracker = WindowTracker(max_seqs)
         self.step: StepContext | None = None
         self._finalize_allocation_log(size)
@@ -279,7 +309,18 @@ class _Meta:
     cu_seqlens_q: torch.Tensor | None = None
     prefix_lens: torch.Tensor | None = None
     max_query_len: int = 0
-    rebuild: tuple = ()  # (b, slot, start, prefix_len) of radix-hit prefixes
+    rebuild: tuple = ()  # (b, slot, start, prefix_len) of radix-hit prefixes rebuilt from INT2 (mode int2)
+    restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, snapshot rows) of exact hits
+    capture: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, snapshot rows) at a page boundary
+    # extend only: chunk tokens [lo, hi) of the flat batch that go into capture row j's ring, with
+    # their positions / the snapshot length (seq_lens) for paged_write
+    capture_tokens: tuple | None = None
+
+
+def _copy_windows(cache: PagedKVCache, dst: torch.Tensor, src: torch.Tensor) -> None:
+    for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
+        if t.shape[2]:
+            t[dst] = t[src]
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -312,6 +353,7 @@ class OscarAttnBackend(AttentionBackend):
         seq_lens = fb.seq_lens.to(torch.int32)
         bt = block_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices, pool.page_size)
         gens = self.req_to_token_pool.req_generation
+        P = pool.page_size
         if mode.is_decode():
             bsz = seq_lens.shape[0]
             pool.step = StepContext(
@@ -321,10 +363,18 @@ class OscarAttnBackend(AttentionBackend):
                 window_slots=slots,
             )
             lens_cpu = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else None
+            cap_src, cap_dst = [], []
             if lens_cpu is not None:
                 for slot, length in zip(fb.req_pool_indices.tolist(), lens_cpu, strict=True):
-                    pool.tracker.mark(slot, int(gens[slot]), length)
-            self.meta = _Meta(True, bt, seq_lens, slots)
+                    gen = int(gens[slot])
+                    pool.tracker.mark(slot, gen, length)
+                    if pool.store is not None and length % P == 0:
+                        # this step writes position length-1: the windows are those of a hit of `length`
+                        buf = pool.store.capture(slot, gen, length, self._current_gens(), set())
+                        if buf is not None:
+                            cap_src.append(slot)
+                            cap_dst.append(buf)
+            self.meta = _Meta(True, bt, seq_lens, slots, capture=self._pair(cap_src, cap_dst))
             return
         if mode.name not in ("EXTEND", "MIXED"):  # speculative / dLLM / split-prefill modes
             raise OscarError(f"--attention-backend {BACKEND_NAME}: forward mode {mode.name} is not supported")
@@ -338,22 +388,101 @@ class OscarAttnBackend(AttentionBackend):
         positions = prefix.long()[seq_index] + torch.arange(n, device=ext.device) - cu.long()[seq_index]
         ext_cpu = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else ext.tolist()
         pre_cpu = fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None else prefix.tolist()
-        rebuild = []
-        for b, slot in enumerate(fb.req_pool_indices.tolist()):
+        rebuild, res_src, res_dst = [], [], []
+        slot_list = fb.req_pool_indices.tolist()
+        for b, slot in enumerate(slot_list):
             gen = int(gens[slot])
             written = pool.tracker.written(slot, gen)
             p, c = int(pre_cpu[b]), int(ext_cpu[b])
             if p > written:
-                # prefix positions this request did not write (radix-cache hit): their
-                # BF16 rows are not in this slot, rebuild them from the shared INT2 pages
-                rebuild.append((b, slot, written, p))
+                # prefix positions this request did not write (a radix-cache hit): their BF16
+                # window rows are not in this slot
+                buf = self._hit_snapshot(slot, p)
+                if buf is not None:
+                    res_src.append(buf)
+                    res_dst.append(slot)
+                else:
+                    rebuild.append((b, slot, written, p))
             pool.tracker.mark(slot, gen, p + c)
+        cap_src, cap_dst, cap_tok = [], [], []
+        if pool.store is not None:
+            busy = set(res_src)
+            cum = 0
+            for b, slot in enumerate(slot_list):
+                p, c = int(pre_cpu[b]), int(ext_cpu[b])
+                k_len = (p + c) // P * P
+                if k_len > p:
+                    buf = pool.store.capture(slot, int(gens[slot]), k_len, self._current_gens(), busy)
+                    if buf is not None:
+                        busy.add(buf)
+                        cap_src.append(slot)
+                        cap_dst.append(buf)
+                        cap_tok.append((cum, cum + k_len - p, len(cap_dst) - 1, k_len))
+                cum += c
+        cap_meta = None
+        if cap_tok:
+            dev = ext.device
+            idx = torch.cat([torch.arange(lo, hi, device=dev) for lo, hi, _, _ in cap_tok])
+            sidx = torch.cat(
+                [torch.full((hi - lo,), j, dtype=torch.int64, device=dev) for lo, hi, j, _ in cap_tok]
+            )
+            lens = torch.tensor([k for _, _, _, k in cap_tok], dtype=torch.int32, device=dev)
+            cap_meta = (idx, positions[idx], sidx, lens, torch.tensor(cap_dst, dtype=torch.int32, device=dev))
         pool.step = StepContext(
             positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots, parts="pages"
         )
         self.meta = _Meta(
-            False, bt, seq_lens, slots, cu, prefix, max(ext_cpu) if len(ext_cpu) else 0, tuple(rebuild)
+            False,
+            bt,
+            seq_lens,
+            slots,
+            cu,
+            prefix,
+            max(ext_cpu) if len(ext_cpu) else 0,
+            tuple(rebuild),
+            restore=self._pair(res_dst, res_src),
+            capture=self._pair(cap_src, cap_dst),
+            capture_tokens=cap_meta,
         )
+
+    def _pair(self, a: list[int], b: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not a:
+            return None
+        dev = self.pool.caches[0].k_sink.device
+        return torch.tensor(a, dtype=torch.int64, device=dev), torch.tensor(b, dtype=torch.int64, device=dev)
+
+    def _current_gens(self) -> list[int]:
+        return self.pool.tracker.generation
+
+    def _hit_snapshot(self, slot: int, prefix_len: int) -> int | None:
+        """The snapshot row holding the BF16 windows of this request's cached prefix, or None.
+
+        ``None`` in mode ``off`` raises (a hit must not happen there), in mode ``int2`` means
+        "rebuild from INT2" (documented approximation), in mode ``exact`` it is logged: the match
+        hook only lets through hits that have a snapshot, so this happens only if that snapshot
+        was recycled between SGLang's match and this forward.
+        """
+        pool = self.pool
+        if pool.radix == "off":
+            raise OscarError(
+                f"--attention-backend {BACKEND_NAME}: a radix-cache hit of {prefix_len} tokens reached the "
+                f"backend with {ENV_RADIX}=off (its sink/recent tokens would be read at INT2, not BF16): "
+                "pass --disable-radix-cache, or --oscar-radix-cache exact"
+            )
+        if pool.radix == "exact":
+            token_slot = int(self.req_to_token_pool.req_to_token[slot, prefix_len - 1])
+            pend = pool.pending_hits.get(token_slot)
+            hit = pool.store.lookup(pend[0]) if pend is not None and pend[1] == prefix_len else None
+            if hit is not None and hit[1] == prefix_len:
+                pool.exact_hits += 1
+                return hit[0]
+            logger.warning(
+                "OSCAR: radix hit of %d tokens without its window snapshot (recycled since the match): its "
+                "sink/recent tokens are read at INT2 (raise --oscar-window-snapshots)",
+                prefix_len,
+            )
+        pool.inexact_hits += 1
+        return None
 
     @staticmethod
     def _check_layer(layer: Any) -> None:
@@ -380,6 +509,8 @@ class OscarAttnBackend(AttentionBackend):
         self._check_layer(layer)
         m, pool = self.meta, self.pool
         cache = pool.cache(layer.layer_id)
+        if m.restore is not None:  # exact radix hits: the prefix's BF16 windows, as a miss wrote them
+            _copy_windows(cache, *m.restore)
         for b, slot, start, p in m.rebuild:
             rebuild_windows(cache, m.block_table[b], slot, start, p)
         self._write(layer, k, v, forward_batch, save_kv_cache)  # INT2 rows + sink
@@ -398,6 +529,24 @@ class OscarAttnBackend(AttentionBackend):
             m.max_query_len,
             softmax_scale=layer.scaling,
         )
+        if m.capture is not None and k is not None and v is not None:
+            # snapshot at the chunk's last page boundary K: the windows before this chunk's ring
+            # write (sink already written), plus the chunk's tokens [p, K) in the snapshot's ring
+            _copy_windows(cache, m.capture[1], m.capture[0])
+            idx, pos, sidx, lens, rows = m.capture_tokens
+            lo = pool.layout
+            paged_write(
+                cache,
+                pool.params(layer.layer_id),
+                k.reshape(-1, lo.num_kv_heads, lo.head_dim)[idx].contiguous(),
+                v.reshape(-1, lo.num_kv_heads, lo.head_dim)[idx].contiguous(),
+                forward_batch.out_cache_loc[idx].to(torch.int64),
+                pos,
+                sidx,
+                lens,
+                rows,
+                parts="ring",
+            )
         if k is not None and v is not None:
             # after attention: these ring rows replace rows the chunk's first queries read. Also
             # when the model stored its K/V itself (save_kv_cache=False): the pool's
@@ -409,6 +558,8 @@ class OscarAttnBackend(AttentionBackend):
         self._check_layer(layer)
         m, pool = self.meta, self.pool
         self._write(layer, k, v, forward_batch, save_kv_cache)
+        if m.capture is not None:  # page boundary: the windows now are those a hit of seq_len reads
+            _copy_windows(pool.cache(layer.layer_id), m.capture[1], m.capture[0])
         lo = pool.layout
         out = decode_attention(
             q.reshape(-1, layer.tp_q_head_num, lo.head_dim),
@@ -445,16 +596,36 @@ def _add_cli_args(result: Any, parser: Any) -> None:
         help=f"OSCAR rotations artifact (.safetensors from 'oscar calibrate') for --attention-backend "
         f"{BACKEND_NAME}; sets ${ENV_ROTATIONS} for the scheduler processes",
     )
+    parser.add_argument(
+        "--oscar-radix-cache",
+        choices=list(RADIX_MODES),
+        default=None,
+        help=f"radix (prefix) cache under --attention-backend {BACKEND_NAME}: off (default; SGLang's tree is "
+        "built disabled), exact (hits only where the prefix's BF16 window rows were kept: a hit equals a "
+        "miss), int2 (any hit; the prefix's window tokens are read at INT2). Sets $" + ENV_RADIX,
+    )
+    parser.add_argument(
+        "--oscar-window-snapshots",
+        type=int,
+        default=None,
+        help="window snapshots kept for --oscar-radix-cache exact (default: two per request slot; each costs "
+        "one request's BF16 window bytes, taken out of the KV budget). Sets $" + ENV_SNAPSHOTS,
+    )
 
 
 def _from_cli_args(original: Any, cls: Any, args: Any) -> Any:
     path = getattr(args, "oscar_rotations", None)
     if path:
         os.environ[ENV_ROTATIONS] = os.path.abspath(path)
+    if getattr(args, "oscar_radix_cache", None):
+        os.environ[ENV_RADIX] = args.oscar_radix_cache
+    if getattr(args, "oscar_window_snapshots", None) is not None:
+        os.environ[ENV_SNAPSHOTS] = str(args.oscar_window_snapshots)
     server_args = original(cls, args)
     if oscar_selected(server_args):
         # fail in the launcher, in one line, before any process or GPU memory is touched
         load_rotations(rotations_path())
+        snapshot_count(radix_mode(), 1)
     return server_args
 
 
@@ -478,8 +649,9 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
     config = original(self, config)
     layout = getattr(self, "_oscar_layout", None)
     if layout is not None and config.max_running_requests is not None:
+        snaps = snapshot_count(radix_mode(), config.max_running_requests + 1)
         left = tokens_after_windows(
-            config.max_total_num_tokens, config.max_running_requests, layout, self._oscar_layers
+            config.max_total_num_tokens, config.max_running_requests, layout, self._oscar_layers, snaps
         )
         if left <= 0:
             raise OscarError(
@@ -508,6 +680,8 @@ def _build_pool(
         )
     li = self.layer_info
     rq = _rank_quant(self, list(range(li.start_layer, li.end_layer)), self.device)
+    mode = radix_mode()
+    max_seqs = req_to_token_pool.req_to_token.shape[0]
     return OscarTokenToKVPool(
         sizes.max_total_num_tokens,
         page_size=self.page_size,
@@ -518,10 +692,105 @@ def _build_pool(
         device=self.device,
         enable_memory_saver=False,
         quant=rq,
-        max_seqs=req_to_token_pool.req_to_token.shape[0],
+        max_seqs=max_seqs,
+        radix=mode,
+        snapshots=snapshot_count(mode, max_seqs),
         start_layer=li.start_layer,
         end_layer=li.end_layer,
     )
+
+
+def _oscar_pool_of(tree: Any) -> OscarTokenToKVPool | None:
+    alloc = getattr(tree, "token_to_kv_pool_allocator", None)
+    if alloc is None:
+        return None
+    try:
+        pool = alloc.get_kvcache()
+    except Exception:  # noqa: BLE001 - allocators without a pool (simulated trees)
+        return None
+    return pool if isinstance(pool, OscarTokenToKVPool) else None
+
+
+def _tree_init(original: Any, self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    """Radix mode ``off``: build SGLang's tree disabled (as SGLang itself does for some models)."""
+    alloc = getattr(params, "token_to_kv_pool_allocator", None)
+    pool = alloc.get_kvcache() if alloc is not None and hasattr(alloc, "get_kvcache") else None
+    if isinstance(pool, OscarTokenToKVPool) and pool.radix == "off" and not params.disable:
+        logger.warning(
+            "OSCAR: radix (prefix) cache disabled under --attention-backend %s: a hit would read the "
+            "prefix's sink/recent window tokens at INT2 where a miss reads them in BF16. "
+            "--oscar-radix-cache exact keeps it on with exact hits (window snapshots, more memory); "
+            "--oscar-radix-cache int2 allows approximate hits",
+            BACKEND_NAME,
+        )
+        params.disable = True
+    return original(self, params, *args, **kwargs)
+
+
+def _path_indices(tree: Any, node: Any, extra_key: Any) -> torch.Tensor:
+    core = getattr(tree, "tree_core", None)
+    if core is not None and hasattr(core, "collect_full_device_indices"):  # UnifiedRadixCache
+        return core.collect_full_device_indices(node, tree.root_node_handle(extra_key))
+    return tree.path_device_indices(node)
+
+
+def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    """Radix mode ``exact``: cut a hit back to the longest prefix with a published window snapshot.
+
+    A hit of ``M`` tokens then holds everything a miss reads for query ``M`` (shared INT2
+    pages + that snapshot's BF16 sink/ring rows); the cut-off tokens are recomputed. The
+    truncated match is SGLang's own match of the shorter key (the tree splits its node there).
+    """
+    result = original(self, params, *args, **kwargs)
+    pool = _oscar_pool_of(self)
+    n = int(result.device_prefix_len)
+    if pool is None or pool.radix != "exact" or n == 0:
+        return result
+    from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    key = params.key
+    if getattr(key, "is_bigram", False):
+        return zero_match_result(self, result, extra_key=key.extra_key)
+    page = pool.page_size
+    digests = prefix_digests(key.token_ids, key.extra_key, key.cache_salt, page, n)
+    m, found = 0, None
+    for i in range(len(digests) - 1, -1, -1):
+        found = pool.store.lookup(digests[i])
+        if found is not None:
+            m = (i + 1) * page
+            break
+    if m == 0:
+        return zero_match_result(self, result, extra_key=key.extra_key)
+    if m < n:
+        limit = m if key.limit is None else min(m, key.limit)
+        short = RadixKey(
+            key.token_ids, key.extra_key, is_bigram=False, limit=limit, cache_salt=key.cache_salt
+        )
+        result = original(self, dataclasses.replace(params, key=short), *args, **kwargs)
+        if int(result.device_prefix_len) != m:
+            return zero_match_result(self, result, extra_key=key.extra_key)
+    last = int(_path_indices(self, result.last_device_node, key.extra_key)[m - 1])
+    pool.pending_hits[last] = (digests[m // page - 1], m)
+    return result
+
+
+def _checkpoint(original: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Radix mode ``exact``: publish the window snapshot of the prefix the tree now holds."""
+    out = original(self, req, *args, **kwargs)
+    pool = _oscar_pool_of(self)
+    if pool is None or pool.store is None or getattr(self, "disable", False):
+        return out
+    k_len = int(req.kv.cache_protected_len)
+    slot = req.kv.req_pool_idx
+    if k_len <= 0 or slot is None:
+        return out
+    gen = int(self.req_to_token_pool.req_generation[slot])
+    ids = req.full_untruncated_fill_ids[:k_len]
+    if len(ids) == k_len:
+        digest = prefix_digests(ids, req.extra_key, req.cache_salt, k_len, k_len)[0]
+        pool.store.publish(int(slot), gen, k_len, digest)
+    return out
 
 
 _REGISTERED = False
@@ -542,3 +811,7 @@ def register() -> None:
     HookRegistry.register(f"{_T_CELL}._compute_cell_size", _compute_cell_size, HookType.AROUND)
     HookRegistry.register(f"{_T_CELL}.finalize_with_max_running_requests", _finalize, HookType.AROUND)
     HookRegistry.register(f"{_T_KVC}._build_token_to_kv_pool", _build_pool, HookType.AROUND)
+    for tree in _T_TREES:
+        HookRegistry.register(f"{tree}.__init__", _tree_init, HookType.AROUND)
+        HookRegistry.register(f"{tree}.match_prefix", _match_prefix, HookType.AROUND)
+        HookRegistry.register(f"{tree}.checkpoint", _checkpoint, HookType.AROUND)
