@@ -57,6 +57,7 @@ def test_exact_hit_multi_turn_equals_miss(artifact):
     f = _flow(artifact)
     _, m1, turn1 = f.run(range(1, 20), decode=6)  # 25 tokens with KV; finish publishes K = 24
     assert m1 == 0
+    f.run([77] * 30, use_tree=False)  # an unrelated request takes turn 1's freed row and its windows
     turn2 = turn1 + [500 + i for i in range(6)]
     outs, m, _ = f.run(turn2, decode=3)
     assert m == 24 and f.h.pool.exact_hits == 1 and f.h.pool.inexact_hits == 0
