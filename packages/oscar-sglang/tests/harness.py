@@ -185,7 +185,7 @@ class TreeFlow:
         )
         self.n = 0
 
-    def run(self, tokens, *, decode=0, chunks=(), use_tree=True):
+    def run(self, tokens, *, decode=0, chunks=(), use_tree=True, before_forward=None):
         """Prefill ``tokens`` (extend from the radix hit, split at ``chunks``), decode ``decode`` more
         tokens, finish. Returns (outputs of every computed position as ``{pos: out}``, hit length)."""
         from array import array
@@ -221,6 +221,8 @@ class TreeFlow:
         cap = -(-total // PAGE) * PAGE
         h.req_pool.req_to_token[slot, m:cap] = h.alloc.alloc(cap - m).to(torch.int32)
         req.kv.kv_allocated_len = total
+        if before_forward is not None:
+            before_forward()
         all_tokens = tokens + [1000 + i for i in range(decode + 1)]  # "greedy": same tokens every run
         q, k, v = token_qkv(all_tokens[:total])
         outs = {}

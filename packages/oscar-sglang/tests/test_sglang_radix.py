@@ -116,6 +116,29 @@ def test_snapshot_store_pressure_stays_exact(artifact):
     assert f.h.pool.inexact_hits == 0
 
 
+def test_snapshot_lost_after_the_match_is_logged_and_never_republished(artifact, caplog):
+    """If the matched snapshot is recycled before the forward (not seen in practice: it needs more
+    publishes in between than there are rows), the hit is served from INT2 with a warning and a
+    count, and that request's windows are never published as exact."""
+    f = _flow(artifact)
+    _, _, turn1 = f.run(range(1, 20), decode=6)
+    turn2 = turn1 + [500 + i for i in range(6)]
+
+    def lose_snapshots():
+        f.h.pool.store.published.clear()
+
+    with caplog.at_level("WARNING"):
+        outs, m, _ = f.run(turn2, decode=2, before_forward=lose_snapshots)
+    assert m == 24 and f.h.pool.inexact_hits == 1 and "without its window snapshot" in caplog.text
+    miss, _, _ = f.run(turn2, decode=2, use_tree=False)
+    assert max(rel(outs[p], miss[p]) for p in outs) > 1e-3  # INT2 prefix windows, as logged
+    assert not f.h.pool.store.published  # turn 2's snapshots (28, 32) were not published
+    turn3 = turn2 + [1000, 1001, 1002, 600, 601]
+    outs3, m3, _ = f.run(turn3)
+    assert m3 == 0  # nothing exact to resume from: recomputed, equal to a miss
+    _check_equal_to_miss(f, turn3, outs3, m3)
+
+
 def test_off_mode_builds_the_tree_disabled_and_refuses_a_hit(artifact):
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,8 +223,12 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.max_seqs = max_seqs
         self.radix = radix
         self.store = SnapshotStore(max_seqs, snapshots) if snapshots else None
-        #: token slot of a hit's last prefix position -> (digest, length), set by the match hook
-        self.pending_hits: dict[int, tuple[bytes, int]] = {}
+        #: token slot of a hit's last prefix position -> (digest, length), set by the match hook;
+        #: bounded (oldest dropped: SGLang matches every waiting request for its scheduling policy)
+        self.pending_hits: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
+        self.pending_cap = 16 * max_seqs + 1024
+        #: slot -> generation of a request whose windows hold INT2-rebuilt rows: never snapshotted
+        self.tainted: dict[int, int] = {}
         #: radix hits served without a snapshot (rebuilt from INT2): only in mode "int2", or if a
         #: snapshot was recycled between SGLang's match and the forward (logged)
         self.inexact_hits = 0
@@ -231,6 +236,16 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.tracker = WindowTracker(max_seqs)
         self.step: StepContext | None = None
         self._finalize_allocation_log(size)
+
+    def note_hit(self, token_slot: int, digest: bytes, length: int) -> None:
+        self.pending_hits[token_slot] = (digest, length)
+        self.pending_hits.move_to_end(token_slot)
+        while len(self.pending_hits) > self.pending_cap:
+            self.pending_hits.popitem(last=False)
+
+    def may_snapshot(self, slot: int, generation: int) -> bool:
+        """Whether ``slot``'s windows are exact BF16 (not rebuilt from INT2 after a radix hit)."""
+        return self.store is not None and self.tainted.get(slot) != generation
 
     # -- what the backend uses
     def cache(self, layer_id: int) -> PagedKVCache:
@@ -368,7 +383,7 @@ class OscarAttnBackend(AttentionBackend):
                 for slot, length in zip(fb.req_pool_indices.tolist(), lens_cpu, strict=True):
                     gen = int(gens[slot])
                     pool.tracker.mark(slot, gen, length)
-                    if pool.store is not None and length % P == 0:
+                    if length % P == 0 and pool.may_snapshot(slot, gen):
                         # this step writes position length-1: the windows are those of a hit of `length`
                         buf = pool.store.capture(slot, gen, length, self._current_gens(), set())
                         if buf is not None:
@@ -403,6 +418,7 @@ class OscarAttnBackend(AttentionBackend):
                     res_dst.append(slot)
                 else:
                     rebuild.append((b, slot, written, p))
+                    pool.tainted[slot] = gen  # its windows now hold INT2 rows: never publish them
             pool.tracker.mark(slot, gen, p + c)
         cap_src, cap_dst, cap_tok = [], [], []
         if pool.store is not None:
@@ -411,7 +427,7 @@ class OscarAttnBackend(AttentionBackend):
             for b, slot in enumerate(slot_list):
                 p, c = int(pre_cpu[b]), int(ext_cpu[b])
                 k_len = (p + c) // P * P
-                if k_len > p:
+                if k_len > p and pool.may_snapshot(slot, int(gens[slot])):
                     buf = pool.store.capture(slot, int(gens[slot]), k_len, self._current_gens(), busy)
                     if buf is not None:
                         busy.add(buf)
@@ -771,7 +787,7 @@ def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: A
         if int(result.device_prefix_len) != m:
             return zero_match_result(self, result, extra_key=key.extra_key)
     last = int(_path_indices(self, result.last_device_node, key.extra_key)[m - 1])
-    pool.pending_hits[last] = (digests[m // page - 1], m)
+    pool.note_hit(last, digests[m // page - 1], m)
     return result
 
 
