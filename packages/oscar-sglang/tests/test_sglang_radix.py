@@ -79,15 +79,33 @@ def test_int2_mode_hit_differs_from_miss(artifact):
 
 def test_exact_hit_cut_back_to_a_snapshot(artifact):
     """Prefixes that end between snapshots: SGLang's match is cut back to the longest published one
-    (16 = turn 1's prompt checkpoint) or to nothing; every result equals its miss."""
+    (16 = turn 1's prompt checkpoint, 20 = a decode boundary published at its finish) or to
+    nothing; every result equals its miss."""
     f = _flow(artifact)
-    _, _, base = f.run(range(1, 20), decode=6)  # snapshots published at 16 (prefill) and 24 (finish)
-    for diverge, want in ((18, 16), (22, 16), (13, 0), (26, 24)):
+    _, _, base = f.run(range(1, 20), decode=6)  # published: 16 (prefill), 20 and 24 (finish)
+    for diverge, want in ((18, 16), (22, 20), (13, 0), (26, 24)):
         tokens = base[:diverge] + [700 + diverge + i for i in range(7)]
         outs, m, _ = f.run(tokens)
         assert m == want, (diverge, m)
         _check_equal_to_miss(f, tokens, outs, m)
     assert f.h.pool.inexact_hits == 0
+
+
+def test_shared_system_prompt_second_request_plants_the_branch_snapshot(artifact):
+    """Requests that share only a system prompt: the first two recompute it (no snapshot where they
+    branch), the second also snapshots the branch point SGLang's match reported, and from the
+    third on the shared prefix is an exact hit."""
+    f = _flow(artifact)
+    system = list(range(300, 314))  # 14 tokens: the branch point is page_floor(14) = 12
+    _, m1, _ = f.run(system + [1, 2, 3, 4, 5], decode=2)
+    _, m2, _ = f.run(system + [6, 7, 8, 9, 10])
+    assert (m1, m2) == (0, 0)
+    for user in ([11, 12, 13], [14, 15, 16, 17, 18, 19]):
+        tokens = system + user
+        outs, m, _ = f.run(tokens, decode=2)
+        assert m == 12
+        _check_equal_to_miss(f, tokens, outs, m, decode=2)
+    assert f.h.pool.inexact_hits == 0 and f.h.pool.exact_hits == 2
 
 
 def test_repeated_prompt_hits_its_prefill_snapshot(artifact):

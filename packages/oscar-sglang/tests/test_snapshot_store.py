@@ -46,9 +46,9 @@ def test_candidates_of_a_finished_request_are_recycled_first():
     assert b == stale and s.lookup(b"p") is not None  # the stale candidate went, not the published one
 
 
-def test_at_most_two_candidates_per_slot():
+def test_at_most_keep_per_slot_candidates():
     gens = [0, 0]
-    s = SnapshotStore(base=2, count=4)
+    s = SnapshotStore(base=2, count=4, keep_per_slot=2)
     c = [s.capture(1, 0, k, gens, set()) for k in (4, 8, 12)]
     assert len(s.slot_cands[1]) == 2 and s.slot_cands[1] == c[1:]
     assert not s.publish(1, 0, 4, b"a") and s.publish(1, 0, 8, b"b")

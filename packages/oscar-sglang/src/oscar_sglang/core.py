@@ -79,9 +79,9 @@ def radix_mode() -> str:
 def snapshot_count(mode: str, request_slots: int) -> int:
     """Window snapshot rows to allocate: 0 unless ``mode == "exact"``; default two per request slot.
 
-    Each request slot may hold up to two not-yet-published snapshots (the latest page
-    boundary, and the one before while an overlapped step is in flight); the rest hold
-    published prefixes, evicted least recently used first.
+    Each request slot may hold up to three not-yet-published snapshots (see
+    :class:`SnapshotStore`), rarely more than two at once; the rest hold published prefixes,
+    evicted least recently used first.
     """
     if mode != "exact":
         return 0
@@ -373,17 +373,19 @@ class SnapshotStore:
     A *snapshot* is one window row (sink rows + ring) as a request had it at a page-aligned
     length ``K``: everything a query at position ``K`` reads in BF16 besides the INT2
     pages. The backend *captures* one when a request's write crosses a page boundary
-    (tagged ``(slot, generation, K)``); when SGLang inserts that request's first ``K``
-    tokens into the radix tree the snapshot is *published* under the content digest of
-    those tokens. A later hit of exactly that prefix copies it into the new request's
-    window row, which then holds what a miss would have written (bitwise).
+    (tagged ``(slot, generation, K)``; at most ``keep_per_slot`` per slot: the latest page
+    boundary, the one before it while an overlapped step is in flight, and a branch point
+    asked for by the match); when SGLang inserts that request's first ``K`` tokens into the
+    radix tree the snapshot is *published* under the content digest of those tokens. A
+    later hit of exactly that prefix copies it into the new request's window row, which
+    then holds what a miss would have written (bitwise).
 
     Buffers are recycled in this order: free, candidates of requests that left their slot
     (generation changed), published snapshots least recently used first. Never the
     buffers passed in ``busy`` (read by the current step).
     """
 
-    def __init__(self, base: int, count: int, keep_per_slot: int = 2) -> None:
+    def __init__(self, base: int, count: int, keep_per_slot: int = 3) -> None:
         self.base, self.count, self.keep = base, count, keep_per_slot
         self.free: list[int] = list(range(base + count - 1, base - 1, -1))
         self.cand: dict[int, tuple[int, int, int]] = {}  # buf -> (slot, generation, K)
@@ -444,6 +446,10 @@ class SnapshotStore:
                 self.buf_digest[buf] = digest
                 return True
         return False
+
+    def candidates(self, slot: int, generation: int) -> list[int]:
+        """Lengths of the not-yet-published snapshots of the request in ``slot``."""
+        return [self.cand[b][2] for b in self.slot_cands.get(slot, []) if self.cand[b][1] == generation]
 
     def lookup(self, digest: bytes) -> tuple[int, int] | None:
         """``(buf, length)`` of the published snapshot of that prefix (marked recently used)."""

@@ -229,6 +229,9 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.pending_cap = 16 * max_seqs + 1024
         #: slot -> generation of a request whose windows hold INT2-rebuilt rows: never snapshotted
         self.tainted: dict[int, int] = {}
+        #: slot -> (generation, N): the request's match was cut back from N (a branch point of the
+        #: tree without a snapshot); its prefill also snapshots N, so the next request hits it
+        self.want: dict[int, tuple[int, int]] = {}
         #: radix hits served without a snapshot (rebuilt from INT2): only in mode "int2", or if a
         #: snapshot was recycled between SGLang's match and the forward (logged)
         self.inexact_hits = 0
@@ -354,6 +357,8 @@ class OscarAttnBackend(AttentionBackend):
             )
         self.pool = pool
         self.req_to_token_pool = model_runner.req_to_token_pool
+        # the ReqToTokenPool.alloc hook finds the OSCAR pool here (branch-point snapshots)
+        self.req_to_token_pool._oscar_pool = pool
         self.device = model_runner.device
         self.meta: _Meta | None = None
 
@@ -426,14 +431,22 @@ class OscarAttnBackend(AttentionBackend):
             cum = 0
             for b, slot in enumerate(slot_list):
                 p, c = int(pre_cpu[b]), int(ext_cpu[b])
+                gen = int(gens[slot])
                 k_len = (p + c) // P * P
-                if k_len > p and pool.may_snapshot(slot, int(gens[slot])):
-                    buf = pool.store.capture(slot, int(gens[slot]), k_len, self._current_gens(), busy)
+                lengths = [k_len] if k_len > p else []
+                want = pool.want.get(slot)
+                if want is not None and want[0] == gen:
+                    if p < want[1] < k_len:
+                        lengths.insert(0, want[1])
+                    if want[1] <= p + c:
+                        del pool.want[slot]
+                for length in lengths if pool.may_snapshot(slot, gen) else ():
+                    buf = pool.store.capture(slot, gen, length, self._current_gens(), busy)
                     if buf is not None:
                         busy.add(buf)
                         cap_src.append(slot)
                         cap_dst.append(buf)
-                        cap_tok.append((cum, cum + k_len - p, len(cap_dst) - 1, k_len))
+                        cap_tok.append((cum, cum + length - p, len(cap_dst) - 1, length))
                 cum += c
         cap_meta = None
         if cap_tok:
@@ -776,6 +789,11 @@ def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: A
         if found is not None:
             m = (i + 1) * page
             break
+    req = getattr(params, "req", None)
+    if req is not None:
+        # no snapshot at SGLang's branch point n: this request's prefill plants one there (the
+        # ReqToTokenPool.alloc hook hands n to the backend), so the next request sharing it hits
+        req._oscar_want_snapshot = n if m < n else None
     if m == 0:
         return zero_match_result(self, result, extra_key=key.extra_key)
     if m < n:
@@ -802,11 +820,28 @@ def _checkpoint(original: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -
     if k_len <= 0 or slot is None:
         return out
     gen = int(self.req_to_token_pool.req_generation[slot])
+    lengths = [n for n in pool.store.candidates(int(slot), gen) if n <= k_len]
     ids = req.full_untruncated_fill_ids[:k_len]
-    if len(ids) == k_len:
-        digest = prefix_digests(ids, req.extra_key, req.cache_salt, k_len, k_len)[0]
-        pool.store.publish(int(slot), gen, k_len, digest)
+    if lengths and len(ids) == k_len:
+        page = pool.page_size
+        digests = prefix_digests(ids, req.extra_key, req.cache_salt, page, k_len)
+        for n in lengths:  # the tree holds [0, k_len): every candidate up to there is a cached prefix
+            pool.store.publish(int(slot), gen, n, digests[n // page - 1])
     return out
+
+
+def _req_alloc(result: Any, self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hand a branch point the match asked to snapshot (``_match_prefix``) to the request's slot."""
+    pool = getattr(self, "_oscar_pool", None)
+    if pool is None or result is None:
+        return result
+    for r in reqs:
+        n = getattr(r, "_oscar_want_snapshot", None)
+        slot = r.kv.req_pool_idx
+        if n and slot is not None:
+            pool.want[int(slot)] = (int(self.req_generation[slot]), int(n))
+            r._oscar_want_snapshot = None
+    return result
 
 
 _REGISTERED = False
@@ -831,3 +866,4 @@ def register() -> None:
         HookRegistry.register(f"{tree}.__init__", _tree_init, HookType.AROUND)
         HookRegistry.register(f"{tree}.match_prefix", _match_prefix, HookType.AROUND)
         HookRegistry.register(f"{tree}.checkpoint", _checkpoint, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", _req_alloc, HookType.AFTER)
