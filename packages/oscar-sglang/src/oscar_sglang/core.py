@@ -447,6 +447,11 @@ class SnapshotStore:
                 return True
         return False
 
+    def discard(self, buf: int) -> None:
+        """Forget a candidate that was not (or not completely) written."""
+        if buf in self.cand:
+            self._drop_cand(buf)
+
     def candidates(self, slot: int, generation: int) -> list[int]:
         """Lengths of the not-yet-published snapshots of the request in ``slot``."""
         return [self.cand[b][2] for b in self.slot_cands.get(slot, []) if self.cand[b][1] == generation]

@@ -558,9 +558,13 @@ class OscarAttnBackend(AttentionBackend):
             m.max_query_len,
             softmax_scale=layer.scaling,
         )
-        if m.capture is not None and k is not None and v is not None:
-            # snapshot at the chunk's last page boundary K: the windows before this chunk's ring
-            # write (sink already written), plus the chunk's tokens [p, K) in the snapshot's ring
+        if m.capture is not None and (k is None or v is None):
+            for buf in m.capture[1].tolist():  # nothing to compose them from: never publish them
+                pool.store.discard(buf)
+        elif m.capture is not None:
+            # snapshots at page boundaries K inside the chunk (its last one, and a branch point the
+            # match asked for): the windows before this chunk's ring write (sink already written),
+            # plus the chunk's tokens [p, K) written into the snapshot's ring
             _copy_windows(cache, m.capture[1], m.capture[0])
             idx, pos, sidx, lens, rows = m.capture_tokens
             lo = pool.layout
