@@ -185,16 +185,14 @@ class TreeFlow:
         )
         self.n = 0
 
-    def run(self, tokens, *, decode=0, chunks=(), use_tree=True, before_forward=None):
-        """Prefill ``tokens`` (extend from the radix hit, split at ``chunks``), decode ``decode`` more
-        tokens, finish. Returns (outputs of every computed position as ``{pos: out}``, hit length)."""
+    def admit(self, tokens, *, decode=0, use_tree=True):
+        """A new request: SGLang's match (through the hooks), a request row, pages for its tokens."""
         from array import array
 
-        from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+        from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
         from sglang.srt.sampling.sampling_params import SamplingParams
-        from sglang.test.mem_cache_utils import finish_req
 
         h, tree = self.h, self.tree
         self.n += 1
@@ -221,33 +219,76 @@ class TreeFlow:
         cap = -(-total // PAGE) * PAGE
         h.req_pool.req_to_token[slot, m:cap] = h.alloc.alloc(cap - m).to(torch.int32)
         req.kv.kv_allocated_len = total
-        if before_forward is not None:
-            before_forward()
         all_tokens = tokens + [1000 + i for i in range(decode + 1)]  # "greedy": same tokens every run
         q, k, v = token_qkv(all_tokens[:total])
-        outs = {}
-        bounds = [m] + [c for c in chunks if m < c < len(tokens)] + [len(tokens)]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            o = h.run(h.oscar, h.batch("extend", [slot], [a], [b - a]), q[a:b], k[a:b], v[a:b])
-            outs.update({a + i: o[i] for i in range(b - a)})
-            req.kv.kv_committed_len = b
-            req.extend_end = b
-            if use_tree:
-                tree.checkpoint(req, up_to=b)
-        for pos in range(len(tokens), total):
-            req.output_ids.append(all_tokens[pos])
-            o = h.run(
-                h.oscar,
-                h.batch("decode", [slot], [pos], [1]),
-                q[pos : pos + 1],
-                k[pos : pos + 1],
-                v[pos : pos + 1],
-            )
-            outs[pos] = o[0]
-            req.kv.kv_committed_len = pos + 1
-        req.output_ids.append(all_tokens[total])  # the last sampled token has no KV yet
-        req.finished_reason = FINISH_LENGTH(length=decode + 1)
-        if use_tree:
-            finish_req(tree, req, up_to=req.owned_kv_len())
-        h.req_pool.free(req)
-        return outs, m, all_tokens[:total]
+        return SimpleNamespace(
+            req=req,
+            slot=slot,
+            m=m,
+            n=len(tokens),
+            total=total,
+            tokens=all_tokens,
+            qkv=(q, k, v),
+            outs={},
+            done=m,
+            use_tree=use_tree,
+        )
+
+    def extend(self, reqs, upto=None):
+        """One extend batch: each request from what it has to ``upto`` (default: its prompt end),
+        then SGLang's ``checkpoint`` of each (``checkpoint_kv_cache``)."""
+        h = self.h
+        ends = [r.n if upto is None else min(upto, r.n) for r in reqs]
+        new = [e - r.done for r, e in zip(reqs, ends, strict=True)]
+        q, k, v = (
+            torch.cat([r.qkv[j][r.done : e] for r, e in zip(reqs, ends, strict=True)]) for j in range(3)
+        )
+        fb = h.batch("extend", [r.slot for r in reqs], [r.done for r in reqs], new)
+        o = h.run(h.oscar, fb, q, k, v)
+        at = 0
+        for r, e in zip(reqs, ends, strict=True):
+            r.outs.update({r.done + i: o[at + i] for i in range(e - r.done)})
+            at += e - r.done
+            r.done = e
+            r.req.kv.kv_committed_len = e
+            r.req.extend_end = e
+            if r.use_tree:
+                self.tree.checkpoint(r.req, up_to=e)
+
+    def decode(self, reqs):
+        """One decode step of every request that has tokens left."""
+        h = self.h
+        reqs = [r for r in reqs if r.done < r.total]
+        pos = [r.done for r in reqs]
+        q, k, v = (torch.cat([r.qkv[j][p : p + 1] for r, p in zip(reqs, pos, strict=True)]) for j in range(3))
+        o = h.run(h.oscar, h.batch("decode", [r.slot for r in reqs], pos, [1] * len(reqs)), q, k, v)
+        for i, (r, p) in enumerate(zip(reqs, pos, strict=True)):
+            r.req.output_ids.append(r.tokens[p])
+            r.outs[p] = o[i]
+            r.done = p + 1
+            r.req.kv.kv_committed_len = p + 1
+
+    def finish(self, r):
+        """What ``release_kv_cache`` does for a finished request (``finish_req``), then the row."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.test.mem_cache_utils import finish_req
+
+        r.req.output_ids.append(r.tokens[r.total])  # the last sampled token has no KV yet
+        r.req.finished_reason = FINISH_LENGTH(length=r.total - r.n + 1)
+        if r.use_tree:
+            finish_req(self.tree, r.req, up_to=r.req.owned_kv_len())
+        self.h.req_pool.free(r.req)
+
+    def run(self, tokens, *, decode=0, chunks=(), use_tree=True, before_forward=None):
+        """Prefill ``tokens`` (extend from the radix hit, split at ``chunks``), decode ``decode`` more
+        tokens, finish. Returns (outputs of every computed position as ``{pos: out}``, hit length,
+        the tokens with KV)."""
+        r = self.admit(tokens, decode=decode, use_tree=use_tree)
+        if before_forward is not None:
+            before_forward()
+        for c in [c for c in chunks if r.m < c < r.n] + [r.n]:
+            self.extend([r], upto=c)
+        while r.done < r.total:
+            self.decode([r])
+        self.finish(r)
+        return r.outs, r.m, r.tokens[: r.total]

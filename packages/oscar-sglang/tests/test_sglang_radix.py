@@ -65,6 +65,36 @@ def test_exact_hit_multi_turn_equals_miss(artifact):
     _check_equal_to_miss(f, turn2, outs, m, decode=3)
 
 
+def test_exact_hits_and_captures_in_one_batch(artifact):
+    """Four requests prefilled in one extend batch and decoded together — hits of different lengths
+    (restores), a miss, captures at the chunks' last page boundaries and at decode boundaries — each
+    equal to the same request run alone without the radix cache; what the batch captured serves
+    later hits exactly."""
+    f = _flow(artifact, snapshots=24)
+    _, _, a = f.run(range(1, 20), decode=6)  # publishes 16, 20, 24
+    _, _, b = f.run(range(200, 219), decode=2)  # publishes 16, 20
+    prompts = [
+        a + [500, 501, 502],  # hit 24 (a's finish)
+        list(range(600, 623)),  # miss
+        b + [503, 504, 505, 506, 507],  # hit 20
+        a[:18] + [508, 509],  # hit 16 (a's prompt checkpoint)
+    ]
+    reqs = [f.admit(p, decode=5) for p in prompts]
+    assert [r.m for r in reqs] == [24, 0, 20, 16]
+    f.extend(reqs)
+    while any(r.done < r.total for r in reqs):
+        f.decode(reqs)
+    for r in reqs:
+        f.finish(r)
+    for r in reqs:
+        _check_equal_to_miss(f, r.tokens[: r.n], r.outs, r.m, decode=5)
+    assert f.h.pool.exact_hits == 3 and f.h.pool.inexact_hits == 0
+    follow = reqs[1].tokens[: reqs[1].total] + [510, 511]  # the miss's finish (28) was published
+    outs, m, _ = f.run(follow)
+    assert m == 28
+    _check_equal_to_miss(f, follow, outs, m)
+
+
 def test_int2_mode_hit_differs_from_miss(artifact):
     """The same flow with mode int2 (window rows rebuilt from the INT2 pages) is measurably different:
     the comparisons above can see a hit that reads its prefix windows at INT2."""
