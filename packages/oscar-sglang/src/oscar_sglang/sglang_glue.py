@@ -18,7 +18,12 @@ Hook targets (dotted paths, all SGLang 0.5.23):
 * ``DefaultPoolConfigurator._compute_cell_size`` (around): INT2 bytes per token;
 * ``DefaultPoolConfigurator.finalize_with_max_running_requests`` (around): takes the BF16
   windows of every request slot out of the token budget;
-* ``KVCacheConfigurator._build_token_to_kv_pool`` (around): builds the OSCAR pool.
+* ``KVCacheConfigurator._build_token_to_kv_pool`` (around): builds the OSCAR pool;
+* ``UnifiedRadixCache`` / ``RadixCache`` ``.__init__``, ``.match_prefix``, ``.checkpoint``
+  (around) and ``ReqToTokenPool.alloc`` (after): the radix-cache policy
+  (``--oscar-radix-cache``): the tree built disabled (``off``), or hits cut back to prefixes
+  with a BF16 window snapshot, snapshots published at checkpoints and planted at branch
+  points (``exact``). See docs/sglang.md, "Radix (prefix) cache".
 """
 
 from __future__ import annotations
