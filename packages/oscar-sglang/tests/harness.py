@@ -168,21 +168,22 @@ class TreeFlow:
     them: ``match_prefix`` -> row + page allocation -> extend chunks, each followed by ``checkpoint``
     (``checkpoint_kv_cache``) -> decode steps -> ``finish_req`` (what ``release_kv_cache`` does)."""
 
-    def __init__(self, h: Harness) -> None:
+    def __init__(self, h: Harness, tree: str = "unified") -> None:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
         self.h = h
-        self.tree = UnifiedRadixCache(
-            CacheInitParams(
-                disable=False,
-                req_to_token_pool=h.req_pool,
-                token_to_kv_pool_allocator=h.alloc,
-                page_size=PAGE,
-                tree_components=(ComponentType.FULL,),
-            )
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=h.req_pool,
+            token_to_kv_pool_allocator=h.alloc,
+            page_size=PAGE,
+            tree_components=(ComponentType.FULL,),
         )
+        # SGLang's default tree, or the older RadixCache (also hooked)
+        self.tree = UnifiedRadixCache(params) if tree == "unified" else RadixCache(params)
         self.n = 0
 
     def admit(self, tokens, *, decode=0, use_tree=True):
@@ -213,7 +214,7 @@ class TreeFlow:
         req.kv.cache_protected_len = m
         slot = h.req_pool.alloc([req])[0]
         if m:
-            path = tree.tree_core.collect_full_device_indices(req.last_node, tree.root_node_handle())
+            path = tree.path_device_indices(req.last_node)
             h.req_pool.req_to_token[slot, :m] = path[:m].to(torch.int32)
         total = len(tokens) + decode
         cap = -(-total // PAGE) * PAGE

@@ -32,8 +32,9 @@ def artifact(tmp_path, monkeypatch):
     return path
 
 
-def _flow(artifact, radix="exact", snapshots=16):
-    return TreeFlow(Harness(artifact, num_tokens=1024, max_context=64, radix=radix, snapshots=snapshots))
+def _flow(artifact, radix="exact", snapshots=16, tree="unified"):
+    h = Harness(artifact, num_tokens=1024, max_context=64, radix=radix, snapshots=snapshots)
+    return TreeFlow(h, tree)
 
 
 def _check_equal_to_miss(f: TreeFlow, tokens, outs, m, decode=0):
@@ -51,10 +52,12 @@ def _check_equal_to_miss(f: TreeFlow, tokens, outs, m, decode=0):
 # --------------------------------------------------------------------------- exact hits
 
 
-def test_exact_hit_multi_turn_equals_miss(artifact):
+@pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_exact_hit_multi_turn_equals_miss(artifact, tree):
     """Turn 2 = turn 1's prompt + answer + a new message: the hit covers turn 1 up to its last page
-    boundary (snapshot taken by a decode step, published when turn 1 finished)."""
-    f = _flow(artifact)
+    boundary (snapshot taken by a decode step, published when turn 1 finished). On SGLang's default
+    ``UnifiedRadixCache`` and on the older ``RadixCache``."""
+    f = _flow(artifact, tree=tree)
     _, m1, turn1 = f.run(range(1, 20), decode=6)  # 25 tokens with KV; finish publishes K = 24
     assert m1 == 0
     f.run([77] * 30, use_tree=False)  # an unrelated request takes turn 1's freed row and its windows
@@ -107,11 +110,12 @@ def test_int2_mode_hit_differs_from_miss(artifact):
     assert max(rel(outs[p], miss[p]) for p in outs) > 1e-3
 
 
-def test_exact_hit_cut_back_to_a_snapshot(artifact):
+@pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_exact_hit_cut_back_to_a_snapshot(artifact, tree):
     """Prefixes that end between snapshots: SGLang's match is cut back to the longest published one
     (16 = turn 1's prompt checkpoint, 20 = a decode boundary published at its finish) or to
     nothing; every result equals its miss."""
-    f = _flow(artifact)
+    f = _flow(artifact, tree=tree)
     _, _, base = f.run(range(1, 20), decode=6)  # published: 16 (prefill), 20 and 24 (finish)
     for diverge, want in ((18, 16), (22, 20), (13, 0), (26, 24)):
         tokens = base[:diverge] + [700 + diverge + i for i in range(7)]
@@ -121,11 +125,12 @@ def test_exact_hit_cut_back_to_a_snapshot(artifact):
     assert f.h.pool.inexact_hits == 0
 
 
-def test_shared_system_prompt_second_request_plants_the_branch_snapshot(artifact):
+@pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_shared_system_prompt_second_request_plants_the_branch_snapshot(artifact, tree):
     """Requests that share only a system prompt: the first two recompute it (no snapshot where they
     branch), the second also snapshots the branch point SGLang's match reported, and from the
     third on the shared prefix is an exact hit."""
-    f = _flow(artifact)
+    f = _flow(artifact, tree=tree)
     system = list(range(300, 314))  # 14 tokens: the branch point is page_floor(14) = 12
     _, m1, _ = f.run(system + [1, 2, 3, 4, 5], decode=2)
     _, m2, _ = f.run(system + [6, 7, 8, 9, 10])

@@ -782,7 +782,12 @@ def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: A
     result = original(self, params, *args, **kwargs)
     pool = _oscar_pool_of(self)
     n = int(result.device_prefix_len)
-    if pool is None or pool.radix != "exact" or n == 0:
+    req = getattr(params, "req", None)
+    # only a request's match (SGLang's match_kv_cache passes req) adopts a prefix; the tree's own
+    # lookups (RadixCache.checkpoint re-finds the path it just inserted) must see the whole tree
+    if pool is None or pool.radix != "exact" or n == 0 or req is None:
+        if req is not None:
+            req._oscar_want_snapshot = None
         return result
     from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -798,11 +803,9 @@ def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: A
         if found is not None:
             m = (i + 1) * page
             break
-    req = getattr(params, "req", None)
-    if req is not None:
-        # no snapshot at SGLang's branch point n: this request's prefill plants one there (the
-        # ReqToTokenPool.alloc hook hands n to the backend), so the next request sharing it hits
-        req._oscar_want_snapshot = n if m < n else None
+    # no snapshot at SGLang's branch point n: this request's prefill plants one there (the
+    # ReqToTokenPool.alloc hook hands n to the backend), so the next request sharing it hits
+    req._oscar_want_snapshot = n if m < n else None
     if m == 0:
         return zero_match_result(self, result, extra_key=key.extra_key)
     if m < n:
