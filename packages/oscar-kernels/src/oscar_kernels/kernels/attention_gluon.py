@@ -11,19 +11,23 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
 * Code tiles are loaded from global memory directly in the ``mma`` A-operand register
   layout (``DotOperandLayout``, ``k_width`` 8: eight consecutive key bytes per thread, one
   64-bit load), so the unpacked operand never goes through shared memory.
-* Unpack: one ``and`` and two ``prmt`` per four codes (0.75 integer ops per code, no
-  shifts, no int→float conversion). Quarter ``j`` lives in bits ``2j`` of each byte; the
-  masked byte ``c·4^j`` goes under the fp16 exponent of 512 (``0x60XX`` = ``512 + XX/2``),
-  which is exact for all four quarters because fp16 has 10 mantissa bits. So the operand
-  is ``x = 512 + f_j·c`` with ``f_j = 4^j/2``; ``1/f_j`` (a power of two) is folded into the
-  query (keys) and into the final output (values), the offset 512 is removed algebraically.
+* Unpack: one ``and`` per two codes (keys: plus one shift per word shared by the four
+  quarters; values: plus one ``prmt`` per two tokens and quarter), no int→float
+  conversion. Quarter ``j`` lives in bits ``2j`` of each byte; the masked 16-bit half
+  ``c·4^j`` *is* an fp16 number, a subnormal: ``x = c·4^j·2^-24`` exactly (fp16 has 10
+  mantissa bits, ``c·4^j ≤ 192``), and the tensor cores take fp16 subnormals as they are.
+  ``2·4^-j`` is folded into the query (keys: every quarter's product is then
+  ``c·q·2^-23``, one accumulator for all four) and ``2^24·4^-j`` into the final output
+  (values); ``2^23`` into the softmax scale. Each ``and`` takes its mask as the one
+  immediate operand: the former ``(w & mask) | 0x60006000`` (fp16 ``512 + c·4^j/2``) needed
+  a second constant, which ptxas re-materialised with a ``mov`` before ~every ``lop3``
+  (120 of the 750 instructions of a 32-token tile), and an offset of 512 per code that had
+  to be removed again (per tile for values: ``mma.sync`` accumulates fp32 with truncation,
+  and a split-long offset biased quarter 0 by 1e-2 … 1e-1, docs/performance.md).
 * Scale and zero are applied per token outside the dot:
-  ``q·(s·c + z) = s·(q'·x − 512·Σq') + z·Σq`` and ``Σ_t p_t(s_t·c_t + z_t)`` from
-  ``acc = Σ (p·s)·(x − 512)`` and ``Σ p·z`` (both rescaled by the online softmax), so the
-  tensor cores see raw codes. The value offset ``512·Σ_tile(p·s)`` is subtracted from the
-  accumulator *before* each tile's ``mma`` (its initial value), never summed over a split:
-  ``mma.sync`` accumulates in fp32 with truncation, and a split-long offset sum biased
-  quarter 0 (``f = 1/2``: the offset is ~700× its signal) by 1e-2 … 1e-1.
+  ``q·(s·c + z) = s·(q'·x)·2^23 + z·Σq`` and ``Σ_t p_t(s_t·c_t + z_t)`` from
+  ``acc = Σ (p·s)·x`` and ``Σ p·z`` (both rescaled by the online softmax), so the
+  tensor cores see raw codes.
 * The next tile's codes, scales and page ids are loaded before the current tile is
   computed (register double buffering: one tile always in flight per warp).
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
@@ -45,8 +49,8 @@ except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon"
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
     gluon = None
 
-#: fp16 bit pattern of the unpack offset (``0x6000`` = 512.0, mantissa unit 0.5)
-UNPACK_BASE = 512.0
+#: value of the unpacked fp16 operand per unit of ``c·4^j`` (a subnormal: ``2^-24``)
+UNPACK_UNIT = 2.0**-24
 
 #: BF16 window tokens per program (sink and recent windows are cut into pieces this long)
 WINDOW_TOKENS_PER_PROGRAM = 64
@@ -63,14 +67,14 @@ if gluon is not None:
     def _unpack_k(w, MASK: gl.constexpr, BLOCK_N: gl.constexpr, Q4: gl.constexpr, LA: gl.constexpr):
         """Key words ``[BLOCK_N, Q4/4]`` int32 → one quarter ``[BLOCK_N, Q4]`` fp16 A operand.
 
-        ``(w & MASK) | 0x60006000`` turns bytes 0 and 2 of a word into two fp16 ``512 + c·f``
-        at once (one ``lop3``), ``((w >> 8) & MASK) | …`` bytes 1 and 3: per word one shift
+        ``w & MASK`` turns bytes 0 and 2 of a word into two fp16 subnormals ``c·4^j·2^-24``
+        at once (one ``lop3``), ``(w >> 8) & MASK`` bytes 1 and 3: per word one shift
         (shared by the four quarters) and two ``lop3`` per quarter. Element order inside a
         word is therefore bytes ``0, 2, 1, 3``; :func:`_load_qt` permutes the query the same way.
         """
         e0, e1, e2, e3 = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, u; and.b32 t, $4, " + MASK + "; or.b32 t, t, 0x60006000; mov.b32 {$0, $1}, t; "
-            "shr.b32 u, $4, 8; and.b32 u, u, " + MASK + "; or.b32 u, u, 0x60006000; mov.b32 {$2, $3}, u; }",
+            "{ .reg .b32 t, u; and.b32 t, $4, " + MASK + "; mov.b32 {$0, $1}, t; "
+            "shr.b32 u, $4, 8; and.b32 u, u, " + MASK + "; mov.b32 {$2, $3}, u; }",
             "=h,=h,=h,=h,r",
             [w],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
@@ -91,15 +95,15 @@ if gluon is not None:
         """Value words ``[BLOCK_N, Q4/4]`` int32 → one quarter of ``vᵀ`` ``[Q4, BLOCK_N]`` fp16.
 
         Two tokens' words per call: ``prmt`` puts byte ``i`` of both side by side (shared by
-        the four quarters), one ``lop3`` masks and adds the exponent. Row ``m = w + (Q4/4)·i``
+        the four quarters), one ``and`` masks (fp16 subnormals, as :func:`_unpack_k`). Row ``m = w + (Q4/4)·i``
         of the result is element ``4w + i`` of the quarter (:func:`_vrow`).
         """
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
             "{ .reg .b32 t; "
-            "prmt.b32 t, $4, $5, 0x4400; and.b32 t, t, " + MASK + "; or.b32 $0, t, 0x60006000; "
-            "prmt.b32 t, $4, $5, 0x5511; and.b32 t, t, " + MASK + "; or.b32 $1, t, 0x60006000; "
-            "prmt.b32 t, $4, $5, 0x6622; and.b32 t, t, " + MASK + "; or.b32 $2, t, 0x60006000; "
-            "prmt.b32 t, $4, $5, 0x7733; and.b32 t, t, " + MASK + "; or.b32 $3, t, 0x60006000; }",
+            "prmt.b32 t, $4, $5, 0x4400; and.b32 $0, t, " + MASK + "; "
+            "prmt.b32 t, $4, $5, 0x5511; and.b32 $1, t, " + MASK + "; "
+            "prmt.b32 t, $4, $5, 0x6622; and.b32 $2, t, " + MASK + "; "
+            "prmt.b32 t, $4, $5, 0x7733; and.b32 $3, t, " + MASK + "; }",
             "=r,=r,=r,=r,r,r",
             [w],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
@@ -364,21 +368,21 @@ if gluon is not None:
         a2 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
         a3 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
         if split < NUM_SPLITS:
-            # Σ(p·z) per head: o_j = a_j/f_j + lpz (see module docstring)
+            # Σ(p·z) per head: o_j = a_j·2^24/4^j + lpz (see module docstring)
             lpz = gl.zeros([NP], gl.float32, layout=COLL)
-            qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)  # 1/f_0 = 2
+            # q_j·2/4^j: quarter j's products are c·q·2^-23 (x = c·4^j·2^-24), all quarters alike
+            qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)
             qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
             qt2 = _load_qt(q_ptr, qrow, 2, 0.125, Q4, LB, gl.float16, True)
             qt3 = _load_qt(q_ptr, qrow, 3, 0.03125, Q4, LB, gl.float16, True)
-            # Σq (exact query) and Σq' (the fp16 operands the tensor cores see), per head
+            # Σq (exact query) per head, times 2^-23: s·2^-23 = st·ks + qsum·kz, and the 2^23 goes
+            # into the softmax scale (no per-tile multiply)
             qsum = gl.sum(_load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.float32, False), 0)
             qsum += gl.sum(_load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.float32, False), 0)
             qsum += gl.sum(_load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.float32, False), 0)
             qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
-            qs2 = gl.sum(qt0.to(gl.float32), 0) + gl.sum(qt1.to(gl.float32), 0)
-            qs2 += gl.sum(qt2.to(gl.float32), 0) + gl.sum(qt3.to(gl.float32), 0)
-            qsum = gl.convert_layout(qsum, COLL)
-            qoff = gl.convert_layout(qs2, COLL) * 512.0
+            qsum = gl.convert_layout(qsum, COLL) * (2.0**-23)
+            k_scale_log2 = sm_scale_log2 * (2.0**23)
             start = SINK
             end = gl.maximum(length - RECENT, SINK)
             per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -411,24 +415,19 @@ if gluon is not None:
                 st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
                 st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
                 st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
-                s = (st - qoff[None, :]) * ks[:, None] + qsum[None, :] * kz[:, None]
-                s2 = gl.where(ms[:, None], s * sm_scale_log2, float("-inf"))
+                s = st * ks[:, None] + qsum[None, :] * kz[:, None]
+                s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
                 p, alpha, m_i = _softmax_cols(s2, m_i)
                 l_i = l_i * alpha + gl.sum(p, 0)
                 pv = (p * vs[:, None]).to(gl.float16)
                 lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
                 pb = gl.convert_layout(pv, LB)
-                # the tile's share of the 512 offset (sum of the rounded operand, so it cancels
-                # exactly) leaves through the accumulator's initial value, tile by tile: the
-                # accumulators hold only Σ p·s·f·c. Summed over a whole split instead, the
-                # offset is ~700× the quarter-0 signal and the tensor cores' truncating fp32
-                # accumulation biases the output by ~1e-2 at 1000 tokens per split (1e-1 at
-                # 14k: docs/performance.md, benchmarks/gluon_numerics.py)
-                toff = (gl.sum(pv.to(gl.float32), 0) * 512.0)[None, :]
-                a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :] - toff)
-                a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :] - toff)
-                a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :] - toff)
-                a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :] - toff)
+                # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
+                # subnormals, so nothing large is ever added and cancelled)
+                a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
+                a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
+                a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
+                a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
                 if PREFETCH:
                     kc = kc_n
                     vc = vc_n
@@ -437,10 +436,10 @@ if gluon is not None:
                     vs = vs_n
                     vz = vz_n
                     ms = ms_n
-            a0 = a0 * 2.0 + lpz[None, :]
-            a1 = a1 * 0.5 + lpz[None, :]
-            a2 = a2 * 0.125 + lpz[None, :]
-            a3 = a3 * 0.03125 + lpz[None, :]
+            a0 = a0 * (2.0**24) + lpz[None, :]
+            a1 = a1 * (2.0**22) + lpz[None, :]
+            a2 = a2 * (2.0**20) + lpz[None, :]
+            a3 = a3 * (2.0**18) + lpz[None, :]
         else:
             qb0 = _load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.bfloat16, False)
             qb1 = _load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.bfloat16, False)
