@@ -49,6 +49,24 @@ _DEFAULTS = {"gluon": (32, 1, 16), "tl": (128, 4, 8)}
 MAX_SPLITS = 128
 
 
+#: INT2 tiles the Gluon kernel asks L2 for ahead of the one it loads into registers
+#: (``cp.async.bulk.prefetch``, sm_90+, tiles inside one page); 0 switches it off
+L2_PREFETCH_TILES = 2
+
+
+def _l2_ahead(cache: PagedKVCache, one_page: bool, num_stages: int) -> int:
+    """``L2_AHEAD`` of the Gluon kernel: bulk prefetch needs sm_90, 16-byte aligned pieces."""
+    if not one_page or num_stages < 2 or torch.cuda.get_device_capability(cache.device)[0] < 9:
+        return 0
+    codes = (cache.k_codes, cache.v_codes)
+    scales = (cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero)
+    aligned = all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:2]) for t in codes)
+    aligned = aligned and all(
+        t.data_ptr() % 16 == 0 and all(2 * st % 16 == 0 for st in t.stride()[:2]) for t in scales
+    )
+    return L2_PREFETCH_TILES if aligned else 0
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -301,6 +319,8 @@ def _launch_decode(
     if impl == "gluon":
         from .kernels.attention_gluon import decode_split_kernel_gluon
 
+        # every tile inside one page: tiles start at sink + k·block_n
+        one_page = lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -315,8 +335,8 @@ def _launch_decode(
             BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
             W_TOK=WINDOW_TOKENS_PER_PROGRAM,
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
-            # every tile inside one page: tiles start at sink + k·block_n
-            ONE_PAGE=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,
+            ONE_PAGE=one_page,
+            L2_AHEAD=_l2_ahead(cache, one_page, num_stages),
             num_warps=num_warps,
         )
     else:

@@ -163,6 +163,7 @@ if gluon is not None:
         bt_row,
         t0,
         hi,
+        pg,
         page_size,
         h,
         stride_cp,
@@ -179,18 +180,18 @@ if gluon is not None:
         ONE_PAGE: gl.constexpr,
     ):
         """Load one INT2 tile: key and value code words ``[BLOCK_N, Q4/4]`` int32 (keys 8 bytes,
-        values 4 bytes per thread and load) and per-token scale/zero; masked past ``hi``."""
+        values 4 bytes per thread and load) and per-token scale/zero; masked past ``hi``.
+        ``pg``: the tile's page id (:func:`_page`; used with ``ONE_PAGE`` only)."""
         W4: gl.constexpr = Q4 // 4
         if ONE_PAGE:
             # the tile lies inside one page (page_size % BLOCK_N == 0, tiles start at multiples
             # of BLOCK_N): one block-table entry and 32-bit offsets from a scalar base replace
             # a per-token division, remainder and 64-bit address computation
-            pg = gl.load(bt_ptr + bt_row + t0 // page_size, mask=t0 < hi, other=0).to(gl.int64)
             off = t0 % page_size
             ct4 = stride_ct // 4
             wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
             lk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
-            cbase = (pg * stride_cp + h * stride_ch + off * stride_ct) // 4
+            cbase = (pg.to(gl.int64) * stride_cp + h * stride_ch + off * stride_ct) // 4
             mk = (t0 + lk) < hi
             kc = gl.load(kw_ptr + cbase + (lk * ct4)[:, None] + wk[None, :], mask=mk[:, None], other=0)
             wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
@@ -199,7 +200,7 @@ if gluon is not None:
             vc = gl.load(vw_ptr + cbase + (lv * ct4)[:, None] + wv[None, :], mask=mv[:, None], other=0)
             ls = gl.arange(0, BLOCK_N, layout=ROWL)
             ms = (t0 + ls) < hi
-            sbase = pg * stride_sp + h * stride_sh + off * stride_st
+            sbase = pg.to(gl.int64) * stride_sp + h * stride_sh + off * stride_st
             rs = ls * stride_st
             ks = gl.load(ks_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
             kz = gl.load(kz_ptr + sbase + rs, mask=ms, other=0.0).to(gl.float32)
@@ -227,6 +228,43 @@ if gluon is not None:
             vs = gl.load(vs_ptr + rs, mask=ms, other=0.0).to(gl.float32)
             vz = gl.load(vz_ptr + rs, mask=ms, other=0.0).to(gl.float32)
         return kc, vc, ks, kz, vs, vz, ms
+
+    @gluon.jit
+    def _page(bt_ptr, bt_row, t0, hi, page_size):
+        """Page id (int32; int64 only where an address is formed) of the tile at token ``t0`` (0 past ``hi``)."""
+        return gl.load(bt_ptr + bt_row + t0 // page_size, mask=t0 < hi, other=0)
+
+    @gluon.jit
+    def _l2_prefetch(
+        kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, pg, t0, hi, page_size, h,
+        stride_cp, stride_ch, stride_ct: gl.constexpr, stride_sp, stride_sh, stride_st,
+        BLOCK_N: gl.constexpr, LP: gl.constexpr,
+    ):  # fmt: skip
+        """Ask L2 for the INT2 tile at ``t0`` (one ``ONE_PAGE`` tile: K and V codes, 1 KB each
+        for d = 128, and four 64-byte scale/zero rows) with ``cp.async.bulk.prefetch`` (sm_90):
+        lane ``e`` of the warp prefetches piece ``e``. No registers wait for it, so the bytes
+        in flight per SM are no longer bounded by the register file (one tile per warp)."""
+        e = gl.arange(0, 32, layout=LP)
+        off = t0 % page_size
+        coff = pg.to(gl.int64) * stride_cp + h * stride_ch + off * stride_ct  # bytes
+        soff = pg.to(gl.int64) * stride_sp + h * stride_sh + off * stride_st  # elements
+        u8: gl.constexpr = gl.pointer_type(gl.int8)
+        z = gl.zeros([32], gl.int64, layout=LP)
+        p = gl.where(e == 0, kc_ptr.to(u8, bitcast=True) + coff + z, vc_ptr.to(u8, bitcast=True) + coff + z)
+        p = gl.where(e == 2, ks_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
+        p = gl.where(e == 3, kz_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
+        p = gl.where(e == 4, vs_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
+        p = gl.where(e == 5, vz_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
+        nb = gl.where(e < 2, BLOCK_N * stride_ct, gl.where(e < 6, 2 * BLOCK_N * stride_st, 0))
+        nb = gl.where(t0 < hi, nb, 0)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r",
+            [p, nb],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
     @gluon.jit
     def _bf16_window(
@@ -291,7 +329,7 @@ if gluon is not None:
         vc_ptr,
         stride_cp,
         stride_ch,
-        stride_ct,
+        stride_ct: gl.constexpr,
         ks_ptr,
         kz_ptr,
         vs_ptr,
@@ -330,6 +368,7 @@ if gluon is not None:
         W_TOK: gl.constexpr,
         PREFETCH: gl.constexpr,
         ONE_PAGE: gl.constexpr,
+        L2_AHEAD: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
@@ -391,22 +430,39 @@ if gluon is not None:
             bt_row = b * stride_bt
             kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
             vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            LP: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
             if PREFETCH:
                 kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi, page_size, h,
+                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
+                    _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
                     stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
                     BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                 )  # fmt: skip
+                # page ids one iteration ahead: the next tile's loads never wait for a block-table
+                # load issued in the same iteration (in-order issue would stall the warp on it)
+                pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
+                if L2_AHEAD > 0:
+                    for k in gl.static_range(2, L2_AHEAD + 1):
+                        _l2_prefetch(
+                            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+                            _page(bt_ptr, bt_row, lo + k * BLOCK_N, hi, page_size), lo + k * BLOCK_N, hi,
+                            page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                            BLOCK_N, LP,
+                        )  # fmt: skip
             for t0 in range(lo, hi, BLOCK_N):
                 if PREFETCH:  # the next tile is requested before this one is computed
+                    pg2 = _page(bt_ptr, bt_row, t0 + 2 * BLOCK_N, hi, page_size)
+                    if L2_AHEAD > 0:
+                        pgl = _page(bt_ptr, bt_row, t0 + (L2_AHEAD + 1) * BLOCK_N, hi, page_size)
                     kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
-                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi, pg1,
                         page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
                         BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                     )  # fmt: skip
                 else:  # fewer registers, more resident programs instead
                     kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi, page_size,
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi,
+                        _page(bt_ptr, bt_row, t0, hi, page_size), page_size,
                         h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
                         BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                     )  # fmt: skip
@@ -429,6 +485,13 @@ if gluon is not None:
                 a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
                 a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
                 if PREFETCH:
+                    if L2_AHEAD > 0:  # after the tile's math: the block-table load has arrived
+                        _l2_prefetch(
+                            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, pgl, t0 + (L2_AHEAD + 1) * BLOCK_N,
+                            hi, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh,
+                            stride_st, BLOCK_N, LP,
+                        )  # fmt: skip
+                    pg1 = pg2
                     kc = kc_n
                     vc = vc_n
                     ks = ks_n
@@ -493,6 +556,7 @@ def compile_decode_gluon(
     windows: bool = True,
     prefetch: bool = True,
     one_page: bool = True,
+    l2_ahead: int = 0,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -523,8 +587,10 @@ def compile_decode_gluon(
         W_TOK=WINDOW_TOKENS_PER_PROGRAM,
         PREFETCH=prefetch,
         ONE_PAGE=one_page,
+        L2_AHEAD=l2_ahead,
         num_warps=num_warps,
         stride_st=1,
+        stride_ct=head_dim // 4,
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
