@@ -271,9 +271,7 @@ def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
     # operand order: the query is permuted on the assumption that an mma register of the
     # key tile pairs bytes 0 and 2 of a code word (e0, e1 of the first lop3 of the unpack);
     # pairing e0 with e2 (bytes 0 and 1) is the bug the H200 showed on 2026-11-30
-    m = re.search(
-        r"and\.b32 t, %r\d+, 0x00030003; mov\.b32 \{(%rs\d+), (%rs\d+)\}, t;", ptx
-    )
+    m = re.search(r"and\.b32 t, %r\d+, 0x00030003; mov\.b32 \{(%rs\d+), (%rs\d+)\}, t;", ptx)
     assert m, "key unpack not found in the PTX"
     e0, e1 = m.groups()
     pairs = re.findall(r"mov\.b32\s+%r\d+, \{" + e0 + r", (%rs\d+)\}", ptx)

@@ -363,7 +363,8 @@ def _launch_decode(
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
     out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
     merge_splits_kernel[(bsz * hq,)](
-        po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)), ROTATE=unrotate is not None, RC=min(32, d)
+        po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
+        ROTATE=unrotate is not None, RC=min(32, d),
     )  # fmt: skip
     return out
 

@@ -95,8 +95,8 @@ if gluon is not None:
         """Value words ``[BLOCK_N, Q4/4]`` int32 → one quarter of ``vᵀ`` ``[Q4, BLOCK_N]`` fp16.
 
         Two tokens' words per call: ``prmt`` puts byte ``i`` of both side by side (shared by
-        the four quarters), one ``and`` masks (fp16 subnormals, as :func:`_unpack_k`). Row ``m = w + (Q4/4)·i``
-        of the result is element ``4w + i`` of the quarter (:func:`_vrow`).
+        the four quarters), one ``and`` masks (fp16 subnormals, as :func:`_unpack_k`).
+        Row ``m = w + (Q4/4)·i`` of the result is element ``4w + i`` of the quarter (:func:`_vrow`).
         """
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
             "{ .reg .b32 t; "
@@ -231,7 +231,7 @@ if gluon is not None:
 
     @gluon.jit
     def _page(bt_ptr, bt_row, t0, hi, page_size):
-        """Page id (int32; int64 only where an address is formed) of the tile at token ``t0`` (0 past ``hi``)."""
+        """Page id (int32: int64 only where an address is formed) of the tile at ``t0`` (0 past ``hi``)."""
         return gl.load(bt_ptr + bt_row + t0 // page_size, mask=t0 < hi, other=0)
 
     @gluon.jit
@@ -258,7 +258,8 @@ if gluon is not None:
         nb = gl.where(e < 2, BLOCK_N * stride_ct, gl.where(e < 6, 2 * BLOCK_N * stride_st, 0))
         nb = gl.where(t0 < hi, nb, 0)
         gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+            "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
             "=r,l,r",
             [p, nb],
             dtype=gl.int32,
@@ -487,9 +488,9 @@ if gluon is not None:
                 if PREFETCH:
                     if L2_AHEAD > 0:  # after the tile's math: the block-table load has arrived
                         _l2_prefetch(
-                            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, pgl, t0 + (L2_AHEAD + 1) * BLOCK_N,
-                            hi, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh,
-                            stride_st, BLOCK_N, LP,
+                            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, pgl,
+                            t0 + (L2_AHEAD + 1) * BLOCK_N, hi, page_size, h, stride_cp, stride_ch, stride_ct,
+                            stride_sp, stride_sh, stride_st, BLOCK_N, LP,
                         )  # fmt: skip
                     pg1 = pg2
                     kc = kc_n
