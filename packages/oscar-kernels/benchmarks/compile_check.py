@@ -87,7 +87,6 @@ def compile_decode(
     windows: bool = True,
     group: int | None = None,
     prefetch: bool = True,
-    l2_ahead: int = 0,
 ) -> dict:
     """Compile the ``tl`` or ``gluon`` decode split kernel for ``sm_<arch>``; PTX counts and ptxas -v.
 
@@ -99,7 +98,7 @@ def compile_decode(
     if impl == "gluon":
         from oscar_kernels.kernels.attention_gluon import compile_decode_gluon
 
-        k = compile_decode_gluon(arch, gqa, d, block_n, num_warps, windows, prefetch, l2_ahead=l2_ahead)
+        k = compile_decode_gluon(arch, gqa, d, block_n, num_warps, windows, prefetch)
     else:
         k = _compile_tl(block_n, num_warps, gqa, d, windows, group, arch)
     ptx = k.asm["ptx"]
@@ -143,19 +142,16 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--no-windows", action="store_true", help="the INT2 tile loop alone")
     ap.add_argument("--no-prefetch", action="store_true", help="gluon: no register double buffering")
-    ap.add_argument("--l2", type=int, nargs="*", default=[0], help="gluon: L2_AHEAD (bulk L2 prefetch)")
     ap.add_argument("--group", type=int, default=None, help="quantisation group (default d; tl only)")
     a = ap.parse_args()
     warps = a.warps or [1 if a.impl == "gluon" else 4]
     for g in a.gqa:
         for bn in a.block_n:
             for w in warps:
-                for l2 in a.l2:
-                    r = compile_decode(
-                        a.impl, bn, w, g, a.d, windows=not a.no_windows, group=a.group,
-                        prefetch=not a.no_prefetch, l2_ahead=l2,
-                    )  # fmt: skip
-                    print(f"impl={a.impl} gqa={g} d={a.d} block_n={bn} warps={w} l2={l2}: {r}", flush=True)
+                r = compile_decode(
+                    a.impl, bn, w, g, a.d, windows=not a.no_windows, group=a.group, prefetch=not a.no_prefetch
+                )
+                print(f"impl={a.impl} gqa={g} d={a.d} block_n={bn} warps={w}: {r}", flush=True)
 
 
 if __name__ == "__main__":

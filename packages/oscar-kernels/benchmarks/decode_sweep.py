@@ -1,9 +1,10 @@
-"""Split-count and L2-prefetch sweep of the Gluon decode op, and where a short step's time goes.
+"""Split-count sweep of the Gluon decode op, PDL on/off, and where a short step's time goes.
 
 Graph-replay times (µs) of ``decode_attention`` per explicit ``num_splits`` at batch 1, 8
-and 32 (Qwen3-8B attention shape, random cache as in ``gpu_run.py``), the same at a few
-``L2_PREFETCH_TILES`` values, and at short contexts the parts of one step timed alone:
-query rotation, split + merge kernels, the merge alone, an empty graph node.
+and 32 (Qwen3-8B attention shape, random cache as in ``gpu_run.py``), the default split
+count with programmatic dependent launch on and off (``USE_PDL``), and at batch 1 the
+parts of one step timed alone: query rotation, split + merge kernels, the merge alone, an
+empty graph node.
 The data behind :func:`oscar_kernels.choose_num_splits` (docs/performance.md).
 
 Usage (repo root, GPU machine)::
@@ -32,10 +33,10 @@ import oscar_kernels as ok  # noqa: E402
 
 dec = sys.modules["oscar_kernels.decode_attention"]
 
-SPLITS = {
-    1: (8, 16, 24, 32, 48, 64, 96, 128, 132, 198, 264),
-    8: (8, 16, 24, 33, 50, 66, 99, 132),
-    32: (3, 6, 9, 12, 17, 33),
+SPLITS = {  # around the defaults (the first session's sweep: docs/performance.md)
+    1: (33, 48, 66, 99, 132, 165, 198),
+    8: (16, 24, 33, 66, 99),
+    32: (4, 6, 9, 12, 33),
 }
 
 
@@ -81,7 +82,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()
-    shapes = [(8192, 1), (32768, 1), (131072, 1), (8192, 8), (32768, 8), (131072, 8), (131072, 32)]
+    shapes = [(c, b) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
     for ctx, bsz in shapes:
         try:
             row = sweep_shape(ctx, bsz)
@@ -97,21 +98,20 @@ def main() -> None:
 def sweep_shape(ctx: int, bsz: int) -> dict:
     s = G._int2_decode_setup(ctx, bsz)
     args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
-    row = {"ctx": ctx, "batch": bsz, "default_splits": None, "splits": {}, "l2": {}}
-    row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, 32, 16)
+    row = {"ctx": ctx, "batch": bsz, "splits": {}}
+    _, bn, _, pps = dec.resolve_launch(s["cache"], s["q"], "gluon")
+    row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, bn, pps)
     row["default_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
+    dec.USE_PDL = False
+    row["default_no_pdl_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
+    dec.USE_PDL = True
     for ns in SPLITS[bsz]:
         row["splits"][ns] = us(lambda a=args, ns=ns: ok.decode_attention(*a, impl="gluon", num_splits=ns))
-    best = min(row["splits"], key=row["splits"].get)
-    l2_default = dec.L2_PREFETCH_TILES
-    for l2 in (0, 1, 2, 3):
-        dec.L2_PREFETCH_TILES = l2
-        row["l2"][l2] = us(lambda a=args, ns=best: ok.decode_attention(*a, impl="gluon", num_splits=ns))
-    dec.L2_PREFETCH_TILES = l2_default
+    best = row["default_splits"]
     kern = dec.LAST_COMPILED.get("decode_split")
     row["regs_spills"] = [getattr(kern, "n_regs", None), getattr(kern, "n_spills", None)]
-    if bsz == 1 or ctx == 8192:
-        row["parts_at_best"] = parts(s, best)
+    if bsz == 1:
+        row["parts_at_default"] = parts(s, best)
     return row
 
 

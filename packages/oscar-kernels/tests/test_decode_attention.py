@@ -82,17 +82,26 @@ def test_decode_input_errors():
             decode_attention(q, cache, params, bt, sl, ws, backend="triton", impl="gluon")
 
 
-def test_split_and_window_program_counts():
-    """The split count never exceeds MAX_SPLITS (the merge's cost) nor makes splits shorter
-    than two tiles; the Gluon kernel cuts the windows into 64-token programs."""
-    from oscar_kernels.decode_attention import MAX_SPLITS, choose_num_splits
+def test_split_and_window_program_counts(monkeypatch):
+    """The split counts the H200 sweeps chose (docs/performance.md), on a simulated 132-SM
+    device: sqrt growth, whole multiples of the SM count, no second partial wave; never
+    more than MAX_SPLITS nor splits shorter than two tiles. The Gluon kernel cuts the
+    windows into 64-token programs."""
     from oscar_kernels.kernels.attention_gluon import window_programs
 
-    cpu = torch.device("cpu")  # 4 "SMs" off CUDA
-    assert choose_num_splits(1, 1, 1 << 20, cpu, 32, 1 << 12) == MAX_SPLITS
-    assert choose_num_splits(1, 1, 8192, cpu, 32, 1 << 12) == min(MAX_SPLITS, 8192 // 64)
-    assert choose_num_splits(1, 8, 1 << 20, cpu, 32, 16) == 8  # 16 programs x 4 SMs / 8 heads
-    assert choose_num_splits(64, 8, 100, cpu, 64, 16) == 1
+    dec = sys.modules["oscar_kernels.decode_attention"]  # the package re-exports the function
+
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def splits(batch, ctx, block_n=32, pps=12):
+        return dec.choose_num_splits(batch, 8, ctx, cpu, block_n, pps)
+
+    assert [splits(1, c) for c in (8192, 32768, 131072)] == [66, 132, 198]  # 198: one full wave
+    assert [splits(8, c) for c in (8192, 32768, 131072)] == [24, 24, 99]  # 33 would be 1.33 waves
+    assert [splits(32, c) for c in (8192, 32768, 131072)] == [6, 33, 33]
+    assert dec.choose_num_splits(1, 1, 1 << 30, cpu, 32, 1 << 12) == dec.MAX_SPLITS
+    assert splits(64, 100, 64) == 1 and splits(1, 256) == 4  # two 32-token tiles per split at least
     assert window_programs(64, 256) == 5 and window_programs(0, 0) == 0 and window_programs(5, 12) == 2
 
 

@@ -230,42 +230,18 @@ if gluon is not None:
         return kc, vc, ks, kz, vs, vz, ms
 
     @gluon.jit
+    def _griddep(OP: gl.constexpr, num_warps: gl.constexpr):
+        """``griddepcontrol.<OP>`` (``wait`` / ``launch_dependents``): programmatic dependent
+        launch, sm_90+. A side-effecting asm, so neither it nor the loads after it move."""
+        x = gl.arange(0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        gl.inline_asm_elementwise(
+            "griddepcontrol." + OP + "; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
     def _page(bt_ptr, bt_row, t0, hi, page_size):
         """Page id (int32: int64 only where an address is formed) of the tile at ``t0`` (0 past ``hi``)."""
         return gl.load(bt_ptr + bt_row + t0 // page_size, mask=t0 < hi, other=0)
-
-    @gluon.jit
-    def _l2_prefetch(
-        kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, pg, t0, hi, page_size, h,
-        stride_cp, stride_ch, stride_ct: gl.constexpr, stride_sp, stride_sh, stride_st,
-        BLOCK_N: gl.constexpr, LP: gl.constexpr,
-    ):  # fmt: skip
-        """Ask L2 for the INT2 tile at ``t0`` (one ``ONE_PAGE`` tile: K and V codes, 1 KB each
-        for d = 128, and four 64-byte scale/zero rows) with ``cp.async.bulk.prefetch`` (sm_90):
-        lane ``e`` of the warp prefetches piece ``e``. No registers wait for it, so the bytes
-        in flight per SM are no longer bounded by the register file (one tile per warp)."""
-        e = gl.arange(0, 32, layout=LP)
-        off = t0 % page_size
-        coff = pg.to(gl.int64) * stride_cp + h * stride_ch + off * stride_ct  # bytes
-        soff = pg.to(gl.int64) * stride_sp + h * stride_sh + off * stride_st  # elements
-        u8: gl.constexpr = gl.pointer_type(gl.int8)
-        z = gl.zeros([32], gl.int64, layout=LP)
-        p = gl.where(e == 0, kc_ptr.to(u8, bitcast=True) + coff + z, vc_ptr.to(u8, bitcast=True) + coff + z)
-        p = gl.where(e == 2, ks_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
-        p = gl.where(e == 3, kz_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
-        p = gl.where(e == 4, vs_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
-        p = gl.where(e == 5, vz_ptr.to(u8, bitcast=True) + 2 * soff + z, p)
-        nb = gl.where(e < 2, BLOCK_N * stride_ct, gl.where(e < 6, 2 * BLOCK_N * stride_st, 0))
-        nb = gl.where(t0 < hi, nb, 0)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r",
-            [p, nb],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
     @gluon.jit
     def _bf16_window(
@@ -369,7 +345,7 @@ if gluon is not None:
         W_TOK: gl.constexpr,
         PREFETCH: gl.constexpr,
         ONE_PAGE: gl.constexpr,
-        L2_AHEAD: gl.constexpr,
+        PDL: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
@@ -393,6 +369,8 @@ if gluon is not None:
         NWS: gl.constexpr = (SINK + W_TOK - 1) // W_TOK  # window programs: sink, then recent
         NWR: gl.constexpr = (RECENT + W_TOK - 1) // W_TOK
         NT = NUM_SPLITS + NWS + NWR
+        if PDL:  # the merge kernel may launch now; it waits for this grid before reading
+            _griddep("launch_dependents", num_warps)
         pid = gl.program_id(0)
         split = gl.program_id(1)
         b = pid // H_KV
@@ -410,6 +388,26 @@ if gluon is not None:
         if split < NUM_SPLITS:
             # Σ(p·z) per head: o_j = a_j·2^24/4^j + lpz (see module docstring)
             lpz = gl.zeros([NP], gl.float32, layout=COLL)
+            start = SINK
+            end = gl.maximum(length - RECENT, SINK)
+            per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = start + split * per
+            hi = gl.minimum(end, lo + per)
+            bt_row = b * stride_bt
+            kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            if PREFETCH:
+                kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
+                    _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
+                    stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                    BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                )  # fmt: skip
+                # page ids one iteration ahead: the next tile's loads never wait for a block-table
+                # load issued in the same iteration (in-order issue would stall the warp on it)
+                pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
+            if PDL:  # the first tile is on its way; the rotated queries are the previous kernel's
+                _griddep("wait", num_warps)
             # q_j·2/4^j: quarter j's products are c·q·2^-23 (x = c·4^j·2^-24), all quarters alike
             qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)
             qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
@@ -423,38 +421,9 @@ if gluon is not None:
             qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
             qsum = gl.convert_layout(qsum, COLL) * (2.0**-23)
             k_scale_log2 = sm_scale_log2 * (2.0**23)
-            start = SINK
-            end = gl.maximum(length - RECENT, SINK)
-            per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = start + split * per
-            hi = gl.minimum(end, lo + per)
-            bt_row = b * stride_bt
-            kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-            vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-            LP: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            if PREFETCH:
-                kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
-                    _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
-                    stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                    BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
-                )  # fmt: skip
-                # page ids one iteration ahead: the next tile's loads never wait for a block-table
-                # load issued in the same iteration (in-order issue would stall the warp on it)
-                pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
-                if L2_AHEAD > 0:
-                    for k in gl.static_range(2, L2_AHEAD + 1):
-                        _l2_prefetch(
-                            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-                            _page(bt_ptr, bt_row, lo + k * BLOCK_N, hi, page_size), lo + k * BLOCK_N, hi,
-                            page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                            BLOCK_N, LP,
-                        )  # fmt: skip
             for t0 in range(lo, hi, BLOCK_N):
                 if PREFETCH:  # the next tile is requested before this one is computed
                     pg2 = _page(bt_ptr, bt_row, t0 + 2 * BLOCK_N, hi, page_size)
-                    if L2_AHEAD > 0:
-                        pgl = _page(bt_ptr, bt_row, t0 + (L2_AHEAD + 1) * BLOCK_N, hi, page_size)
                     kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
                         kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi, pg1,
                         page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
@@ -486,12 +455,6 @@ if gluon is not None:
                 a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
                 a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
                 if PREFETCH:
-                    if L2_AHEAD > 0:  # after the tile's math: the block-table load has arrived
-                        _l2_prefetch(
-                            kc_ptr, vc_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, pgl,
-                            t0 + (L2_AHEAD + 1) * BLOCK_N, hi, page_size, h, stride_cp, stride_ch, stride_ct,
-                            stride_sp, stride_sh, stride_st, BLOCK_N, LP,
-                        )  # fmt: skip
                     pg1 = pg2
                     kc = kc_n
                     vc = vc_n
@@ -505,6 +468,8 @@ if gluon is not None:
             a2 = a2 * (2.0**20) + lpz[None, :]
             a3 = a3 * (2.0**18) + lpz[None, :]
         else:
+            if PDL:
+                _griddep("wait", num_warps)
             qb0 = _load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.bfloat16, False)
             qb1 = _load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.bfloat16, False)
             qb2 = _load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.bfloat16, False)
@@ -557,7 +522,6 @@ def compile_decode_gluon(
     windows: bool = True,
     prefetch: bool = True,
     one_page: bool = True,
-    l2_ahead: int = 0,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -588,7 +552,7 @@ def compile_decode_gluon(
         W_TOK=WINDOW_TOKENS_PER_PROGRAM,
         PREFETCH=prefetch,
         ONE_PAGE=one_page,
-        L2_AHEAD=l2_ahead,
+        PDL=arch >= 90,
         num_warps=num_warps,
         stride_st=1,
         stride_ct=head_dim // 4,
