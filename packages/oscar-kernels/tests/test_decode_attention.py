@@ -98,7 +98,7 @@ def test_split_and_window_program_counts(monkeypatch):
         return dec.choose_num_splits(batch, 8, ctx, cpu, block_n, pps)
 
     assert [splits(1, c) for c in (8192, 32768, 131072)] == [66, 132, 198]  # 198: one full wave
-    assert [splits(8, c) for c in (8192, 32768, 131072)] == [24, 24, 99]  # 33 would be 1.33 waves
+    assert [splits(8, c) for c in (8192, 32768, 131072)] == [33, 24, 99]  # 32k: 33 = 1.33 waves
     assert [splits(32, c) for c in (8192, 32768, 131072)] == [6, 33, 33]
     assert dec.choose_num_splits(1, 1, 1 << 30, cpu, 32, 1 << 12) == dec.MAX_SPLITS
     assert splits(64, 100, 64) == 1 and splits(1, 256) == 4  # two 32-token tiles per split at least
@@ -285,3 +285,29 @@ def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
     e0, e1 = m.groups()
     pairs = re.findall(r"mov\.b32\s+%r\d+, \{" + e0 + r", (%rs\d+)\}", ptx)
     assert pairs == [e1], (e0, e1, pairs)
+
+
+@needs_triton
+def test_merge_of_many_partials_in_chunks():
+    """The merge kernel's one-pass online LSE merge over 150 partials in 64-partial chunks
+    (as a long-context split count makes it), with empty partials (lse = -inf, o = 0) among
+    them and a whole empty row, against the closed-form merge in float64."""
+    from oscar_kernels.kernels.attention import merge_splits_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    rows, nt, d = 3, 150, 64
+    lse = torch.randn(rows, nt, generator=gen) * 4
+    lse[0, ::3] = float("-inf")  # empty splits
+    lse[1, :70] = float("-inf")  # the first chunk (and part of the second) empty
+    lse[2] = float("-inf")  # nothing at all: output 0
+    po = torch.randn(rows, nt, d, generator=gen)
+    po[torch.isinf(lse)] = 0.0
+    out = torch.empty(rows, d, device=DEVICE)
+    merge_splits_kernel[(rows,)](
+        po.to(DEVICE), lse.to(DEVICE), out, out, 0, 0, 0, nt, rows, 1, HEAD_DIM=d, CH=64, ROTATE=False, RC=32
+    )  # fmt: skip
+    w = torch.exp2(lse.double() - lse.double().amax(1, keepdim=True).clamp_min(-1e30))
+    want = (w[..., None] * po.double()).sum(1) / w.sum(1, keepdim=True).clamp_min(1e-300)
+    want[2] = 0.0
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double().cpu(), want, rtol=1e-5, atol=1e-6)

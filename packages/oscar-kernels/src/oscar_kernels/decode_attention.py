@@ -94,7 +94,10 @@ def choose_num_splits(
       multiple of the SM count win (132 vs 128 splits at 128k × 1: 75 vs 92 µs), so the count
       is rounded to such a multiple once it is at least half of one;
     * a second, partial wave of resident programs (``programs_per_sm`` per SM) costs a whole
-      split's time: 1–2 waves are cut back to one (264 → 198 splits at 128k × 1: 79 → 72 µs).
+      split's time: 1–2 waves are cut back to one when splits are long (≥ 384 tokens; 264 →
+      198 splits at 128k × 1: 79 → 72 µs, 33 → 24 at 32k × 8: 126 → 110 µs; at 8k × 8 the
+      short splits of the second wave cost less than fewer splits would: 33 splits 53–55 µs,
+      24 splits 55–60 µs).
 
     Never a split shorter than two tiles, at most :data:`MAX_SPLITS`. Depends on ``max_len``
     (``block_table.shape[1] * page_size``), not on the actual lengths, so it never reads
@@ -107,7 +110,7 @@ def choose_num_splits(
     if s >= unit / 2:
         s = unit * max(1, round(s / unit))
     wave = programs_per_sm * sms
-    if wave < s * bh < 2 * wave:
+    if wave < s * bh < 2 * wave and max_len >= 384 * s:
         s = wave // bh
     cap = max(1, max_len // (2 * block_n))
     return int(max(1, min(int(s), cap, MAX_SPLITS)))

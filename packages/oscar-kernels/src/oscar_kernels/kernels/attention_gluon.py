@@ -388,6 +388,21 @@ if gluon is not None:
         if split < NUM_SPLITS:
             # Σ(p·z) per head: o_j = a_j·2^24/4^j + lpz (see module docstring)
             lpz = gl.zeros([NP], gl.float32, layout=COLL)
+            if PDL:  # the rotated queries are the previous kernel's output
+                _griddep("wait", num_warps)
+            # q_j·2/4^j: quarter j's products are c·q·2^-23 (x = c·4^j·2^-24), all quarters alike
+            qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)
+            qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
+            qt2 = _load_qt(q_ptr, qrow, 2, 0.125, Q4, LB, gl.float16, True)
+            qt3 = _load_qt(q_ptr, qrow, 3, 0.03125, Q4, LB, gl.float16, True)
+            # Σq (exact query) per head, times 2^-23: s·2^-23 = st·ks + qsum·kz, and the 2^23 goes
+            # into the softmax scale (no per-tile multiply)
+            qsum = gl.sum(_load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum += gl.sum(_load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum += gl.sum(_load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
+            qsum = gl.convert_layout(qsum, COLL) * (2.0**-23)
+            k_scale_log2 = sm_scale_log2 * (2.0**23)
             start = SINK
             end = gl.maximum(length - RECENT, SINK)
             per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -406,21 +421,6 @@ if gluon is not None:
                 # page ids one iteration ahead: the next tile's loads never wait for a block-table
                 # load issued in the same iteration (in-order issue would stall the warp on it)
                 pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
-            if PDL:  # the first tile is on its way; the rotated queries are the previous kernel's
-                _griddep("wait", num_warps)
-            # q_j·2/4^j: quarter j's products are c·q·2^-23 (x = c·4^j·2^-24), all quarters alike
-            qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)
-            qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
-            qt2 = _load_qt(q_ptr, qrow, 2, 0.125, Q4, LB, gl.float16, True)
-            qt3 = _load_qt(q_ptr, qrow, 3, 0.03125, Q4, LB, gl.float16, True)
-            # Σq (exact query) per head, times 2^-23: s·2^-23 = st·ks + qsum·kz, and the 2^23 goes
-            # into the softmax scale (no per-tile multiply)
-            qsum = gl.sum(_load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.float32, False), 0)
-            qsum += gl.sum(_load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.float32, False), 0)
-            qsum += gl.sum(_load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.float32, False), 0)
-            qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
-            qsum = gl.convert_layout(qsum, COLL) * (2.0**-23)
-            k_scale_log2 = sm_scale_log2 * (2.0**23)
             for t0 in range(lo, hi, BLOCK_N):
                 if PREFETCH:  # the next tile is requested before this one is computed
                     pg2 = _page(bt_ptr, bt_row, t0 + 2 * BLOCK_N, hi, page_size)
