@@ -331,7 +331,7 @@ if gluon is not None:
         po_ptr,
         plse_ptr,
         sm_scale_log2,
-        page_size,
+        page_size: gl.constexpr,
         NUM_SPLITS,
         H_KV: gl.constexpr,
         GQA: gl.constexpr,
@@ -556,6 +556,7 @@ def compile_decode_gluon(
         num_warps=num_warps,
         stride_st=1,
         stride_ct=head_dim // 4,
+        page_size=64,
     )
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
