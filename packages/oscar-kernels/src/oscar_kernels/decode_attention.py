@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -54,11 +55,18 @@ def pdl_available(device: torch.device) -> bool:
     kernel starts while the one before it drains and waits (``griddepcontrol.wait``) only
     before reading that kernel's output. Host-side facts only (CUDA-graph safe)."""
     from ._backend import interpreting
-    from .kernels import attention
 
     if interpreting() or device.type != "cuda" or torch.version.hip is not None or not USE_PDL:
         return False
-    if attention.gdc_wait is None or torch.cuda.get_device_capability(device)[0] < 9:
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    """Device and Triton facts behind :func:`pdl_available`, once per device (host overhead)."""
+    from .kernels import attention
+
+    if attention.gdc_wait is None or torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
     from triton.backends.nvidia.compiler import CUDAOptions
 
