@@ -223,7 +223,7 @@ def decode_attention(
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages, programs_per_sm: tile size, launch options and
-            split-count target of :func:`choose_num_splits` (``None``: the kernel's default,
+            resident programs per SM that :func:`choose_num_splits` fills (``None``: the kernel's default,
             see ``_DEFAULTS``; for the Gluon kernel ``num_stages >= 2`` means the next tile's
             loads are issued before the current tile is computed, 1 that they are not).
         unpack: how the ``tl`` kernel turns INT2 codes into operands: ``asm`` (PTX

@@ -21,7 +21,7 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
   (values); ``2^23`` into the softmax scale. Each ``and`` takes its mask as the one
   immediate operand: the former ``(w & mask) | 0x60006000`` (fp16 ``512 + c·4^j/2``) needed
   a second constant, which ptxas re-materialised with a ``mov`` before ~every ``lop3``
-  (120 of the 750 instructions of a 32-token tile), and an offset of 512 per code that had
+  (856 → 702 SASS instructions per 32-token tile, Triton 3.9), and an offset of 512 per code that had
   to be removed again (per tile for values: ``mma.sync`` accumulates fp32 with truncation,
   and a split-long offset biased quarter 0 by 1e-2 … 1e-1, docs/performance.md).
 * Scale and zero are applied per token outside the dot:
@@ -33,6 +33,8 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
   into A-operand registers), in extra programs of 64 window tokens each per (sequence, KV
   head) (:func:`window_programs`: 5 for the default 64 + 256).
+* ``PDL`` (sm_90, programmatic dependent launch): the kernel lets the merge launch at once
+  and waits for the query-rotation kernel only just before it loads the rotated queries.
 
 Requires ``triton.experimental.gluon`` (Triton >= 3.6); :data:`GLUON_IMPORT_ERROR` says why
 it is unavailable otherwise.
