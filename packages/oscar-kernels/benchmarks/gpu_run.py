@@ -731,7 +731,7 @@ def main():
     if not a.skip_bench:
         tune = None
         if a.tune:  # Gluon launch configurations swept at 128k (the best is reported)
-            tune = [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 16, 32)]
+            tune = [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 12, 16)]
         shapes = [(c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)]
         if a.shapes:
             shapes = [tuple(int(x) for x in sh.split(":")) for sh in a.shapes]

@@ -83,6 +83,20 @@ MUTATIONS = (
         ("tests/test_decode_attention.py", "-k", "matches_reference and tl"),
     ),
     Mutation(
+        "merge-forgets-to-rescale-chunks",
+        "src/oscar_kernels/kernels/attention.py",
+        "alpha = tl.exp2(m - m_safe)",
+        "alpha = tl.exp2(m - m) + 0.0 * m_safe",
+        ("tests/test_decode_attention.py", "-k", "many_partials"),
+    ),
+    Mutation(
+        "write-ring-pass-skips-blocks-with-one-ring-row",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "if tl.max(ring_m.to(tl.int32), 0) == 0:",
+        "if tl.sum(ring_m.to(tl.int32), 0) <= 1:",
+        ("tests/test_write_windows.py", "-k", "ring_pass"),
+    ),
+    Mutation(
         "reference-ring-window-off-by-one",
         "src/oscar_kernels/reference/paged_write.py",
         "m = (pos >= lo.sink_tokens) & (pos >= length - lo.recent_tokens)",

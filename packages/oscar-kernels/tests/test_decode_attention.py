@@ -82,17 +82,26 @@ def test_decode_input_errors():
             decode_attention(q, cache, params, bt, sl, ws, backend="triton", impl="gluon")
 
 
-def test_split_and_window_program_counts():
-    """The split count never exceeds MAX_SPLITS (the merge's cost) nor makes splits shorter
-    than two tiles; the Gluon kernel cuts the windows into 64-token programs."""
-    from oscar_kernels.decode_attention import MAX_SPLITS, choose_num_splits
+def test_split_and_window_program_counts(monkeypatch):
+    """The split counts the H200 sweeps chose (docs/performance.md), on a simulated 132-SM
+    device: sqrt growth, whole multiples of the SM count, no second partial wave; never
+    more than MAX_SPLITS nor splits shorter than two tiles. The Gluon kernel cuts the
+    windows into 64-token programs."""
     from oscar_kernels.kernels.attention_gluon import window_programs
 
-    cpu = torch.device("cpu")  # 4 "SMs" off CUDA
-    assert choose_num_splits(1, 1, 1 << 20, cpu, 32, 1 << 12) == MAX_SPLITS
-    assert choose_num_splits(1, 1, 8192, cpu, 32, 1 << 12) == min(MAX_SPLITS, 8192 // 64)
-    assert choose_num_splits(1, 8, 1 << 20, cpu, 32, 16) == 8  # 16 programs x 4 SMs / 8 heads
-    assert choose_num_splits(64, 8, 100, cpu, 64, 16) == 1
+    dec = sys.modules["oscar_kernels.decode_attention"]  # the package re-exports the function
+
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def splits(batch, ctx, block_n=32, pps=12):
+        return dec.choose_num_splits(batch, 8, ctx, cpu, block_n, pps)
+
+    assert [splits(1, c) for c in (8192, 32768, 131072)] == [66, 132, 198]  # 198: one full wave
+    assert [splits(8, c) for c in (8192, 32768, 131072)] == [33, 24, 99]  # 32k: 33 = 1.33 waves
+    assert [splits(32, c) for c in (8192, 32768, 131072)] == [6, 33, 33]
+    assert dec.choose_num_splits(1, 1, 1 << 30, cpu, 32, 1 << 12) == dec.MAX_SPLITS
+    assert splits(64, 100, 64) == 1 and splits(1, 256) == 4  # two 32-token tiles per split at least
     assert window_programs(64, 256) == 5 and window_programs(0, 0) == 0 and window_programs(5, 12) == 2
 
 
@@ -264,16 +273,41 @@ def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
     ptx = _gluon_ptx_or_skip(gqa=gqa, head_dim=d, block_n=block_n, windows=windows, one_page=one_page)
     assert "mma.sync.aligned.m16n8k16" in ptx
     assert ".f16.f16" in ptx  # INT2 operands are fp16 (the unpack target)
-    assert "prmt.b32" in ptx and "0x60006000" in ptx  # the in-register unpack
+    assert "prmt.b32" in ptx and "0x00C000C0" in ptx  # the in-register unpack
+    assert "0x60006000" not in ptx  # operands are fp16 subnormals: no exponent is or-ed in
     assert "st.shared" not in ptx  # codes and unpacked operands never go through shared memory
     assert "ld.global.v2.b32" in ptx  # key codes: 8 bytes per load
     # operand order: the query is permuted on the assumption that an mma register of the
     # key tile pairs bytes 0 and 2 of a code word (e0, e1 of the first lop3 of the unpack);
     # pairing e0 with e2 (bytes 0 and 1) is the bug the H200 showed on 2026-11-30
-    m = re.search(
-        r"and\.b32 t, %r\d+, 0x00030003; or\.b32 t, t, 0x60006000; mov\.b32 \{(%rs\d+), (%rs\d+)\}, t;", ptx
-    )
+    m = re.search(r"and\.b32 t, %r\d+, 0x00030003; mov\.b32 \{(%rs\d+), (%rs\d+)\}, t;", ptx)
     assert m, "key unpack not found in the PTX"
     e0, e1 = m.groups()
     pairs = re.findall(r"mov\.b32\s+%r\d+, \{" + e0 + r", (%rs\d+)\}", ptx)
     assert pairs == [e1], (e0, e1, pairs)
+
+
+@needs_triton
+def test_merge_of_many_partials_in_chunks():
+    """The merge kernel's one-pass online LSE merge over 150 partials in 64-partial chunks
+    (as a long-context split count makes it), with empty partials (lse = -inf, o = 0) among
+    them and a whole empty row, against the closed-form merge in float64."""
+    from oscar_kernels.kernels.attention import merge_splits_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    rows, nt, d = 3, 150, 64
+    lse = torch.randn(rows, nt, generator=gen) * 4
+    lse[0, ::3] = float("-inf")  # empty splits
+    lse[1, :70] = float("-inf")  # the first chunk (and part of the second) empty
+    lse[2] = float("-inf")  # nothing at all: output 0
+    po = torch.randn(rows, nt, d, generator=gen)
+    po[torch.isinf(lse)] = 0.0
+    out = torch.empty(rows, d, device=DEVICE)
+    merge_splits_kernel[(rows,)](
+        po.to(DEVICE), lse.to(DEVICE), out, out, 0, 0, 0, nt, rows, 1, HEAD_DIM=d, CH=64, ROTATE=False, RC=32
+    )  # fmt: skip
+    w = torch.exp2(lse.double() - lse.double().amax(1, keepdim=True).clamp_min(-1e30))
+    want = (w[..., None] * po.double()).sum(1) / w.sum(1, keepdim=True).clamp_min(1e-300)
+    want[2] = 0.0
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double().cpu(), want, rtol=1e-5, atol=1e-6)

@@ -108,3 +108,40 @@ def test_padding_only_write_changes_nothing():
         paged_write(cache, params, junk, junk, z - 1, z, z, z[:1] + 9, ws, backend=backend)
         for f, t in before.items():
             assert torch.equal(getattr(cache, f), t), (backend, f)
+
+
+@needs_triton
+@pytest.mark.parametrize("block_t", [4, 16])
+def test_ring_pass_writes_exactly_the_ring_rows(block_t):
+    """``parts="ring"`` (the write after an extend) over whole sequences in blocks of
+    ``block_t`` tokens: most blocks hold no ring row and return before rotating, some end one
+    sequence and start the next. Starting from ring rows overwritten with junk, the pass
+    must restore every ring row of the window rule and touch nothing else."""
+    from oscar_kernels import paged_write
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [17, 40, 7, 33, 2]  # 17: a block holds only the last ring row of sequence 0
+    cache, params, bt, ws, keys, values = fill_cache(LAYOUT, lens, gen, "kv_head", exact=True)
+    want, int2 = expected_cache(cache, params, bt, ws, keys, values)
+    for name in ("k_recent", "v_recent"):
+        getattr(cache, name).fill_(7.0)
+    rows = [(b, p) for b, n in enumerate(lens) for p in range(n)]
+    b_idx = torch.tensor([r[0] for r in rows])
+    pos = torch.tensor([r[1] for r in rows])
+    ps = LAYOUT.page_size
+    slots = bt.cpu()[b_idx, pos // ps].long() * ps + pos % ps
+    k = torch.stack([keys[b][p] for b, p in rows])
+    v = torch.stack([values[b][p] for b, p in rows])
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    paged_write(
+        cache, params, k, v, slots.to(DEVICE), pos.int().to(DEVICE), b_idx.int().to(DEVICE), sl, ws,
+        backend="triton", parts="ring", block_t=block_t,
+    )  # fmt: skip
+    # rows no sequence's ring uses (slot of the spare window, or recent > length) keep the junk
+    used = {(int(ws[b]), p % RECENT) for b, n in enumerate(lens) for p in range(max(SINK, n - RECENT), n)}
+    for name in ("k_recent", "v_recent"):
+        for w, r in used:
+            assert torch.equal(getattr(cache, name)[w, :, r].cpu(), want[name][w, :, r]), (name, w, r)
+        junk = [(w, r) for w in range(cache.max_seqs) for r in range(RECENT) if (w, r) not in used]
+        assert all((getattr(cache, name)[w, :, r] == 7.0).all() for w, r in junk), name
+    assert_cache_is(cache, {k: v for k, v in want.items() if "sink" in k}, int2)  # pages untouched

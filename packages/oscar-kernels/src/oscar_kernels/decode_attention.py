@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -38,15 +39,42 @@ __all__ = [
 #: (portable ``tl.dot`` kernel, any group size, also runs under the Triton interpreter)
 DECODE_IMPLS = ("auto", "gluon", "tl")
 
-#: launch defaults per kernel: (block_n, num_warps, programs_per_sm). Gluon: the best of the
-#: H200 sweep (docs/performance.md) at 8k×8/32, 32k×1/8 and 128k×8; 64-token tiles are up
-#: to 10 % faster at 8k×1 only
-_DEFAULTS = {"gluon": (32, 1, 16), "tl": (128, 4, 8)}
+#: launch defaults per kernel: (block_n, num_warps, programs_per_sm). ``programs_per_sm`` is
+#: the kernel's residency (Gluon: 164-168 registers, 65536 / (168·32) = 12 one-warp programs
+#: per SM), which :func:`choose_num_splits` fills in whole waves. Gluon: H200 sweeps
+#: (docs/performance.md, benchmarks/decode_sweep.py)
+_DEFAULTS = {"gluon": (32, 1, 12), "tl": (128, 4, 8)}
 
-#: most INT2 splits per (sequence, KV head): beyond ~128 the merge (one program per query
-#: head, all partials in sequence) costs more than the extra parallelism brings (H200, B = 1:
-#: 128k 78 µs with 132 splits vs 84 µs with 256)
-MAX_SPLITS = 128
+#: most INT2 splits per (sequence, KV head): 198 is one full wave of the Gluon kernel at
+#: batch 1 on the H200 (8 KV heads), its best split count at 128k (72 µs; 264: 79 µs)
+MAX_SPLITS = 256
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether the decode op's kernels launch as programmatic dependents (PDL, sm_90+): each
+    kernel starts while the one before it drains and waits (``griddepcontrol.wait``) only
+    before reading that kernel's output. Host-side facts only (CUDA-graph safe)."""
+    from ._backend import interpreting
+
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None or not USE_PDL:
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    """Device and Triton facts behind :func:`pdl_available`, once per device (host overhead)."""
+    from .kernels import attention
+
+    if attention.gdc_wait is None or torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+#: programmatic dependent launch where :func:`pdl_available` (a switch for A/B timings)
+USE_PDL = True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -65,14 +93,35 @@ def choose_num_splits(
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
-    Enough programs to put ``programs_per_sm`` on every SM, but no split shorter than two
-    tiles and at most :data:`MAX_SPLITS`.
-    Depends on ``max_len`` (``block_table.shape[1] * page_size``), not on the actual
-    lengths, so it never reads device memory (CUDA-graph safe).
+    What the H200 sweeps of the Gluon kernel show (docs/performance.md):
+
+    * the best count grows like ``2·sqrt(max_len / (batch·H_kv))`` — every split adds a
+      prologue and a partial to merge, every token per split a step of a serial tile loop
+      (batch 1: 8k → 64, 32k → 128, 128k → 256 before the two rules below);
+    * the programs should spread evenly over the SMs: counts that make ``batch·H_kv·splits`` a
+      multiple of the SM count win (132 vs 128 splits at 128k × 1: 75 vs 92 µs), so the count
+      is rounded to such a multiple once it is at least half of one;
+    * a second, partial wave of resident programs (``programs_per_sm`` per SM) costs a whole
+      split's time: 1–2 waves are cut back to one when splits are long (≥ 384 tokens; 264 →
+      198 splits at 128k × 1: 79 → 72 µs, 33 → 24 at 32k × 8: 126 → 110 µs; at 8k × 8 the
+      short splits of the second wave cost less than fewer splits would: 33 splits 53–55 µs,
+      24 splits 55–60 µs).
+
+    Never a split shorter than two tiles, at most :data:`MAX_SPLITS`. Depends on ``max_len``
+    (``block_table.shape[1] * page_size``), not on the actual lengths, so it never reads
+    device memory (CUDA-graph safe).
     """
-    want = max(1, -(-programs_per_sm * _num_sms(device) // max(1, batch * num_kv_heads)))
+    bh = max(1, batch * num_kv_heads)
+    sms = _num_sms(device)
+    s = 2.0 * math.sqrt(max_len / bh)
+    unit = sms // math.gcd(sms, bh)  # bh·unit programs: a whole number per SM
+    if s >= unit / 2:
+        s = unit * max(1, round(s / unit))
+    wave = programs_per_sm * sms
+    if wave < s * bh < 2 * wave and max_len >= 384 * s:
+        s = wave // bh
     cap = max(1, max_len // (2 * block_n))
-    return int(min(want, cap, MAX_SPLITS))
+    return int(max(1, min(int(s), cap, MAX_SPLITS)))
 
 
 def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None) -> str | None:
@@ -174,7 +223,7 @@ def decode_attention(
             :func:`choose_num_splits` (host-only arithmetic).
         backend: ``auto`` | ``triton`` | ``torch``.
         block_n, num_warps, num_stages, programs_per_sm: tile size, launch options and
-            split-count target of :func:`choose_num_splits` (``None``: the kernel's default,
+            resident programs per SM that :func:`choose_num_splits` fills (``None``: the kernel's default,
             see ``_DEFAULTS``; for the Gluon kernel ``num_stages >= 2`` means the next tile's
             loads are issued before the current tile is computed, 1 that they are not).
         unpack: how the ``tl`` kernel turns INT2 codes into operands: ``asm`` (PTX
@@ -242,7 +291,7 @@ def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
     out = _empty(bsz, hq, d, dtype=torch.bfloat16, device=q.device)
     rotate_rows_kernel[(bsz * hq,)](
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
-        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d),
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device),
     )  # fmt: skip
     return out
 
@@ -274,6 +323,7 @@ def _launch_decode(
 
     lo = cache.layout
     bsz, hq, d = q_rot.shape
+    pdl = pdl_available(q_rot.device)
     if impl == "gluon":
         from .kernels.attention_gluon import WINDOW_TOKENS_PER_PROGRAM, window_programs
 
@@ -301,6 +351,8 @@ def _launch_decode(
     if impl == "gluon":
         from .kernels.attention_gluon import decode_split_kernel_gluon
 
+        # every tile inside one page: tiles start at sink + k·block_n
+        one_page = lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -315,9 +367,10 @@ def _launch_decode(
             BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
             W_TOK=WINDOW_TOKENS_PER_PROGRAM,
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
-            # every tile inside one page: tiles start at sink + k·block_n
-            ONE_PAGE=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,
+            ONE_PAGE=one_page,
+            PDL=pdl,
             num_warps=num_warps,
+            **({"launch_pdl": True} if pdl else {}),
         )
     else:
         opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
@@ -343,7 +396,8 @@ def _launch_decode(
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
     out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
     merge_splits_kernel[(bsz * hq,)](
-        po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=32, ROTATE=unrotate is not None, RC=min(32, d)
+        po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
+        ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 

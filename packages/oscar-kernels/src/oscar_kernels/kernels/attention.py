@@ -21,6 +21,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm_90+): the decode op's three kernels overlap their edges
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: PDL=False everywhere (decode_attention.pdl_available)
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def _softmax_step(s2, m_i, l_i):
@@ -556,10 +561,13 @@ def _rotate_store(x, rot_ptr, stride_ri, stride_rj, out_ptr, HEAD_DIM: tl.conste
 @triton.jit
 def rotate_rows_kernel(
     x_ptr, stride_xb, stride_xh, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, HQ, GQA,
-    HEAD_DIM: tl.constexpr, RC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``r = b*HQ + hq``: row ``x[b, hq]`` times its KV head's rotation (float32 FMAs,
-    one launch instead of the three of ``rotate_queries``); ``out`` is ``[B, HQ, d]`` contiguous."""
+    one launch instead of the three of ``rotate_queries``); ``out`` is ``[B, HQ, d]`` contiguous.
+    ``PDL``: lets the split kernel launch at once (it waits for this one before reading ``out``)."""
+    if PDL:
+        gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     b = r // HQ
     hq = r % HQ
@@ -572,26 +580,35 @@ def rotate_rows_kernel(
 def merge_splits_kernel(
     po_ptr, plse_ptr, out_ptr, rot_ptr, stride_rh, stride_ri, stride_rj, NT, HQ, GQA,
     HEAD_DIM: tl.constexpr, CH: tl.constexpr, ROTATE: tl.constexpr, RC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``r`` (one query head of one sequence): LSE-merge ``NT`` partials, ``CH`` at a
     time (any split count without holding ``[NT, d]`` in registers); with ``ROTATE`` the
-    merged row is un-rotated here (``o @ R_Vᵀ``) and stored in ``out``'s dtype."""
+    merged row is un-rotated here (``o @ R_Vᵀ``) and stored in ``out``'s dtype.
+
+    One pass with an online max (a chunk's ``lse`` and ``o`` are loaded together, so a chunk
+    costs one memory round trip): the merge of 133 partials was two passes of 5 serial
+    chunks, ~10 dependent loads, a visible share of a short-context decode step.
+    ``PDL``: launched as a programmatic dependent of the split kernel; waits for it here."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, CH)
-    m = tl.full([], float("-inf"), tl.float32)
-    for s0 in range(0, NT, CH):
-        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=s0 + s < NT, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse, 0))
-    m = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, HEAD_DIM)
+    m = tl.full([], float("-inf"), tl.float32)
     den = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, NT, CH):
         sm = s0 + s < NT
-        w = tl.exp2(tl.load(plse_ptr + r * NT + s0 + s, mask=sm, other=float("-inf")) - m)
-        den += tl.sum(w, 0)
+        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=sm, other=float("-inf"))
         o = tl.load(po_ptr + (r * NT + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)  # 0 on the first non-empty chunk (m = -inf)
+        w = tl.exp2(lse - m_safe)  # empty partials (lse = -inf) weigh 0
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
     out = acc / tl.where(den > 0, den, 1.0)
     if ROTATE:
         rot = rot_ptr + ((r % HQ) // GQA) * stride_rh

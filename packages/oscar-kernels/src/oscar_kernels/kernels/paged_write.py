@@ -31,6 +31,30 @@ def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Rows ``t`` of head ``h`` (minus the mean), rotated, as four ``[BLOCK_T, d/4]`` quarters.
+
+    Quarter ``i`` of ``x @ R`` is ``x @ R[:, i*d/4:(i+1)*d/4]``, which is exactly what byte
+    lane ``i`` of the strided packing holds (no reshapes needed)."""
+    d = tl.arange(0, HEAD_DIM)
+    x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=valid[:, None], other=0.0)
+    x = x.to(tl.float32)
+    if HAS_MEAN:
+        x = x - tl.load(mean_ptr + h * stride_mh + d).to(tl.float32)[None, :]
+    Q4: tl.constexpr = HEAD_DIM // 4
+    j = tl.arange(0, Q4)
+    rbase = rot_ptr + h * stride_rh + d[:, None] * stride_rr + j[None, :]
+    x0 = tl.dot(x, tl.load(rbase).to(tl.float32), input_precision=DOT_PRECISION)
+    x1 = tl.dot(x, tl.load(rbase + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def paged_write_kernel(
     x_ptr,
     stride_xt,
@@ -78,7 +102,9 @@ def paged_write_kernel(
     """One program: ``BLOCK_T`` tokens of one KV head (``program_id(1)``) of K or V.
 
     ``WRITE_PAGES``: the INT2 row and the sink row; ``WRITE_RING``: the ring row
-    (``paged_write``'s ``parts``).
+    (``paged_write``'s ``parts``). A ring-only pass (after an extend) returns before the
+    rotation when none of its tokens holds a ring row: a chunk longer than the window
+    stores only its last ``recent`` rows per sequence.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -86,20 +112,21 @@ def paged_write_kernel(
     tmask = t < n_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
     valid = tmask & (slot >= 0)
-    d = tl.arange(0, HEAD_DIM)
-    x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=valid[:, None], other=0.0)
-    x = x.to(tl.float32)
-    if HAS_MEAN:
-        x = x - tl.load(mean_ptr + h * stride_mh + d).to(tl.float32)[None, :]
-    # rotate quarter by quarter: quarter i of x @ R is x @ R[:, i*d/4:(i+1)*d/4], which is
-    # exactly what byte-lane i of the strided packing holds (no reshapes needed)
     Q4: tl.constexpr = HEAD_DIM // 4
+    if SINK + RECENT > 0:
+        pos = tl.load(pos_ptr + t, mask=valid, other=0)
+        sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
+        length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
+        ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
+        ring_m = valid & (pos >= SINK) & (pos >= length - RECENT)
+        if not WRITE_PAGES:
+            if tl.max(ring_m.to(tl.int32), 0) == 0:
+                return
+    x0, x1, x2, x3 = _rotate_rows(
+        x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+        HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+    )  # fmt: skip
     j = tl.arange(0, Q4)
-    rbase = rot_ptr + h * stride_rh + d[:, None] * stride_rr + j[None, :]
-    x0 = tl.dot(x, tl.load(rbase).to(tl.float32), input_precision=DOT_PRECISION)
-    x1 = tl.dot(x, tl.load(rbase + Q4).to(tl.float32), input_precision=DOT_PRECISION)
-    x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
-    x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
 
     if WRITE_PAGES:
         # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
@@ -167,15 +194,12 @@ def paged_write_kernel(
         tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
 
     if SINK + RECENT > 0:
-        pos = tl.load(pos_ptr + t, mask=valid, other=0)
-        sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
-        length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
-        ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
         if WRITE_PAGES and SINK > 0:
             m = valid & (pos < SINK)
             p = tl.where(m, pos, 0)
             _store_quarters(sink_ptr + ws * stride_ks + h * stride_kh + p * stride_kt, m, x0, x1, x2, x3, Q4)
         if WRITE_RING and RECENT > 0:
-            m = valid & (pos >= SINK) & (pos >= length - RECENT)
-            p = tl.where(m, pos % RECENT, 0)
-            _store_quarters(ring_ptr + ws * stride_rs + h * stride_rgh + p * stride_rt, m, x0, x1, x2, x3, Q4)
+            p = tl.where(ring_m, pos % RECENT, 0)
+            _store_quarters(
+                ring_ptr + ws * stride_rs + h * stride_rgh + p * stride_rt, ring_m, x0, x1, x2, x3, Q4
+            )
