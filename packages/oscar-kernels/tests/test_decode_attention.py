@@ -250,9 +250,14 @@ def _gluon_ptx_or_skip(**kw) -> str:
     In a fresh process: kernels run earlier under ``TRITON_INTERPRET=1`` leave Triton's
     language module patched, which breaks a later real compile in the same process.
     """
+    if torch.cuda.is_available():
+        # On a GPU the decode tests compile and run this kernel for real. The offline compile
+        # is CPU CI's check; on the H200 (Triton 3.6) it ran past 250 s without finishing
+        # (2026-12-01, not diagnosed), which cut the GPU suite short.
+        pytest.skip("offline sm_90 compile is CPU CI's check; on a GPU the decode tests run the kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run(
-        [sys.executable, "-c", _COMPILE, json.dumps(kw)], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", _COMPILE, json.dumps(kw)], capture_output=True, text=True, env=env, timeout=300
     )
     assert r.returncode == 0, r.stderr[-3000:]
     if r.stdout.startswith("SKIP "):
