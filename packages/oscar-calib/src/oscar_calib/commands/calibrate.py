@@ -53,24 +53,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--clip-search",
-        choices=("output", "row"),
+        choices=("output", "row", "kl"),
         default=None,
-        help="output (default): refine each KV head's ratios by its attention-output error on long "
-        "calibration sequences; row: store the tempered row-search ratios (searched ** P)",
+        help="row (default): store the tempered row-search ratios (searched ** P); kl: one key and "
+        "one value power per block of layers, chosen by the model's KL through the emulated cache on "
+        "long calibration sequences; output: refine each KV head's ratios by its attention-output error",
+    )
+    p.add_argument(
+        "--power-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="layer blocks of the kl search, one key and one value power each (default 6)",
     )
     p.add_argument(
         "--search-context",
         type=int,
         default=None,
         metavar="N",
-        help="tokens per sequence of the output search (default 8192, at most the model's context)",
+        help="tokens per sequence of the output or kl search (default 8192, at most the model's context)",
     )
     p.add_argument(
         "--search-seqs",
         type=int,
         default=None,
         metavar="N",
-        help="sequences of the output search (default 2)",
+        help="sequences of the output or kl search (default 2)",
     )
     p.add_argument(
         "--search-weighting",
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 "search_context",
                 "search_seqs",
                 "search_weighting",
+                "power_blocks",
             )
             if getattr(args, name) is not None
         },
@@ -141,6 +150,15 @@ def run(args: argparse.Namespace) -> int:
             f"{cal['clip_search']['sequences']} x {cal['clip_search']['tokens_per_sequence']} tokens: "
             f"attention-output error x{ratio['chosen_vs_row_search']:.2f} of the row search's ratios, "
             f"x{ratio['chosen_vs_unclipped']:.2f} of no clipping)"
+        )
+    elif config.clip and "clip_power_per_layer" in cal:
+        search = cal["clip_search"]
+        print(
+            f"clip ratios: K mean {k_clip:.3f}, V mean {v_clip:.3f} (KL search over {search['blocks']} "
+            f"layer blocks on {search['sequences']} x {search['tokens_per_sequence']} tokens: mean KL "
+            f"{search['kl_start']:.4f} -> {search['kl_chosen']:.4f}; key powers "
+            f"{sorted(set(cal['clip_power_per_layer']['k']))}, value powers "
+            f"{sorted(set(cal['clip_power_per_layer']['v']))})"
         )
     elif config.clip:
         ratio = cal.get("clip_error_ratio", {})
