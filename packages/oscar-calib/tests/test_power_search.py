@@ -38,7 +38,9 @@ def searched(llama):
     model, tok = llama
     config = CalibrationConfig(**SMALL, clip_power=1.0, value_clip_power=1.0)
     chunks, _ = calibration_chunks(tok, config)
-    stats = collect_statistics(model, chunks, sink=config.sink, max_samples=config.max_samples, progress=False)
+    stats = collect_statistics(
+        model, chunks, sink=config.sink, max_samples=config.max_samples, progress=False
+    )
     return rotations_from_statistics(stats, config, model="tiny")
 
 
