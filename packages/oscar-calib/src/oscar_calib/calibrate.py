@@ -69,7 +69,11 @@ class CalibrationConfig:
 
     Attributes:
         tokens: calibration tokens (rounded down to whole ``seq_len`` chunks, at least one).
-        seq_len: tokens per chunk (one forward pass each); must exceed ``sink``.
+        seq_len: tokens per chunk (one forward pass each); must exceed ``sink`` and fit the
+            model's context. 4096 by default: the stored key mean is a mean of keys after RoPE,
+            which depends on the positions averaged, so the chunk length trades short against
+            long contexts; 4096 kept 2k where 1024 had it and cut the 4k/8k error
+            (docs/results.md, "Long context, third study").
         granularity: ``"kv_head"`` (one rotation and clip ratio per KV head) or ``"layer"``.
         group_size: quantisation group along the head dim; ``None`` = the head dim.
         seed: chooses chunks and sampled rows; same seed → identical artifact.
@@ -115,8 +119,8 @@ class CalibrationConfig:
         max_samples: token rows kept per layer for the clip search.
     """
 
-    tokens: int = 8192
-    seq_len: int = 1024
+    tokens: int = 16384
+    seq_len: int = 4096
     granularity: str = "kv_head"
     group_size: int | None = None
     seed: int = 0
@@ -374,6 +378,13 @@ def calibrate(
     config = CalibrationConfig() if config is None else config
     info = model_info(model)
     config.resolved_group_size(info.head_dim)  # fail before the expensive pass
+    # past the trained context RoPE positions measure a broken model, not the quantisation
+    check(
+        not info.max_positions or config.seq_len <= info.max_positions,
+        "seq_len",
+        f"at most the model's context ({info.max_positions} positions)",
+        config.seq_len,
+    )
     chunks, source = calibration_chunks(tokenizer, config)
     stats = collect_statistics(
         model,

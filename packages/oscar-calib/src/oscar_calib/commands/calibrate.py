@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -21,8 +22,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="MODEL", help="'smollm2' or a local Hugging Face causal-LM folder")
     p.add_argument("--out", required=True, metavar="FILE", help="artifact to write (.safetensors)")
-    p.add_argument("--tokens", type=int, default=8192, metavar="N", help="calibration tokens (default 8192)")
-    p.add_argument("--seq-len", type=int, default=1024, metavar="L", help="tokens per chunk (default 1024)")
+    p.add_argument(
+        "--tokens", type=int, default=16384, metavar="N", help="calibration tokens (default 16384)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="tokens per chunk (default 4096, or the model's context if shorter)",
+    )
     p.add_argument("--text", metavar="PATH", help=".txt or .jsonl file (default: built-in pydoc topics)")
     p.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
     p.add_argument("--group-size", type=int, metavar="G", help="quantisation group (default: head dim)")
@@ -98,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
     from . import check_context, check_output_file
 
     out = check_output_file("--out", args.out)  # before the expensive pass, not after it
+    # the default chunk length never asks for more than the tokens (nor, below, the model's context)
+    default_len = CalibrationConfig.seq_len
+    seq_len = args.seq_len if args.seq_len is not None else min(default_len, max(args.tokens, 2))
     config = CalibrationConfig(
         tokens=args.tokens,
-        seq_len=args.seq_len,
+        seq_len=seq_len,
         granularity=args.granularity,
         group_size=args.group_size,
         seed=args.seed,
@@ -126,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device)
-    check_context("--seq-len", [args.seq_len], model_info(model).max_positions)
+    max_positions = model_info(model).max_positions
+    if args.seq_len is None and max_positions and config.seq_len > max_positions:
+        config = dataclasses.replace(config, seq_len=max_positions)
+    check_context("--seq-len", [config.seq_len], max_positions)
     rotations = calibrate(
         model, tokenizer, config, model_name=model_name(args.model), progress=not args.quiet
     )
