@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_file("--out", args.out)  # before the expensive pass, not after it
     # the default chunk length never asks for more than the tokens (nor, below, the model's context)
     default_len = CalibrationConfig.seq_len
-    seq_len = args.seq_len if args.seq_len is not None else min(default_len, max(args.tokens, 2))
+    # (too few tokens for one chunk past the sink still fail, on --tokens)
+    seq_len = args.seq_len if args.seq_len is not None else min(default_len, max(args.tokens, args.sink + 1))
     config = CalibrationConfig(
         tokens=args.tokens,
         seq_len=seq_len,
