@@ -22,7 +22,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     args = ap.parse_args()
     model, tok = load_model("smollm2")
-    config = CalibrationConfig(tokens=args.tokens, clip_power=1.0, value_clip_power=1.0)
+    # chunks of 1024: the CLI's default when the recorded numbers were measured
+    config = CalibrationConfig(tokens=args.tokens, seq_len=1024, clip_power=1.0, value_clip_power=1.0)
     chunks, _ = calibration_chunks(tok, config)
     stats = collect_statistics(
         model, chunks, sink=config.sink, max_samples=config.max_samples, seed=config.seed, progress=False

@@ -41,6 +41,15 @@ from oscar_math.artifact import load_rotations  # noqa: E402
 ABLATIONS = ("oscar2-noclip", "oscar2-nocenter", "oscar2-norot")
 
 
+def read_text(path: str) -> str:
+    """A text file: ``.gz`` (a shipped snapshot, UTF-8) unpacked in memory, else :func:`load_text`."""
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.decompress(Path(path).read_bytes()).decode("utf-8")
+    return load_text(path)
+
+
 def clips_json(rotations: Any, path: str | Path) -> None:
     """Write an artifact's clip ratios and metadata (float32 values round-trip exactly)."""
     data = {
@@ -83,7 +92,15 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES), help="default: int2 kivi2 hadamard2")
-    ap.add_argument("--other-text", default=None)
+    ap.add_argument(
+        "--text",
+        default=None,
+        help="built-in text to split (.txt, or .gz such as data/pydoc-topics-py311.txt.gz; default: this "
+        "Python's pydoc_data.topics, which differs between Python versions)",
+    )
+    ap.add_argument(
+        "--other-text", default=None, help=".txt/.jsonl, or .gz (data/stdlib-docstrings-py311.txt.gz)"
+    )
     ap.add_argument("--other-contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--other-seqs", type=int, nargs="+", default=[4, 2])
     args = ap.parse_args()
@@ -103,7 +120,7 @@ def main() -> int:
     hd = first.head_dim
     ctx = {n: SchemeContext(hd, r.num_layers, r.num_kv_heads, r) for n, r in arts.items()}
     base_ctx = ctx[args.ablate] if args.ablate else next(iter(ctx.values()))
-    cal_text, held_text = split_text(builtin_text())
+    cal_text, held_text = split_text(read_text(args.text) if args.text else builtin_text())
     report: dict[str, Any] = {
         "artifacts": {n: r.calibration for n, r in arts.items()},
         "args": vars(args),
@@ -141,7 +158,7 @@ def main() -> int:
     times["heldout"] = time.perf_counter() - t
     if args.other_text:
         t = time.perf_counter()
-        other = load_text(args.other_text)
+        other = read_text(args.other_text)
         for c, n in zip(args.other_contexts, args.other_seqs, strict=True):
             run(f"OTHER TEXT ({Path(args.other_text).name})", "other", other, c, n, 0, full(False))
         times["other"] = time.perf_counter() - t

@@ -68,11 +68,11 @@ def main() -> int:
         from oscar_calib.models import tiny_random_model
 
         model, tok = tiny_random_model("llama")
-        base = CalibrationConfig(tokens=2048, search_context=2048, search_seqs=1)
+        base = CalibrationConfig(tokens=2048, seq_len=1024, search_context=2048, search_seqs=1)
     else:
         model, tok = load_model("smollm2")
-        base = CalibrationConfig(
-            tokens=args.tokens, search_context=args.search_context, search_seqs=args.search_seqs
+        base = CalibrationConfig(  # chunks of 1024: the CLI's default when this study ran
+            tokens=args.tokens, seq_len=1024, search_context=args.search_context, search_seqs=args.search_seqs
         )
     info = model_info(model)
     row = {}

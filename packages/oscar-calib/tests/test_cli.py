@@ -11,6 +11,7 @@ from oscar_calib.cli import main
 from oscar_calib.commands import format_table
 from oscar_calib.models import tiny_random_model
 from oscar_math.artifact import identity_rotations, load_rotations, save_rotations
+from oscar_math.errors import OscarError
 from oscar_math.hookspecs import EngineSpec, hookimpl
 from oscar_math.plugins import get_plugin_manager
 
@@ -309,3 +310,25 @@ def test_engines_none_installed_names_the_repo_path(monkeypatch, capsys):
     assert main(["engines"]) == 0
     out = capsys.readouterr().out
     assert "pip install ./packages/oscar-vllm" in out and "pip install oscar-vllm " not in out
+
+
+def test_calibrate_default_chunk_length_fits_tokens_and_context(monkeypatch, tmp_path, capsys):
+    """Default --seq-len: 4096, but never more than --tokens nor the model's context."""
+    from oscar_calib import models
+
+    monkeypatch.setattr(
+        models, "load_model", lambda name, **kw: tiny_random_model("llama", max_position_embeddings=512)
+    )
+    out = tmp_path / "t.safetensors"
+    args = ["calibrate", "tiny", "--out", str(out), "--sink", "8", "--recent", "16", "--quiet"]
+    assert main([*args, "--tokens", "1024"]) == 0  # tiny: 512 positions
+    assert load_rotations(out).calibration["seq_len"] == 512 and "(2 x 512)" in capsys.readouterr().out
+    assert main([*args, "--tokens", "300"]) == 0
+    assert load_rotations(out).calibration["seq_len"] == 300
+    assert CalibrationConfig().seq_len == 4096 and CalibrationConfig().tokens == 16384
+
+
+def test_calibrate_api_refuses_chunks_past_the_model_context():
+    model, tok = tiny_random_model("llama", max_position_embeddings=512)
+    with pytest.raises(OscarError, match="seq_len"):
+        calibrate(model, tok, CalibrationConfig(tokens=2048, seq_len=1024), progress=False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "calibrate",
     "calibration_chunks",
     "refine_clip_by_output",
+    "refine_clip_powers_by_kl",
     "rotations_from_statistics",
     "search_chunks",
     "tool_version",
@@ -47,7 +48,7 @@ __all__ = [
 
 CONFIG_VERSION = 1
 #: how stored clip ratios are chosen (CalibrationConfig.clip_search)
-CLIP_SEARCHES = ("output", "row")
+CLIP_SEARCHES = ("output", "row", "kl")
 
 
 def tool_version() -> str:
@@ -68,7 +69,11 @@ class CalibrationConfig:
 
     Attributes:
         tokens: calibration tokens (rounded down to whole ``seq_len`` chunks, at least one).
-        seq_len: tokens per chunk (one forward pass each); must exceed ``sink``.
+        seq_len: tokens per chunk (one forward pass each); must exceed ``sink`` and fit the
+            model's context. 4096 by default: the stored key mean is a mean of keys after RoPE,
+            which depends on the positions averaged, so the chunk length trades short against
+            long contexts; 4096 kept 2k where 1024 had it and cut the 4k/8k error
+            (docs/results.md, "Long context, third study").
         granularity: ``"kv_head"`` (one rotation and clip ratio per KV head) or ``"layer"``.
         group_size: quantisation group along the head dim; ``None`` = the head dim.
         seed: chooses chunks and sampled rows; same seed → identical artifact.
@@ -90,15 +95,20 @@ class CalibrationConfig:
             logit error; ``"attention"`` weighs each row by the attention its token receives
             (``Σ_t S_ts²``, the weight the value search uses), so the rare keys attention
             relies on dominate the choice.
-        clip_search: ``"output"`` (default) refines each KV head's key, then value ratio on a grid
-            by the error of that head's attention output under the serving windows, on
+        clip_search: ``"row"`` (default) stores the tempered row-search ratios
+            ``alpha ** clip_power``; ``"output"`` refines each KV head's key, then value ratio on
+            a grid by the error of that head's attention output under the serving windows, on
             ``search_seqs`` calibration sequences of ``search_context`` tokens, starting from
-            the tempered row-search ratios (:mod:`oscar_calib.output_clip`; chosen on the
-            calibration split, docs/results.md "Long context"); ``"row"`` stores the tempered
-            row-search ratios ``alpha ** clip_power`` as before.
-        search_context: tokens per sequence of the output search (at most the model's
+            the tempered row-search ratios (:mod:`oscar_calib.output_clip`; measured worse end
+            to end, docs/results.md "Long context, second study");
+            ``"kl"``: one key and one value power per block of layers (``power_blocks``), chosen
+            from ``clip_power``/``value_clip_power`` by coordinate descent on the model's own KL
+            through the emulated cache, on the search sequences
+            (:mod:`oscar_calib.power_search`); stores ``alpha ** p_layer``.
+        search_context: tokens per sequence of the output or KL search (at most the model's
             context length).
-        search_seqs: sequences of the output search.
+        search_seqs: sequences of the output or KL search.
+        power_blocks: contiguous layer blocks of the KL search (at most the number of layers).
         search_row_stride: the output search scores every n-th query row.
         search_weighting: the output search's error of a row's attention output: ``"o_proj"``
             (``W_hᵀ W_h``: what the residual stream receives) or ``"fisher"`` (the empirical
@@ -109,8 +119,8 @@ class CalibrationConfig:
         max_samples: token rows kept per layer for the clip search.
     """
 
-    tokens: int = 8192
-    seq_len: int = 1024
+    tokens: int = 16384
+    seq_len: int = 4096
     granularity: str = "kv_head"
     group_size: int | None = None
     seed: int = 0
@@ -128,6 +138,7 @@ class CalibrationConfig:
     search_seqs: int = 2
     search_row_stride: int = 32
     search_weighting: str = "o_proj"
+    power_blocks: int = 6
     bit_reversal: bool = True
     hadamard: str = "group"
     max_samples: int = 2048
@@ -148,6 +159,7 @@ class CalibrationConfig:
         _int("search_context", 2)
         _int("search_seqs", 1)
         _int("search_row_stride", 1)
+        _int("power_blocks", 1)
         check(self.clip_search in CLIP_SEARCHES, "clip_search", f"one of {CLIP_SEARCHES}", self.clip_search)
         weightings = ("o_proj", "fisher")
         check(
@@ -366,6 +378,13 @@ def calibrate(
     config = CalibrationConfig() if config is None else config
     info = model_info(model)
     config.resolved_group_size(info.head_dim)  # fail before the expensive pass
+    # past the trained context RoPE positions measure a broken model, not the quantisation
+    check(
+        not info.max_positions or config.seq_len <= info.max_positions,
+        "seq_len",
+        f"at most the model's context ({info.max_positions} positions)",
+        config.seq_len,
+    )
     chunks, source = calibration_chunks(tokenizer, config)
     stats = collect_statistics(
         model,
@@ -388,13 +407,60 @@ def calibrate(
         "samples_per_layer": int(stats.samples[0].keys.shape[0]),
     }
     name = model_name or getattr(model.config, "name_or_path", None) or info.model_type
+    kl_search = config.clip and config.clip_search == "kl"
+    # the KL search starts from the searched ratios (powers 1) and chooses the powers itself
+    derive = replace(config, clip_power=1.0, value_clip_power=1.0) if kl_search else config
     with _single_thread():  # small ops: threads cost more than they gain
         rotations = rotations_from_statistics(
-            stats, config, model=Path(str(name)).name or str(name), calibration=calibration
+            stats, derive, model=Path(str(name)).name or str(name), calibration=calibration
         )
     if config.clip and config.clip_search == "output":
         rotations = refine_clip_by_output(model, tokenizer, rotations, config, progress=progress)
+    if kl_search:
+        rotations = refine_clip_powers_by_kl(model, tokenizer, rotations, config, progress=progress)
     return rotations
+
+
+def refine_clip_powers_by_kl(
+    model: Any, tokenizer: Any, searched: Rotations, config: CalibrationConfig, *, progress: bool = False
+) -> Rotations:
+    """Per-block clip powers chosen by end-to-end KL on the search sequences
+    (:func:`oscar_calib.power_search.search_clip_powers`); ``searched`` holds powers-1 ratios.
+
+    The metadata records the powers per layer, the search's sequences and its objective.
+    """
+    import time
+
+    from .power_search import apply_clip_powers, search_clip_powers
+    from .simulate import Windows
+
+    start = time.perf_counter()
+    info = model_info(model)
+    chunks = search_chunks(tokenizer, config, info.max_positions)
+    pv = config.clip_power if config.value_clip_power is None else config.value_clip_power
+    found = search_clip_powers(
+        model,
+        searched,
+        chunks,
+        windows=Windows(config.sink, config.recent),
+        blocks=min(config.power_blocks, info.num_layers),
+        start=(float(config.clip_power), float(pv)),
+        progress=progress,
+    )
+    rotations = apply_clip_powers(searched, found.k_power, found.v_power)
+    meta = dict(rotations.calibration)
+    meta["clip_search"] = {
+        "objective": "mean KL(bf16 || oscar2) through the emulated serving cache",
+        "sequences": len(chunks),
+        "tokens_per_sequence": int(chunks[0].numel()),
+        "blocks": min(config.power_blocks, info.num_layers),
+        "start_power": {"k": float(config.clip_power), "v": float(pv)},
+        "kl_start": round(found.kl_start, 6),
+        "kl_chosen": round(found.kl_chosen, 6),
+        "evaluations": found.evaluations,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    return replace(rotations, calibration=meta)
 
 
 def search_chunks(tokenizer: Any, config: CalibrationConfig, max_positions: int = 0) -> list[torch.Tensor]:

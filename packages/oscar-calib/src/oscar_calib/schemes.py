@@ -372,12 +372,18 @@ def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
     )
 
 
-def _stored_clip_power(rotations: Any, kind: str = "k") -> float:
+def _stored_clip_power(rotations: Any, kind: str = "k", layer: int | None = None) -> float:
     """The artifact's ``clip_power`` for keys (``kind="k"``) or values (``"v"``: its
     ``value_clip_power`` if recorded, else ``clip_power``); stored ratio = searched ** power,
-    1 if not recorded."""
+    1 if not recorded. Powers chosen per layer (``clip_power_per_layer``, written by
+    :mod:`oscar_calib.power_search`) take precedence for ``layer``."""
     cal = getattr(rotations, "calibration", None) or {}
     cal = cal if isinstance(cal, dict) else {}
+    per_layer = cal.get("clip_power_per_layer")
+    if layer is not None and isinstance(per_layer, dict) and isinstance(per_layer.get(kind), list):
+        powers = per_layer[kind]
+        if 0 <= layer < len(powers) and isinstance(powers[layer], (int, float)) and powers[layer] > 0:
+            return float(powers[layer])
     p = cal.get("clip_power", 1.0)
     if kind == "v":
         p = cal.get("value_clip_power", p)
@@ -417,7 +423,7 @@ def _oscar_factory(
                     rotation=r,
                     mean=_layer_tensor(rot, i, f"{kind}_mean") if center else None,
                     clip=_clip_for(
-                        _layer_tensor(rot, i, f"{kind}_clip"), power, _stored_clip_power(rot, kind)
+                        _layer_tensor(rot, i, f"{kind}_clip"), power, _stored_clip_power(rot, kind, i)
                     ),
                 )
 

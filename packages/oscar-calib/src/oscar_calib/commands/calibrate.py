@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -21,8 +22,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="MODEL", help="'smollm2' or a local Hugging Face causal-LM folder")
     p.add_argument("--out", required=True, metavar="FILE", help="artifact to write (.safetensors)")
-    p.add_argument("--tokens", type=int, default=8192, metavar="N", help="calibration tokens (default 8192)")
-    p.add_argument("--seq-len", type=int, default=1024, metavar="L", help="tokens per chunk (default 1024)")
+    p.add_argument(
+        "--tokens", type=int, default=16384, metavar="N", help="calibration tokens (default 16384)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="tokens per chunk (default 4096, or the model's context if shorter)",
+    )
     p.add_argument("--text", metavar="PATH", help=".txt or .jsonl file (default: built-in pydoc topics)")
     p.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
     p.add_argument("--group-size", type=int, metavar="G", help="quantisation group (default: head dim)")
@@ -53,24 +62,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--clip-search",
-        choices=("output", "row"),
+        choices=("output", "row", "kl"),
         default=None,
-        help="output (default): refine each KV head's ratios by its attention-output error on long "
-        "calibration sequences; row: store the tempered row-search ratios (searched ** P)",
+        help="row (default): store the tempered row-search ratios (searched ** P); kl: one key and "
+        "one value power per block of layers, chosen by the model's KL through the emulated cache on "
+        "long calibration sequences; output: refine each KV head's ratios by its attention-output error",
+    )
+    p.add_argument(
+        "--power-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="layer blocks of the kl search, one key and one value power each (default 6)",
     )
     p.add_argument(
         "--search-context",
         type=int,
         default=None,
         metavar="N",
-        help="tokens per sequence of the output search (default 8192, at most the model's context)",
+        help="tokens per sequence of the output or kl search (default 8192, at most the model's context)",
     )
     p.add_argument(
         "--search-seqs",
         type=int,
         default=None,
         metavar="N",
-        help="sequences of the output search (default 2)",
+        help="sequences of the output or kl search (default 2)",
     )
     p.add_argument(
         "--search-weighting",
@@ -90,9 +107,13 @@ def run(args: argparse.Namespace) -> int:
     from . import check_context, check_output_file
 
     out = check_output_file("--out", args.out)  # before the expensive pass, not after it
+    # the default chunk length never asks for more than the tokens (nor, below, the model's context)
+    default_len = CalibrationConfig.seq_len
+    # (too few tokens for one chunk past the sink still fail, on --tokens)
+    seq_len = args.seq_len if args.seq_len is not None else min(default_len, max(args.tokens, args.sink + 1))
     config = CalibrationConfig(
         tokens=args.tokens,
-        seq_len=args.seq_len,
+        seq_len=seq_len,
         granularity=args.granularity,
         group_size=args.group_size,
         seed=args.seed,
@@ -111,13 +132,17 @@ def run(args: argparse.Namespace) -> int:
                 "search_context",
                 "search_seqs",
                 "search_weighting",
+                "power_blocks",
             )
             if getattr(args, name) is not None
         },
     )
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device)
-    check_context("--seq-len", [args.seq_len], model_info(model).max_positions)
+    max_positions = model_info(model).max_positions
+    if args.seq_len is None and max_positions and config.seq_len > max_positions:
+        config = dataclasses.replace(config, seq_len=max_positions)
+    check_context("--seq-len", [config.seq_len], max_positions)
     rotations = calibrate(
         model, tokenizer, config, model_name=model_name(args.model), progress=not args.quiet
     )
@@ -141,6 +166,15 @@ def run(args: argparse.Namespace) -> int:
             f"{cal['clip_search']['sequences']} x {cal['clip_search']['tokens_per_sequence']} tokens: "
             f"attention-output error x{ratio['chosen_vs_row_search']:.2f} of the row search's ratios, "
             f"x{ratio['chosen_vs_unclipped']:.2f} of no clipping)"
+        )
+    elif config.clip and "clip_power_per_layer" in cal:
+        search = cal["clip_search"]
+        print(
+            f"clip ratios: K mean {k_clip:.3f}, V mean {v_clip:.3f} (KL search over {search['blocks']} "
+            f"layer blocks on {search['sequences']} x {search['tokens_per_sequence']} tokens: mean KL "
+            f"{search['kl_start']:.4f} -> {search['kl_chosen']:.4f}; key powers "
+            f"{sorted(set(cal['clip_power_per_layer']['k']))}, value powers "
+            f"{sorted(set(cal['clip_power_per_layer']['v']))})"
         )
     elif config.clip:
         ratio = cal.get("clip_error_ratio", {})
