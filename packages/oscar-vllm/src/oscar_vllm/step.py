@@ -8,11 +8,11 @@ machine without vLLM.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from oscar_kernels import PagedKVCache, decode_attention, extend_attention, paged_write
+from oscar_kernels import PagedKVCache, allocate_cache, decode_attention, extend_attention, paged_write
 from oscar_math.errors import OscarError
 
 __all__ = [
@@ -23,6 +23,9 @@ __all__ = [
     "write_step",
     "attend_step",
     "run_layer",
+    "hit_window_positions",
+    "write_window_pages",
+    "restore_windows",
 ]
 
 
@@ -248,3 +251,100 @@ def run_layer(
     out = attend_step(cache, params, q, k, v, md, scale, backend)
     write_step(cache, params, k, v, md, backend, parts="ring")
     return out
+
+
+# ---- BF16 window rows in pages: what a prefix-cache hit needs (docs/vllm.md, "Prefix caching") --
+#
+# Query ``t`` reads key ``j`` in BF16 iff ``j < sink`` or ``j > t - recent``. A request that hits
+# ``N`` cached tokens computes queries ``t >= N`` only, so besides the shared INT2 pages it needs
+# the BF16 rows of positions ``[0, sink)`` and ``(N - recent, N)`` — rows that depend only on the
+# prefix's tokens. If every token's rows are also kept in BF16 *pages* (addressed like KV blocks,
+# so an engine's prefix cache can share them), a hit restores exactly these rows into its fresh
+# window slot and then computes what a miss computes.
+
+
+def hit_window_positions(n_cached: int, sink: int, recent: int) -> list[int]:
+    """Positions whose BF16 rows a request hitting ``n_cached`` tokens reads: ``[0, sink)`` and
+    ``(n_cached - recent, n_cached)``, both cut to ``[0, n_cached)``."""
+    head = list(range(min(sink, n_cached)))
+    tail = range(max(sink, n_cached - recent + 1), n_cached)
+    return head + list(tail)
+
+
+def write_window_pages(
+    cache: PagedKVCache,
+    params: object,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: StepMetadata,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    window_slot_mapping: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Store the BF16 window rows of every token of the step in BF16 pages.
+
+    ``k_pages``/``v_pages``: ``[blocks, H_kv, block_size, d]`` bf16; ``window_slot_mapping``:
+    ``[T]`` flat ``block * block_size + offset`` per token (``< 0``: skip). The rows are the ones
+    :func:`oscar_kernels.paged_write` puts in a sequence's sink/ring (rotated, keys centred),
+    computed by that same write — into a scratch ring long enough for the whole chunk — so a
+    restored row is bitwise the row a miss reads.
+    """
+    n = md.num_actual_tokens
+    if n == 0:
+        return
+    b = md.seq_lens.shape[0]
+    ring = max(int(md.max_query_len), 1)
+    scratch = allocate_cache(
+        replace(cache.layout, page_size=1, sink_tokens=0, recent_tokens=ring), 1, max(b, 1), cache.device
+    )
+    valid = md.slot_mapping[:n] >= 0
+    write_step(
+        scratch,
+        params,
+        k[:n],
+        v[:n],
+        replace(
+            md,
+            slot_mapping=torch.where(valid, 0, -1).to(md.slot_mapping.dtype),
+            window_slots=torch.arange(b, dtype=torch.int32, device=cache.device),
+        ),
+        backend,
+        parts="ring",
+    )
+    wsm = window_slot_mapping[:n].long()
+    keep = (wsm >= 0) & valid
+    bs = k_pages.shape[2]
+    page, off = wsm[keep] // bs, wsm[keep] % bs
+    sidx, row = md.seq_index[:n].long()[keep], md.positions[:n].long()[keep] % ring
+    k_pages[page, :, off] = scratch.k_recent[sidx, :, row]
+    v_pages[page, :, off] = scratch.v_recent[sidx, :, row]
+
+
+def restore_windows(
+    cache: PagedKVCache,
+    slot: int,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    window_block_table: torch.Tensor,
+    n_cached: int,
+) -> None:
+    """Fill window slot ``slot`` with the rows a hit of ``n_cached`` tokens reads
+    (:func:`hit_window_positions`), from the pages :func:`write_window_pages` wrote;
+    ``window_block_table``: the request's ``[max_blocks]`` row of window blocks."""
+    lo = cache.layout
+    pos = torch.tensor(hit_window_positions(n_cached, lo.sink_tokens, lo.recent_tokens), dtype=torch.long)
+    if pos.numel() == 0:
+        return
+    bs = k_pages.shape[2]
+    page = window_block_table.to(k_pages.device).long()[pos // bs]
+    off = pos % bs
+    pos = pos.to(cache.device)
+    sink = pos < lo.sink_tokens
+    for rows, pages in ((cache.k_sink, k_pages), (cache.v_sink, v_pages)):
+        rows[slot][:, pos[sink]] = pages[page[sink], :, off[sink]].transpose(0, 1).to(rows.device)
+    tail = ~sink
+    for rows, pages in ((cache.k_recent, k_pages), (cache.v_recent, v_pages)):
+        rows[slot][:, pos[tail] % lo.recent_tokens] = (
+            pages[page[tail], :, off[tail]].transpose(0, 1).to(rows.device)
+        )
