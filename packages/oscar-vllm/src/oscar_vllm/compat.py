@@ -263,11 +263,14 @@ def window_metadata(names: list[str]) -> list[Any]:
 
 
 def check_prefix_caching(vllm_config: Any) -> None:
-    """Start-up error when prefix caching is on and the guard cannot turn it off here."""
-    if vllm_config.cache_config.enable_prefix_caching and not guard_possible():
+    """Start-up error when prefix caching is on, OSCAR cannot serve it exactly here
+    (:func:`exact_prefix_caching`) and the guard cannot turn it off."""
+    on = vllm_config.cache_config.enable_prefix_caching
+    if on and not exact_prefix_caching(vllm_config) and not guard_possible():
         raise OscarError(
-            f"OSCAR cannot serve prefix-cache hits exactly and cannot turn prefix caching off in vLLM "
-            f"{vllm_version()}: start vLLM with --no-enable-prefix-caching (enable_prefix_caching=False)"
+            "OSCAR cannot serve prefix-cache hits exactly in this configuration and cannot turn "
+            f"prefix caching off in vLLM {vllm_version()}: start vLLM with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False)"
         )
 
 
