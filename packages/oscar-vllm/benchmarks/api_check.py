@@ -157,9 +157,10 @@ def check_attention_layer() -> str:
 def check_window_groups() -> str:
     """What exact prefix caching relies on (docs/vllm.md, "Prefix caching")."""
     import torch
-    from vllm.config import SchedulerConfig
+    from vllm.config import CacheConfig, SchedulerConfig
     from vllm.forward_context import get_forward_context  # noqa: F401
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -169,6 +170,10 @@ def check_window_groups() -> str:
     from oscar_vllm.settings import cell_bytes
 
     assert "disable_hybrid_kv_cache_manager" in {f.name for f in dataclasses.fields(SchedulerConfig)}
+    # window blocks are cached densely when the retention interval is None (OSCAR sets it)
+    assert "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(CacheConfig)}
+    _source_has(KVCacheCoordinator.__init__, "kv_cache_config.prefix_cache_retention_interval")
+    _source_has(SlidingWindowManager.reachable_block_mask, "retention_interval is None")
     assert issubclass(backend.OscarWindowLayer, AttentionLayerBase)
     # the runner collects specs from every AttentionLayerBase in static_forward_context
     _source_has(GPUModelRunner.get_kv_cache_spec, "get_layers_from_vllm_config(self.vllm_config, layer_type)")

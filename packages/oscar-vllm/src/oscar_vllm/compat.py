@@ -184,10 +184,26 @@ def guard_prefix_caching() -> None:
                 "no exclude_layers; see docs/vllm.md, 'Prefix caching')"
             )
             vllm_config.cache_config.enable_prefix_caching = False
+        elif exact_prefix_caching(vllm_config):
+            _dense_window_checkpoints(vllm_config.cache_config)
         return original(self, vllm_config)
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
     cls._initialize_kv_caches = _initialize_kv_caches
+
+
+def _dense_window_checkpoints(cache_config: Any) -> None:
+    """Let the window groups cache every full block (vLLM's ``prefix_cache_retention_interval=None``).
+
+    vLLM's default (0) keeps a sliding-window group's blocks cached only at a prompt's replay
+    boundary, so a hit could never reach into generated tokens (the continuation of a finished
+    request) although the INT2 group has them. Dense retention costs no capacity: freed blocks
+    stay in the free queue, evictable, with their hashes. A positive interval a user chose is
+    kept.
+    """
+    if getattr(cache_config, "prefix_cache_retention_interval", None) == 0:
+        log.info("OSCAR: prefix_cache_retention_interval set to None (window blocks cached densely)")
+        cache_config.prefix_cache_retention_interval = None
 
 
 def guard_possible() -> bool:
