@@ -141,17 +141,30 @@ def _run_prefix(llm, texts) -> dict:
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
     long_prompt = texts["prompts"][-1][:PROBE_LEN]
+
+    def other() -> None:
+        # another long prompt in between: with caching on, each row's window slot is its batch
+        # row, so without this the repeat would find the first run's (identical) rows still in
+        # slot 0 and a broken restore could go unnoticed
+        llm.generate(
+            [{"prompt_token_ids": texts["prompts"][-2]}], SamplingParams(max_tokens=1), use_tqdm=False
+        )
+
     n0 = len(_steps())
     first = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
     n1 = len(_steps())
+    other()
+    n2 = len(_steps())
     again = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
-    steps = _steps()
+    n3 = len(_steps())
+    other()
     cont_ids = long_prompt + list(first.outputs[0].token_ids)
     cont = llm.generate([{"prompt_token_ids": cont_ids}], greedy, use_tqdm=False)[0]
+    steps = _steps()
     return {
         "repeat": (list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)),
         "repeat_logprobs": tuple(_logprobs(o) for o in (first, again)),
-        "repeat_steps": (steps[n0:n1], steps[n1:]),
+        "repeat_steps": (steps[n0:n1], steps[n2:n3]),
         "repeat_cached": (first.num_cached_tokens or 0, again.num_cached_tokens or 0),
         "cont": list(cont.outputs[0].token_ids),
         "cont_logprobs": _logprobs(cont),
@@ -186,6 +199,12 @@ def _answers(model_dir: str, texts, run, **extra) -> dict:
 @pytest.fixture(scope="module")
 def bf16(model_dir, texts):
     return _answers(model_dir, texts, _run_all)  # prefix caching on (vLLM's default)
+
+
+@pytest.fixture(scope="module")
+def bf16_nocache(model_dir, texts, bf16):
+    """BF16 with caching off, prefix-cache probes only: what caching does to vLLM's own outputs."""
+    return _answers(model_dir, texts, _run_prefix, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +289,7 @@ def test_engine_perplexity_matches_the_harness(bf16, oscar, texts, model_dir, ar
     assert v_gap < h_gap + 0.05
 
 
-def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, oscar, oscar_cached):
+def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, oscar, oscar_cached):
     """Caching on: the repeated 890-token prompt and its continuation (prompt + 16 generated
     tokens, so the hit covers blocks holding generated tokens) hit the cache and give the tokens
     and logprobs of the engine with caching off."""
@@ -290,17 +309,23 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, oscar, oscar_cach
         want = off[key] if key == "cont" else off[key][0]
         got = on[key] if key == "cont" else on[key][1]
         assert got == want, key
-    diffs = [
-        max(abs(a - b) for a, b in zip(x, y, strict=True))
-        for x, y in (
-            (on["repeat_logprobs"][1], off["repeat_logprobs"][0]),
-            (on["cont_logprobs"], off["cont_logprobs"]),
-        )
-    ]
-    print(f"max |logprob difference| caching on vs off: repeat {diffs[0]:.2e}, continuation {diffs[1]:.2e}")
-    # the hit computes the miss's last chunks with bitwise the window rows the miss reads; only
-    # vLLM's own numerics could differ (they do not at these shapes: 0.0 measured)
-    assert max(diffs) <= 1e-4
+
+    def maxdiff(x, y):
+        return max(abs(a - b) for a, b in zip(x, y, strict=True))
+
+    rep = maxdiff(on["repeat_logprobs"][1], off["repeat_logprobs"][0])
+    cont = maxdiff(on["cont_logprobs"], off["cont_logprobs"])
+    bf16_cont = maxdiff(bf16["cont_logprobs"], bf16_nocache["cont_logprobs"])
+    print(f"max |logprob difference| caching on vs off: OSCAR repeat {rep:.2e}, continuation {cont:.2e}; "
+          f"BF16 (vLLM's attention) continuation {bf16_cont:.2e}")  # fmt: skip
+    # the repeat's hit (768, prompt blocks) was computed in the miss's own 64-token chunks: the
+    # restored window rows and the shared pages are bitwise the miss's, and so are the logprobs
+    assert rep <= 1e-6
+    # the continuation's hit (896) includes KV the first request computed one token per decode
+    # step, where the miss computes it in a 64-token chunk: vLLM's GEMMs round differently, in
+    # BF16 too (measured 0.078 there); OSCAR may differ by that and a little more through INT2
+    assert bf16["cont"] == bf16_nocache["cont"]
+    assert cont <= 1.5 * bf16_cont + 0.01
     # the windows still come out of the budget: the same number of blocks as with caching off
     # (the window groups then take their pages from those blocks, counted by vLLM itself)
     assert on["capacity"] == off["capacity"]
