@@ -7,6 +7,11 @@
   allocated when the layer is built, so they are part of the non-KV memory vLLM measures
   (GPU profiling, CPU RSS); with an explicit ``kv_cache_memory_bytes`` the backend takes
   their size out of that budget.
+* Prefix caching (when :func:`oscar_vllm.compat.exact_prefix_caching`): each layer also keeps
+  its BF16 window rows in pages of vLLM sliding-window KV-cache groups, declared by *window
+  layers* registered beside it (:class:`OscarWindowLayer`); every step restores each row's
+  window slot from them, so a cache hit computes what a miss computes (docs/vllm.md,
+  "Prefix caching").
 * ``exclude_layers``: those layers leave OSCAR once the model is loaded
   (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
   them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
