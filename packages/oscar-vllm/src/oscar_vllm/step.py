@@ -49,8 +49,9 @@ class StepMetadata:
 class WindowSlots:
     """Window-pool row of every live request, for model runners that give no request row.
 
-    Keyed by the request's first KV block, which no other live request holds while
-    prefix caching is off (OSCAR turns it off). A request that starts (no cached
+    Used while prefix caching is off (with caching on, slots are batch rows, restored every
+    step from the window pages). Keyed by the request's first KV block, which no other live
+    request holds while prefix caching is off. A request that starts (no cached
     tokens) takes a slot — its predecessor's if it got the same first block (that one
     has finished), else a free one, else the least recently seen slot of a request not
     in this batch. A request that continues must already have one: otherwise its BF16
@@ -77,7 +78,8 @@ class WindowSlots:
             if not start:
                 raise OscarError(
                     "OSCAR: a request arrived with cached tokens whose BF16 windows this worker never "
-                    "wrote (a prefix-cache hit?); prefix caching must be off with OSCAR (see docs/vllm.md)"
+                    "wrote (a prefix-cache hit although OSCAR's exact prefix caching is not active; "
+                    "see docs/vllm.md, 'Prefix caching')"
                 )
             if not self._free:
                 victim = next((b for b in self._slot_of if b not in in_batch), None)
