@@ -170,6 +170,8 @@ def _run_prefix(llm, texts) -> dict:
         "cont_logprobs": _logprobs(cont),
         "cont_cached": cont.num_cached_tokens or 0,
         "capacity": _capacity_tokens(llm),
+        # vLLM's own, group-aware count: max concurrency at max_model_len x max_model_len
+        "kv_tokens": getattr(llm.llm_engine.vllm_config.cache_config, "kv_cache_size_tokens", None),
     }
 
 
@@ -329,6 +331,10 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, osc
     # the windows still come out of the budget: the same number of blocks as with caching off
     # (the window groups then take their pages from those blocks, counted by vLLM itself)
     assert on["capacity"] == off["capacity"]
+    # ... and vLLM counts what the window groups hold per request in its concurrency
+    print(f"vLLM's KV cache size (max concurrency x max_model_len): OSCAR caching off {off['kv_tokens']}, "
+          f"on {on['kv_tokens']}, BF16 {bf16['kv_tokens']}")  # fmt: skip
+    assert bf16["kv_tokens"] < on["kv_tokens"] < off["kv_tokens"]
 
 
 def test_same_chunks_give_the_same_outputs_in_other_window_slots_and_blocks(oscar):
