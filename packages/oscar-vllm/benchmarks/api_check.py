@@ -154,8 +154,60 @@ def check_attention_layer() -> str:
     return "Attention layer attributes and the load-time hook exclude_layers uses"
 
 
+def check_window_groups() -> str:
+    """What exact prefix caching relies on (docs/vllm.md, "Prefix caching")."""
+    import torch
+    from vllm.config import CacheConfig, SchedulerConfig
+    from vllm.forward_context import get_forward_context  # noqa: F401
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from oscar_vllm import backend, compat
+    from oscar_vllm.settings import cell_bytes
+
+    assert "disable_hybrid_kv_cache_manager" in {f.name for f in dataclasses.fields(SchedulerConfig)}
+    # window blocks are cached densely when the retention interval is None (OSCAR sets it)
+    assert "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(CacheConfig)}
+    _source_has(KVCacheCoordinator.__init__, "kv_cache_config.prefix_cache_retention_interval")
+    _source_has(SlidingWindowManager.reachable_block_mask, "retention_interval is None")
+    assert issubclass(backend.OscarWindowLayer, AttentionLayerBase)
+    # the runner collects specs from every AttentionLayerBase in static_forward_context
+    _source_has(GPUModelRunner.get_kv_cache_spec, "get_layers_from_vllm_config(self.vllm_config, layer_type)")
+    # a window page is exactly an INT2 page; SlidingWindowSpec keeps its manager
+    cell = cell_bytes(64, 64)
+    int2 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16,
+                             state_content_bytes=cell)  # fmt: skip
+    win = compat.window_spec(128, 3, 64, torch.bfloat16, 256, cell)
+    assert isinstance(win, SlidingWindowSpec) and win.page_size_bytes == int2.page_size_bytes
+    assert KVCacheSpecRegistry.get_manager_class(win) is SlidingWindowManager
+    # a hit needs the blocks of the last `window - 1` tokens cached; blocks before
+    # `computed - window + 1` are freed: the window covers (N - recent, N)
+    assert SlidingWindowManager._contiguous_blocks_for_hit(256, 128, False) == 2
+    _source_has(SlidingWindowManager.get_num_skipped_tokens, "num_computed_tokens - self.sliding_window + 1")
+    # groups: 30 INT2 layers + 10 window layers each -> 1 + 10 groups of 30 layers, one page size
+    for mod_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        if hasattr(mod, "_get_kv_cache_groups_uniform_page_size"):
+            break
+    specs = {f"model.layers.{i}.self_attn.attn": int2 for i in range(30)}
+    specs |= {f"model.layers.{i}.self_attn.attn.oscar_window_{g}": win for i in range(30) for g in range(10)}
+    groups = mod._get_kv_cache_groups_uniform_page_size(mod.unify_kv_cache_spec_page_size(specs))
+    assert len(groups) == 11 and all(len(g.layer_names) == 30 for g in groups), [
+        len(g.layer_names) for g in groups
+    ]
+    assert sum(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups) == 10
+    return f"window pages of {win.page_size_bytes} B: 10 sliding-window groups + the INT2 group ({mod_name})"
+
+
 CHECKS = (check_version, check_registry, check_backend_api, check_specs, check_grouping,
-          check_config_and_engine, check_attention_layer)  # fmt: skip
+          check_config_and_engine, check_attention_layer, check_window_groups)  # fmt: skip
 
 
 def main() -> int:

@@ -22,6 +22,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="caching on (OSCAR: window pages written and restored every step); fresh prompts per call",
+    )
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -40,24 +45,31 @@ def main() -> None:
         max_model_len=2048,
         max_num_seqs=8,
         kv_cache_memory_bytes=512 << 20,
-        enable_prefix_caching=False,  # the timed calls repeat the prompts: no reuse for either backend
+        # without the flag the timed calls repeat the prompts: no reuse for either backend
+        enable_prefix_caching=args.prefix_caching,
         **extra,
     )
-    prompts = [
-        {"prompt_token_ids": [(17 * i + 31 * j) % 20000 + 100 for j in range(args.prompt)]}
-        for i in range(args.batch)
-    ]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+
+    def batch(call: int) -> list[dict]:
+        # with caching on, each call gets its own prompts (nothing to reuse)
+        k = call * args.batch if args.prefix_caching else 0
+        return [
+            {"prompt_token_ids": [(17 * (i + k) + 31 * j) % 20000 + 100 for j in range(args.prompt)]}
+            for i in range(args.batch)
+        ]
+
+    llm.generate(batch(2)[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.generate(batch(0), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     t1 = time.perf_counter()
     out = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True), use_tqdm=False
+        batch(1), SamplingParams(temperature=0, max_tokens=args.new, ignore_eos=True), use_tqdm=False
     )
     t2 = time.perf_counter()
     gen = sum(len(o.outputs[0].token_ids) for o in out)
     print(json.dumps({
-        "backend": args.backend, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+        "backend": args.backend, "prefix_caching": args.prefix_caching,
+        "batch": args.batch, "prompt": args.prompt, "new": args.new,
         "prefill_s": round(t1 - t0, 2), "prefill_tok_per_s": round(args.batch * args.prompt / (t1 - t0), 1),
         "generate_s": round(t2 - t1, 2), "generated_tok_per_s": round(gen / (t2 - t1), 2),
     }))  # fmt: skip

@@ -21,6 +21,10 @@ MAX_SEQS = 8
 CHUNK = 64  # max_num_batched_tokens: long prompts prefill in 64-token chunks that read the INT2 prefix
 PROMPT_LENS = (24, 120, 330, 480, 700, 900)  # four of them longer than sink + recent = 320
 NEW_TOKENS = 16
+# prefix-cache probe prompt: 890 + 16 generated tokens cross the 896 block boundary (CPU blocks of
+# 128), so the continuation's hit (896) covers generated tokens; hits at multiples of 128 start
+# where a miss's 64-token chunk starts
+PROBE_LEN = 890
 PPL_LEN = 1024
 # SmolLM2-135M: 30 decoder layers, 3 KV heads of dim 64
 NUM_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
@@ -127,26 +131,47 @@ def _run_core(llm, texts) -> dict:
 
 def _run_all(llm, texts) -> dict:
     """Everything the BF16 and OSCAR engines are asked (_run_core + prefix-cache probes)."""
+    return {**_run_core(llm, texts), **_run_prefix(llm, texts)}
+
+
+def _run_prefix(llm, texts) -> dict:
+    """The prefix-cache probes: the longest prompt twice, then its continuation (prompt + the
+    generated tokens); each request alone, so a hit's chunks are the miss's last chunks."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
-    core = _run_core(llm, texts)
-    long_prompt = texts["prompts"][-1]
+    long_prompt = texts["prompts"][-1][:PROBE_LEN]
+
+    def other() -> None:
+        # another long prompt in between: with caching on, each row's window slot is its batch
+        # row, so without this the repeat would find the first run's (identical) rows still in
+        # slot 0 and a broken restore could go unnoticed
+        llm.generate(
+            [{"prompt_token_ids": texts["prompts"][-2]}], SamplingParams(max_tokens=1), use_tqdm=False
+        )
+
     n0 = len(_steps())
     first = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
     n1 = len(_steps())
+    other()
+    n2 = len(_steps())
     again = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
-    steps = _steps()
+    n3 = len(_steps())
+    other()
     cont_ids = long_prompt + list(first.outputs[0].token_ids)
     cont = llm.generate([{"prompt_token_ids": cont_ids}], greedy, use_tqdm=False)[0]
+    steps = _steps()
     return {
-        **core,
         "repeat": (list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)),
         "repeat_logprobs": tuple(_logprobs(o) for o in (first, again)),
-        "repeat_steps": (steps[n0:n1], steps[n1:]),
+        "repeat_steps": (steps[n0:n1], steps[n2:n3]),
         "repeat_cached": (first.num_cached_tokens or 0, again.num_cached_tokens or 0),
         "cont": list(cont.outputs[0].token_ids),
+        "cont_logprobs": _logprobs(cont),
         "cont_cached": cont.num_cached_tokens or 0,
+        "capacity": _capacity_tokens(llm),
+        # vLLM's own, group-aware count: max concurrency at max_model_len x max_model_len
+        "kv_tokens": getattr(llm.llm_engine.vllm_config.cache_config, "kv_cache_size_tokens", None),
     }
 
 
@@ -179,13 +204,33 @@ def bf16(model_dir, texts):
 
 
 @pytest.fixture(scope="module")
+def bf16_nocache(model_dir, texts, bf16):
+    """BF16 with caching off, prefix-cache probes only: what caching does to vLLM's own outputs."""
+    return _answers(model_dir, texts, _run_prefix, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
 def oscar(model_dir, artifact, texts, bf16, tmp_path_factory):  # bf16 first
     import oscar_vllm
 
     # every step's chunks and window slots (the engine-core process inherits the variable)
     os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
     try:
-        return _answers(model_dir, texts, _run_all, **oscar_vllm.llm_kwargs(artifact))  # caching requested
+        # caching off: the reference the cached engine below must reproduce
+        kw = oscar_vllm.llm_kwargs(artifact)
+        return _answers(model_dir, texts, _run_all, enable_prefix_caching=False, **kw)
+    finally:
+        del os.environ["OSCAR_VLLM_STEP_LOG"]
+
+
+@pytest.fixture(scope="module")
+def oscar_cached(model_dir, artifact, texts, oscar, tmp_path_factory):  # after oscar: one engine at a time
+    """OSCAR with prefix caching on (vLLM's default): exact hits through the window groups."""
+    import oscar_vllm
+
+    os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
+    try:
+        return _answers(model_dir, texts, _run_prefix, **oscar_vllm.llm_kwargs(artifact))
     finally:
         del os.environ["OSCAR_VLLM_STEP_LOG"]
 
@@ -246,13 +291,50 @@ def test_engine_perplexity_matches_the_harness(bf16, oscar, texts, model_dir, ar
     assert v_gap < h_gap + 0.05
 
 
-def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, oscar):
-    # BF16 with caching on reuses the repeated prompt's blocks (the probe can see hits) ...
-    assert bf16["repeat_cached"][1] > 0 and bf16["cont_cached"] > 0
-    # ... OSCAR turns caching off (cached blocks lack the per-slot BF16 windows), so nothing is
-    # reused and the repeated prompt and the continuation are computed as with caching off
-    assert oscar["repeat_cached"] == (0, 0) and oscar["cont_cached"] == 0
-    assert oscar["repeat"][0] == oscar["repeat"][1]
+def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, oscar, oscar_cached):
+    """Caching on: the repeated 890-token prompt and its continuation (prompt + 16 generated
+    tokens, so the hit covers blocks holding generated tokens) hit the cache and give the tokens
+    and logprobs of the engine with caching off."""
+    assert bf16["repeat_cached"][1] > 0 and bf16["cont_cached"] > 0  # the probe sees hits
+    assert oscar["repeat_cached"] == (0, 0) and oscar["cont_cached"] == 0  # caching off: no hits
+    on, off = oscar_cached, oscar
+    _, again = on["repeat_steps"]
+    steps = [(s["prefix_lens"], s["query_lens"]) for s in again[:2]]
+    print(f"\nOSCAR with prefix caching: cached tokens {on['repeat_cached']} (repeat), {on['cont_cached']} "
+          f"(continuation); the repeat's first steps {steps}")  # fmt: skip
+    assert on["repeat_cached"][0] == 0 and on["repeat_cached"][1] > 0 and on["cont_cached"] > 0
+    # the continuation's hit (whole blocks of 128 tokens) reaches past the prompt: it reuses a
+    # block that holds generated tokens
+    assert on["cont_cached"] > PROBE_LEN
+    assert again[0]["prefix_lens"][0] == on["repeat_cached"][1]  # the hit is really skipped
+    for key in ("repeat", "cont"):
+        want = off[key] if key == "cont" else off[key][0]
+        got = on[key] if key == "cont" else on[key][1]
+        assert got == want, key
+
+    def maxdiff(x, y):
+        return max(abs(a - b) for a, b in zip(x, y, strict=True))
+
+    rep = maxdiff(on["repeat_logprobs"][1], off["repeat_logprobs"][0])
+    cont = maxdiff(on["cont_logprobs"], off["cont_logprobs"])
+    bf16_cont = maxdiff(bf16["cont_logprobs"], bf16_nocache["cont_logprobs"])
+    print(f"max |logprob difference| caching on vs off: OSCAR repeat {rep:.2e}, continuation {cont:.2e}; "
+          f"BF16 (vLLM's attention) continuation {bf16_cont:.2e}")  # fmt: skip
+    # the repeat's hit (768, prompt blocks) was computed in the miss's own 64-token chunks: the
+    # restored window rows and the shared pages are bitwise the miss's, and so are the logprobs
+    assert rep <= 1e-6
+    # the continuation's hit (896) includes KV the first request computed one token per decode
+    # step, where the miss computes it in a 64-token chunk: vLLM's GEMMs round differently, in
+    # BF16 too (measured 0.078 there); OSCAR may differ by that and a little more through INT2
+    assert bf16["cont"] == bf16_nocache["cont"]
+    assert cont <= 1.5 * bf16_cont + 0.01
+    # the windows still come out of the budget: the same number of blocks as with caching off
+    # (the window groups then take their pages from those blocks, counted by vLLM itself)
+    assert on["capacity"] == off["capacity"]
+    # ... and vLLM counts what the window groups hold per request in its concurrency
+    print(f"vLLM's KV cache size (max concurrency x max_model_len): OSCAR caching off {off['kv_tokens']}, "
+          f"on {on['kv_tokens']}, BF16 {bf16['kv_tokens']}")  # fmt: skip
+    assert bf16["kv_tokens"] < on["kv_tokens"] < off["kv_tokens"]
 
 
 def test_same_chunks_give_the_same_outputs_in_other_window_slots_and_blocks(oscar):

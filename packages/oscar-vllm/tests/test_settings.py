@@ -155,3 +155,33 @@ def test_prefix_caching_must_be_off_where_the_guard_cannot_hook(monkeypatch):
     compat.guard_prefix_caching()  # logs, never raises (it runs in every process, OSCAR or not)
     monkeypatch.setattr(compat, "guard_possible", lambda: True)
     compat.check_prefix_caching(on)
+
+
+def test_exact_prefix_caching_where_every_layer_is_int2_and_the_hybrid_manager_is_on(monkeypatch):
+    from types import SimpleNamespace
+
+    def cfg(caching=True, hybrid=True, extra=None, backend="OSCAR"):
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(backend=SimpleNamespace(name=backend)),
+            cache_config=SimpleNamespace(enable_prefix_caching=caching),
+            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=not hybrid),
+            additional_config={"oscar": {"rotations": "r.safetensors", **(extra or {})}},
+        )
+
+    assert compat.exact_prefix_caching(cfg())
+    assert not compat.exact_prefix_caching(cfg(caching=False))
+    assert not compat.exact_prefix_caching(cfg(hybrid=False))  # window groups need the hybrid manager
+    assert not compat.exact_prefix_caching(cfg(extra={"exclude_layers": [3]}))  # BF16 pages: not exact
+    assert not compat.exact_prefix_caching(cfg(backend="CPU_ATTN"))
+    # no start-up error where OSCAR serves caching itself, even if the guard could not hook
+    monkeypatch.setattr(compat, "guard_possible", lambda: False)
+    compat.check_prefix_caching(cfg())
+    with pytest.raises(OscarError, match="--no-enable-prefix-caching"):
+        compat.check_prefix_caching(cfg(extra={"exclude_layers": [3]}))
+    # window blocks are cached densely unless a user chose an interval
+    cc = SimpleNamespace(prefix_cache_retention_interval=0)
+    compat._dense_window_checkpoints(cc)
+    assert cc.prefix_cache_retention_interval is None
+    cc = SimpleNamespace(prefix_cache_retention_interval=1024)
+    compat._dense_window_checkpoints(cc)
+    assert cc.prefix_cache_retention_interval == 1024

@@ -162,3 +162,102 @@ def test_gpu_check_script_reduced_on_cpu(monkeypatch):
 
     monkeypatch.setattr(mod, "attend_step", wrong_windows)
     assert not mod.run_case(mod.REDUCED[0], torch.device("cpu"))["pass"]
+
+
+# ---- prefix-cache hits: restored BF16 rows give the outputs of a miss -----------------------
+# (docs/vllm.md, "Prefix caching": what the windows-in-pages design needs of the worker)
+
+
+def _hit_setup():
+    from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
+    from oscar_vllm.step import WindowPages
+
+    lo = CacheLayout(2, 32, page_size=16, group_size=16, sink_tokens=8, recent_tokens=16)
+    pg = torch.Generator().manual_seed(1)
+    rk, rv = (torch.linalg.qr(torch.randn(2, 32, 32, generator=pg))[0] for _ in range(2))
+    params = LayerQuantParams(rk, rv, 0.3 * torch.randn(2, 32, generator=pg), 0.9, 0.9).expand(2, 32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (96, page_bytes(lo)), dtype=torch.uint8, generator=g)
+    cache = cache_from_page_buffer(lo, buf, 4)
+    for f in ("k_sink", "v_sink", "k_recent", "v_recent"):
+        getattr(cache, f).fill_(float("nan"))  # an unrestored row that is read shows as NaN
+    # window records in pages of 20 rows (an engine's: its INT2 page size), NaN until written:
+    # a record is 2 * 2 * (16 + 8) = 96 rows, i.e. 5 pages (window groups)
+    pages = WindowPages(torch.full((96, 20, 32), float("nan"), dtype=torch.bfloat16), 2, 16, 8)
+    assert WindowPages.groups_for(2, 16, 8, 20) == 5
+    return cache, params, pages
+
+
+def _tables(first: int, n_blocks: int) -> list[list[int]]:
+    """Window block tables ``[5 groups][n_blocks]`` with distinct block ids from ``first``."""
+    return [[first + 5 * j + gi for j in range(n_blocks)] for gi in range(5)]
+
+
+def _run_hit(state, steps, blocks, wtables, slot, x, restore=None):
+    """One request (``blocks``: INT2 blocks, ``wtables``: window tables) through ``steps`` of
+    (first position, tokens); ``restore`` = cached tokens to restore into ``slot`` first."""
+    from oscar_vllm.step import restore_windows, write_window_pages
+
+    cache, params, pages = state
+    out = torch.full((x[0].shape[0], 4, 32), float("nan"))
+    wt = torch.tensor(wtables)
+    if restore:
+        restore_windows(cache, slot, pages, wt, restore)
+    for p, n in steps:
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        seq = torch.tensor([p + n], dtype=torch.int32)
+        table = torch.tensor([(blocks + [0] * 4)[:4]], dtype=torch.int32)
+        mapping = torch.tensor([blocks[i // 16] * 16 + i % 16 for i in range(p, p + n)])
+        md = build_step(qsl, qsl, seq, seq, table, mapping, 1, torch.tensor([slot]), None)
+        q, k, v = (t[p : p + n] for t in x)
+        o = run_layer(cache, params, q, k, v, md, 32**-0.5)
+        write_window_pages(cache, params, k, v, md, pages, wt[:, None, :])
+        out[p : p + n] = o.float()
+    return out
+
+
+@pytest.mark.parametrize("n_cached", [16, 32, 48])
+def test_a_prefix_hit_with_restored_windows_gives_the_outputs_of_a_miss(n_cached, monkeypatch):
+    """Request A: a 40-token prompt (20 + 20) and 10 decoded tokens. Request B: A's first 48 tokens
+    (prompt and generated) plus 12 more. B hitting ``n_cached`` of A's tokens (INT2 blocks shared,
+    window records of the blocks a sliding-window group keeps shared, a fresh NaN window slot
+    restored from them) gives bitwise the outputs of B computed from scratch in other chunks
+    (per-token windows: chunking does not matter); 48 hits blocks that hold generated tokens.
+    Without the restore, or restoring one row short, it does not."""
+    from oscar_vllm import step as step_mod
+
+    g = torch.Generator().manual_seed(0)
+    x = (
+        torch.randn(60, 4, 32, generator=g).to(torch.bfloat16),
+        (torch.randn(60, 2, 32, generator=g) * 2 + 0.5).to(torch.bfloat16),
+        torch.randn(60, 2, 32, generator=g).to(torch.bfloat16),
+    )
+    miss = _run_hit(_hit_setup(), [(0, 24), (24, 24), (48, 12)], [1, 2, 3, 4], _tables(40, 4), 2, x)
+    assert torch.isfinite(miss).all()
+
+    def hit(restore=True):
+        state = _hit_setup()
+        a_steps = [(0, 20), (20, 20), *((40 + i, 1) for i in range(10))]
+        a_tables = _tables(60, 4)
+        _run_hit(state, a_steps, [9, 10, 11, 12], a_tables, 0, tuple(t[:50] for t in x))
+        shared = n_cached // 16
+        # B shares A's INT2 blocks of the hit and the window blocks a sliding-window group
+        # (window = recent = 16) keeps for it: the last block before the hit; the others are
+        # the null block (0, never written: NaN); new blocks after the hit
+        new = _tables(0, 4)
+        wt = [
+            [a[j] if j == shared - 1 else (0 if j < shared else nb[j]) for j in range(4)]
+            for a, nb in zip(a_tables, new, strict=True)
+        ]
+        blocks = [9, 10, 11, 12][:shared] + [24, 25, 26, 27][shared:]
+        return _run_hit(
+            state, [(n_cached, 60 - n_cached)], blocks, wt, 3, x, restore=n_cached if restore else None
+        )
+
+    out = hit()
+    assert torch.equal(out[n_cached:], miss[n_cached:])
+    assert not torch.isfinite(hit(restore=False)[n_cached:]).all()  # the slot's rows are read
+    real = step_mod.hit_window_positions
+    monkeypatch.setattr(step_mod, "hit_window_positions", lambda n, s, r: real(n, s, r)[:-1])
+    planted = hit()
+    assert not torch.equal(planted[n_cached:], miss[n_cached:])

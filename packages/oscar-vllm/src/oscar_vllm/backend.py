@@ -7,6 +7,11 @@
   allocated when the layer is built, so they are part of the non-KV memory vLLM measures
   (GPU profiling, CPU RSS); with an explicit ``kv_cache_memory_bytes`` the backend takes
   their size out of that budget.
+* Prefix caching (when :func:`oscar_vllm.compat.exact_prefix_caching`): each layer also keeps
+  its BF16 window rows in pages of vLLM sliding-window KV-cache groups, declared by *window
+  layers* registered beside it (:class:`OscarWindowLayer`); every step restores each row's
+  window slot from them, so a cache hit computes what a miss computes (docs/vllm.md,
+  "Prefix caching").
 * ``exclude_layers``: those layers leave OSCAR once the model is loaded
   (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
   them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
@@ -44,7 +49,16 @@ from oscar_math.errors import OscarError
 
 from . import compat
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
-from .step import StepMetadata, WindowSlots, build_step, run_layer, step_record
+from .step import (
+    StepMetadata,
+    WindowPages,
+    WindowSlots,
+    build_step,
+    restore_windows,
+    run_layer,
+    step_record,
+    write_window_pages,
+)
 
 log = logging.getLogger("oscar_vllm")
 
@@ -60,8 +74,13 @@ __all__ = [
     "OscarMetadata",
     "OscarMetadataBuilder",
     "OscarAttentionImpl",
+    "OscarWindowBackend",
+    "OscarWindowLayer",
     "cell_bytes",
 ]
+
+#: suffix of the window layers of an INT2 layer (``<layer name>.oscar_window_<g>``)
+WINDOW_SUFFIX = ".oscar_window_"
 
 
 def _artifact_for(vllm_config: Any):  # noqa: ANN202 - Rotations
@@ -147,6 +166,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.slots = WindowSlots(int(vllm_config.scheduler_config.max_num_seqs))
+        # with prefix caching every step restores each request's window rows from the window
+        # pages into the slot of its batch row, so slots need not follow requests
+        self.by_row = compat.exact_prefix_caching(vllm_config)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -154,6 +176,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         cm = common_attn_metadata
         seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
         rows = compat.request_slots(cm)
+        if self.by_row:
+            rows = list(range(cm.num_reqs))
         md = build_step(
             cm.query_start_loc,
             cm.query_start_loc_cpu,
@@ -215,6 +239,9 @@ class OscarAttentionImpl(AttentionImpl):
         compat.check_prefix_caching(cfg)
         self.rotations = _artifact_for(cfg)
         self.excluded = frozenset(settings_from(getattr(cfg, "additional_config", None)).exclude_layers)
+        self.cached = compat.exact_prefix_caching(cfg)  # window rows also kept in window pages
+        self.window_names: list[str] = []
+        self._pages: WindowPages | None = None
         self._cfg = cfg
         rot = self.rotations
         _LOADED_GROUP["group"] = rot.group_size
@@ -253,6 +280,8 @@ class OscarAttentionImpl(AttentionImpl):
         KV-cache specs, so an excluded layer's spec, builder and KV write are the default
         backend's (a plain BF16 page) and OSCAR allocates nothing for it.
         """
+        if self.cached:
+            self._add_window_layers()
         if not self.excluded:
             return
         name, layer = compat.layer_of_impl(self._cfg, self)
@@ -263,6 +292,37 @@ class OscarAttentionImpl(AttentionImpl):
             log.info("OSCAR: %s is excluded: BF16 KV cache through vLLM's %s", name, backend.get_name())
         elif self.windows is None:
             self._allocate_windows()
+
+    def _add_window_layers(self) -> None:
+        """Register this layer's window layers (docs/vllm.md, "Prefix caching").
+
+        Each declares one page of exactly this layer's INT2 page size in a sliding-window
+        KV-cache group (window = ``recent``); vLLM then forms one group per window-layer index
+        (``groups`` groups of all INT2 layers' window layers beside the INT2 group) and lets
+        every group's layer ``i`` share layer ``i``'s KV tensor, so a block's window record of
+        this layer sits in this layer's own buffer, spread over the groups' pages.
+        """
+        name, _ = compat.layer_of_impl(self._cfg, self)
+        lo, bs = self.layout, int(self._cfg.cache_config.block_size)
+        cell = cell_bytes(lo.head_dim, lo.group)
+        page = lo.num_kv_heads * bs * cell
+        if page % (2 * lo.head_dim):
+            raise OscarError(
+                f"OSCAR: with prefix caching a page of {page} bytes (block size {bs}) must hold whole "
+                f"BF16 rows of {2 * lo.head_dim} bytes; use a block size that is a multiple of 64, "
+                "or --no-enable-prefix-caching"
+            )
+        groups = WindowPages.groups_for(lo.num_kv_heads, bs, lo.sink_tokens, page // (2 * lo.head_dim))
+        spec = compat.window_spec(
+            bs, lo.num_kv_heads, lo.head_dim, self._kv_dtype(), max(lo.recent_tokens, 2), cell
+        )
+        self.window_names = [f"{name}{WINDOW_SUFFIX}{g}" for g in range(groups)]
+        for n in self.window_names:
+            compat.add_window_layer(self._cfg, n, OscarWindowLayer(spec))
+
+    def _kv_dtype(self) -> torch.dtype:
+        dt = self._cfg.model_config.dtype
+        return dt if isinstance(dt, torch.dtype) else torch.bfloat16
 
     def _layer_state(self, layer: Any, kv_cache: torch.Tensor) -> tuple[PagedKVCache, Any]:
         if self._params is None:
@@ -287,6 +347,10 @@ class OscarAttentionImpl(AttentionImpl):
             self._cache = replace(c, k_sink=ks, v_sink=vs, k_recent=kr, v_recent=vr)
             self._cache.validate()
             self._cache_src = kv_cache.data_ptr()
+            if self.cached:  # the same buffer holds this layer's pages of every window group
+                d = lo.head_dim
+                rows = buf.view(torch.bfloat16).view(buf.shape[0], buf.shape[1] // (2 * d), d)
+                self._pages = WindowPages(rows, lo.num_kv_heads, lo.page_size, lo.sink_tokens)
         return self._cache, self._params
 
     def forward(
@@ -315,7 +379,18 @@ class OscarAttentionImpl(AttentionImpl):
         q = query[:n].view(n, h, d)
         k = key[:n].view(n, hk, d)
         v = value[:n].view(n, hk, d)
-        out = run_layer(cache, params, q, k, v, md, self.scale)
+        if not self.cached:
+            out = run_layer(cache, params, q, k, v, md, self.scale)
+        else:
+            assert self._pages is not None
+            b = md.seq_lens.shape[0]
+            tables = torch.stack(
+                [m.block_table[:b] for m in compat.window_metadata(self.window_names)]
+            )  # [groups, B, max_blocks]
+            for row, prefix in enumerate(md.prefix_lens.tolist()):
+                restore_windows(cache, int(md.window_slots[row]), self._pages, tables[:, row], prefix)
+            out = run_layer(cache, params, q, k, v, md, self.scale)
+            write_window_pages(cache, params, k, v, md, self._pages, tables)
         output[:n].view(n, h, d).copy_(out)
         return output
 
@@ -356,3 +431,78 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # not initialised (unit use): rank 0
         return 0
+
+
+# ---- window layers: the BF16 window pages vLLM manages with prefix caching -------------------
+
+
+class OscarWindowMetadata:
+    """One step's block table of a window KV-cache group (``[B, max_blocks]``)."""
+
+    def __init__(self, block_table: torch.Tensor) -> None:
+        self.block_table = block_table
+
+
+class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
+    """Passes a window group's block table to the INT2 layers (through the forward context)."""
+
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(
+        self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> OscarWindowMetadata:
+        cm = common_attn_metadata
+        return OscarWindowMetadata(cm.block_table_tensor[: cm.num_reqs].to(torch.int32))
+
+
+class OscarWindowBackend(AttentionBackend):
+    """Backend of the window layers: pages only, no attention of their own."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return compat.BACKEND_NAME + "_WINDOW"
+
+    @staticmethod
+    def get_impl_cls() -> type[OscarAttentionImpl]:
+        return OscarAttentionImpl  # never built: window layers have no implementation
+
+    @staticmethod
+    def get_builder_cls() -> type[OscarWindowBuilder]:
+        return OscarWindowBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple | None:
+        return compat.kv_cache_layouts()
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        return spec  # already the INT2 page size (compat.window_spec)
+
+
+class OscarWindowLayer(compat.attention_layer_base()):  # type: ignore[misc]
+    """A window layer: registered beside an INT2 layer, never called by the model."""
+
+    def __init__(self, spec: Any) -> None:
+        self._spec = spec
+        self.kv_cache = torch.empty(0)
+        self.impl = None
+
+    def get_attn_backend(self) -> type[OscarWindowBackend]:
+        return OscarWindowBackend
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+        return self._spec

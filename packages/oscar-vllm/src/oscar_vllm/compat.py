@@ -30,6 +30,11 @@ __all__ = [
     "guard_prefix_caching",
     "guard_possible",
     "check_prefix_caching",
+    "exact_prefix_caching",
+    "window_spec",
+    "add_window_layer",
+    "window_metadata",
+    "attention_layer_base",
     "current_config",
     "oscar_selected",
     "layer_index",
@@ -169,16 +174,36 @@ def guard_prefix_caching() -> None:
         return
 
     def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
-        if oscar_selected(vllm_config) and vllm_config.cache_config.enable_prefix_caching:
+        if (
+            oscar_selected(vllm_config)
+            and vllm_config.cache_config.enable_prefix_caching
+            and not exact_prefix_caching(vllm_config)
+        ):
             log.warning(
-                "OSCAR: prefix caching turned off (cached blocks carry INT2 pages but not the "
-                "per-sequence BF16 windows, so hits would change outputs; see docs/vllm.md)"
+                "OSCAR: prefix caching turned off (exact hits need vLLM's hybrid KV-cache manager and "
+                "no exclude_layers; see docs/vllm.md, 'Prefix caching')"
             )
             vllm_config.cache_config.enable_prefix_caching = False
+        elif exact_prefix_caching(vllm_config):
+            _dense_window_checkpoints(vllm_config.cache_config)
         return original(self, vllm_config)
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
     cls._initialize_kv_caches = _initialize_kv_caches
+
+
+def _dense_window_checkpoints(cache_config: Any) -> None:
+    """Let the window groups cache every full block (vLLM's ``prefix_cache_retention_interval=None``).
+
+    vLLM's default (0) keeps a sliding-window group's blocks cached only at a prompt's replay
+    boundary, so a hit could never reach into generated tokens (the continuation of a finished
+    request) although the INT2 group has them. Dense retention costs no capacity: freed blocks
+    stay in the free queue, evictable, with their hashes. A positive interval a user chose is
+    kept.
+    """
+    if getattr(cache_config, "prefix_cache_retention_interval", None) == 0:
+        log.info("OSCAR: prefix_cache_retention_interval set to None (window blocks cached densely)")
+        cache_config.prefix_cache_retention_interval = None
 
 
 def guard_possible() -> bool:
@@ -190,12 +215,78 @@ def guard_possible() -> bool:
     return callable(getattr(getattr(core, "EngineCore", None), "_initialize_kv_caches", None))
 
 
+def exact_prefix_caching(vllm_config: Any) -> bool:
+    """Whether OSCAR serves prefix caching in this configuration, with exact hits.
+
+    The BF16 window rows then live in vLLM-managed pages of sliding-window KV-cache groups
+    (one block table per group, shared by the prefix cache like any KV block; docs/vllm.md,
+    "Prefix caching"). That needs vLLM's hybrid KV-cache manager (on by default) and every
+    layer in INT2: an ``exclude_layers`` BF16 page beside the INT2 page would make vLLM pad
+    every page to the larger size. The engine core (the guard) and every worker decide with
+    this same function on the same config.
+    """
+    from .settings import settings_from
+
+    if not (oscar_selected(vllm_config) and vllm_config.cache_config.enable_prefix_caching):
+        return False
+    if getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", True):
+        return False
+    try:
+        return not settings_from(getattr(vllm_config, "additional_config", None)).exclude_layers
+    except OscarError:  # reported by the layers at start-up
+        return False
+
+
+def window_spec(
+    block_size: int, num_kv_heads: int, head_size: int, dtype: Any, window: int, cell: int
+) -> Any:
+    """Spec of one window page: vLLM's ``SlidingWindowSpec`` (its manager shares blocks through the
+    prefix cache, accepts a hit only if the last ``window`` tokens' blocks are cached, and frees
+    blocks that leave the window), sized exactly as one INT2 page (``cell`` bytes per head and
+    token) so that vLLM needs no page-size unification."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        sliding_window=window,
+        state_content_bytes=cell,
+    )
+
+
+def add_window_layer(vllm_config: Any, name: str, layer: Any) -> None:
+    """Register a window layer where vLLM collects attention layers (``static_forward_context``)
+    before it asks them for KV-cache specs; the model never calls it."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    if name in ctx and ctx[name] is not layer:
+        raise OscarError(f"OSCAR: attention layer name {name!r} is taken")
+    ctx[name] = layer
+
+
+def window_metadata(names: list[str]) -> list[Any]:
+    """This step's metadata of the window layers ``names`` (built by their metadata builder)."""
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):  # micro-batches: not used with OSCAR
+        raise OscarError("OSCAR: micro-batching (ubatch) is not supported with prefix caching")
+    try:
+        return [md[n] for n in names]
+    except (KeyError, TypeError) as e:
+        raise OscarError(f"OSCAR: vLLM {vllm_version()} built no metadata for window layer {e}") from e
+
+
 def check_prefix_caching(vllm_config: Any) -> None:
-    """Start-up error when prefix caching is on and the guard cannot turn it off here."""
-    if vllm_config.cache_config.enable_prefix_caching and not guard_possible():
+    """Start-up error when prefix caching is on, OSCAR cannot serve it exactly here
+    (:func:`exact_prefix_caching`) and the guard cannot turn it off."""
+    on = vllm_config.cache_config.enable_prefix_caching
+    if on and not exact_prefix_caching(vllm_config) and not guard_possible():
         raise OscarError(
-            f"OSCAR cannot serve prefix-cache hits exactly and cannot turn prefix caching off in vLLM "
-            f"{vllm_version()}: start vLLM with --no-enable-prefix-caching (enable_prefix_caching=False)"
+            "OSCAR cannot serve prefix-cache hits exactly in this configuration and cannot turn "
+            f"prefix caching off in vLLM {vllm_version()}: start vLLM with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False)"
         )
 
 
@@ -312,3 +403,10 @@ def request_slots(common: Any) -> Any:
     (used on CPU) does not.
     """
     return getattr(common, "req_idx", None)
+
+
+def attention_layer_base() -> type:
+    """vLLM's ``AttentionLayerBase`` (what the model runner collects KV-cache specs from)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return AttentionLayerBase
