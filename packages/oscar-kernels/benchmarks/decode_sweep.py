@@ -1,11 +1,10 @@
-"""Split-count sweep of the Gluon decode op, PDL on/off, and where a short step's time goes.
+"""A/B sweep of the Gluon decode op's launch knobs, split counts, and where a short step's time goes.
 
-Graph-replay times (µs) of ``decode_attention`` per explicit ``num_splits`` at batch 1, 8
-and 32 (Qwen3-8B attention shape, random cache as in ``gpu_run.py``), the default split
-count with programmatic dependent launch on and off (``USE_PDL``), and at batch 1 the
-parts of one step timed alone: query rotation, split + merge kernels, the merge alone, an
-empty graph node.
-The data behind :func:`oscar_kernels.choose_num_splits` (docs/performance.md).
+Graph-replay times (µs) of ``decode_attention`` at batch 1 and 8 (Qwen3-8B attention shape,
+random cache as in ``gpu_run.py``) for each entry of :data:`CONFIGS` at the default split
+count, per explicit ``num_splits`` with the early/preload knobs on, SDPA BF16 in the same
+run, and at 8k x 1 the parts of one step timed alone: query rotation, split + merge kernels,
+the merge alone, an empty graph node (docs/performance.md).
 
 Usage (repo root, GPU machine)::
 
@@ -33,11 +32,23 @@ import oscar_kernels as ok  # noqa: E402
 
 dec = sys.modules["oscar_kernels.decode_attention"]
 
-SPLITS = {  # around the defaults (the first session's sweep: docs/performance.md)
-    1: (33, 48, 66, 99, 132, 165, 198),
-    8: (16, 24, 33, 66, 99),
-    32: (4, 6, 9, 12, 33),
+#: launch knobs of ``decode_attention`` compared at each shape's default split count (A/B in one
+#: run): ``EARLY`` (first INT2 tile before the PDL wait), the merge's rotation preload, and
+#: 32-token window programs
+CONFIGS = {
+    "base": dict(EARLY_MAX_TILES=0, MERGE_PRELOAD_MAX_D=0, WINDOW_TOKENS=None),
+    "early": dict(EARLY_MAX_TILES=1 << 20, MERGE_PRELOAD_MAX_D=0, WINDOW_TOKENS=None),
+    "preload": dict(EARLY_MAX_TILES=0, MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=None),
+    "early+preload": dict(EARLY_MAX_TILES=1 << 20, MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=None),
+    "early+preload+w32": dict(EARLY_MAX_TILES=1 << 20, MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=32),
 }
+
+SPLITS = {1: (33, 66, 99, 132, 198), 8: (16, 24, 33, 66)}  # swept with "early+preload"
+
+
+def set_knobs(knobs: dict) -> None:
+    for k, v in knobs.items():
+        setattr(dec, k, v)
 
 
 def us(fn) -> float:
@@ -82,7 +93,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()
-    shapes = [(c, b) for b in (1, 8, 32) for c in (8192, 32768, 131072)]
+    shapes = [(c, b) for b in (1, 8) for c in (8192, 32768, 131072)]
     for ctx, bsz in shapes:
         try:
             row = sweep_shape(ctx, bsz)
@@ -98,20 +109,30 @@ def main() -> None:
 def sweep_shape(ctx: int, bsz: int) -> dict:
     s = G._int2_decode_setup(ctx, bsz)
     args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
-    row = {"ctx": ctx, "batch": bsz, "splits": {}}
+    row = {"ctx": ctx, "batch": bsz, "configs": {}, "splits": {}}
     _, bn, _, pps = dec.resolve_launch(s["cache"], s["q"], "gluon")
     row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, bn, pps)
+    defaults = {k: getattr(dec, k) for k in CONFIGS["base"]}
+    try:
+        for name, knobs in CONFIGS.items():
+            set_knobs(knobs)
+            row["configs"][name] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
+            kern = dec.LAST_COMPILED.get("decode_split")
+            row["configs"][name + "_regs"] = getattr(kern, "n_regs", None)
+        set_knobs(CONFIGS["early+preload"])
+        for ns in SPLITS.get(bsz, ()):
+            row["splits"][ns] = us(lambda a=args, ns=ns: ok.decode_attention(*a, impl="gluon", num_splits=ns))
+    finally:
+        set_knobs(defaults)
     row["default_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
-    dec.USE_PDL = False
-    row["default_no_pdl_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
-    dec.USE_PDL = True
-    for ns in SPLITS[bsz]:
-        row["splits"][ns] = us(lambda a=args, ns=ns: ok.decode_attention(*a, impl="gluon", num_splits=ns))
-    best = row["default_splits"]
-    kern = dec.LAST_COMPILED.get("decode_split")
-    row["regs_spills"] = [getattr(kern, "n_regs", None), getattr(kern, "n_spills", None)]
-    if bsz == 1:
-        row["parts_at_default"] = parts(s, best)
+    if bsz == 1 and ctx == 8192:
+        row["parts_at_default"] = parts(s, row["default_splits"])
+    s = None
+    k = torch.randn(bsz, 8, ctx, 128, device=G.DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qs = torch.randn(bsz, 32, 1, 128, device=G.DEV, dtype=torch.bfloat16)
+    F = torch.nn.functional
+    row["sdpa_us"] = us(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
     return row
 
 

@@ -83,6 +83,14 @@ MUTATIONS = (
         ("tests/test_decode_attention.py", "-k", "matches_reference and tl"),
     ),
     Mutation(
+        # the merge's preloaded [d, d] rotation (PRELOAD): indexed as Rᵀ instead of R
+        "merge-preload-rotation-transposed",
+        "src/oscar_kernels/kernels/attention.py",
+        "ri[:, None] * stride_ri + ri[None, :] * stride_rj",
+        "ri[:, None] * stride_rj + ri[None, :] * stride_ri",
+        ("tests/test_decode_attention.py", "-k", "matches_reference and tl"),
+    ),
+    Mutation(
         "merge-forgets-to-rescale-chunks",
         "src/oscar_kernels/kernels/attention.py",
         "alpha = tl.exp2(m - m_safe)",

@@ -157,6 +157,36 @@ def test_gluon_long_split_value_offset():
     assert rel(out, ref) < 1e-2
 
 
+@needs_triton
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="runs the Gluon kernel: needs an NVIDIA GPU")
+@pytest.mark.parametrize("early", [False, True], ids=["measured-order", "early-first-tile+merge-preload"])
+@pytest.mark.parametrize("g", [1, 3, 4, 8])
+def test_gluon_launch_variants_match_reference(monkeypatch, g, early):
+    """Both builds of the Gluon split kernel (first INT2 tile requested before or after the PDL
+    wait for the rotated queries) and both merges (rotation loaded before or after its wait)
+    against the reference: random cache, odd lengths, page boundaries, 1 … 9 splits."""
+    import importlib
+
+    dec = importlib.import_module("oscar_kernels.decode_attention")
+    monkeypatch.setattr(dec, "EARLY_MAX_TILES", 1 << 20 if early else 0)
+    monkeypatch.setattr(dec, "MERGE_PRELOAD_MAX_D", 128 if early else 0)
+    gen = torch.Generator().manual_seed(g + 10 * early)
+    lo = CacheLayout(2, 128, page_size=16, sink_tokens=5, recent_tokens=12)
+    lens = [0, 3, 17, 18, 32, 33, 95, 257, 1001]
+    cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", steps=2)
+    if (why := gluon_unavailable_reason(cache)) is not None:
+        pytest.skip(f"Gluon kernel cannot run here: {why}")
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 2 * g, 128, generator=gen).bfloat16().to(DEVICE)
+    ref = decode_attention_ref(q, cache, params.expand(2, 128, cache.device), bt, sl, ws)
+    for splits in (1, 4, 9):
+        out = decode_attention(
+            q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon"
+        )
+        assert torch.isfinite(out).all() and out[0].abs().max() == 0
+        assert rel(out, ref) < 1e-2, (splits, rel(out, ref))
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")
 def test_triton_backend_refused_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -76,6 +76,20 @@ def _pdl_supported(device_index: int) -> bool:
 #: programmatic dependent launch where :func:`pdl_available` (a switch for A/B timings)
 USE_PDL = True
 
+#: Gluon: request a split's first INT2 tile before waiting for the query rotation (``EARLY``),
+#: when a split is at most this many tiles long (host-known: ``max_len / num_splits``). Short
+#: splits gain a memory round trip; the build with ``EARLY`` has 130 registers instead of 168
+#: and was slower at 128k (docs/performance.md), so long splits keep the measured kernel.
+#: ``0``: never (a switch for A/B timings).
+EARLY_MAX_TILES = 16
+
+#: the merge loads the ``[d, d]`` value rotation before it waits for the split kernel
+#: (``PRELOAD``, 8 warps) where ``d <= MERGE_PRELOAD_MAX_D`` (``0``: never; A/B switch)
+MERGE_PRELOAD_MAX_D = 128
+
+#: BF16 window tokens per Gluon program (a knob for sweeps; see ``attention_gluon``)
+WINDOW_TOKENS: int | None = None
+
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -327,7 +341,8 @@ def _launch_decode(
     if impl == "gluon":
         from .kernels.attention_gluon import WINDOW_TOKENS_PER_PROGRAM, window_programs
 
-        nt = num_splits + window_programs(lo.sink_tokens, lo.recent_tokens)
+        w_tok = WINDOW_TOKENS or WINDOW_TOKENS_PER_PROGRAM
+        nt = num_splits + window_programs(lo.sink_tokens, lo.recent_tokens, w_tok)
     else:
         nt = num_splits + 2
     po = _empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
@@ -353,6 +368,8 @@ def _launch_decode(
 
         # every tile inside one page: tiles start at sink + k·block_n
         one_page = lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0
+        split_tiles = -(-block_table.shape[1] * lo.page_size // max(1, num_splits)) // block_n
+        early = pdl and num_stages >= 2 and split_tiles <= EARLY_MAX_TILES
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -365,10 +382,11 @@ def _launch_decode(
             RING=max(1, lo.recent_tokens),
             BLOCK_N=block_n,
             BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
-            W_TOK=WINDOW_TOKENS_PER_PROGRAM,
+            W_TOK=w_tok,
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             ONE_PAGE=one_page,
             PDL=pdl,
+            EARLY=early,
             num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}),
         )
@@ -395,9 +413,12 @@ def _launch_decode(
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
     out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
+    preload = unrotate is not None and d <= MERGE_PRELOAD_MAX_D
+    mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     merge_splits_kernel[(bsz * hq,)](
         po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
-        ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, PRELOAD=preload,
+        **({"launch_pdl": True} if pdl else {}), **mopts,
     )  # fmt: skip
     return out
 

@@ -548,14 +548,19 @@ def _rotate_store(x, rot_ptr, stride_ri, stride_rj, out_ptr, HEAD_DIM: tl.conste
     for i0 in tl.static_range(0, HEAD_DIM, RC):
         i = i0 + tl.arange(0, RC)
         r = tl.load(rot_ptr + i[:, None] * stride_ri + j[None, :] * stride_rj)
-        y = tl.sum(r * x[None, :], 1)
-        if out_ptr.dtype.element_ty == tl.bfloat16:
-            # round to nearest even by hand: the interpreter truncates float32 → bf16
-            u = y.to(tl.uint32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            tl.store(out_ptr + i, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
-        else:
-            tl.store(out_ptr + i, y)
+        _round_store(out_ptr + i, tl.sum(r * x[None, :], 1))
+
+
+@triton.jit
+def _round_store(ptrs, y):
+    """Store float32 ``y`` in the pointers' dtype (bf16: round to nearest even by hand, since
+    the interpreter truncates float32 → bf16)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        u = y.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        tl.store(ptrs, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    else:
+        tl.store(ptrs, y)
 
 
 @triton.jit
@@ -580,7 +585,7 @@ def rotate_rows_kernel(
 def merge_splits_kernel(
     po_ptr, plse_ptr, out_ptr, rot_ptr, stride_rh, stride_ri, stride_rj, NT, HQ, GQA,
     HEAD_DIM: tl.constexpr, CH: tl.constexpr, ROTATE: tl.constexpr, RC: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``r`` (one query head of one sequence): LSE-merge ``NT`` partials, ``CH`` at a
     time (any split count without holding ``[NT, d]`` in registers); with ``ROTATE`` the
@@ -589,10 +594,17 @@ def merge_splits_kernel(
     One pass with an online max (a chunk's ``lse`` and ``o`` are loaded together, so a chunk
     costs one memory round trip): the merge of 133 partials was two passes of 5 serial
     chunks, ~10 dependent loads, a visible share of a short-context decode step.
-    ``PDL``: launched as a programmatic dependent of the split kernel; waits for it here."""
+    ``PDL``: launched as a programmatic dependent of the split kernel; waits for it here.
+    ``PRELOAD`` (with ``ROTATE``): the whole ``[d, d]`` rotation is loaded before that wait
+    (it does not depend on the split kernel), so only the partials are read after it."""
+    r = tl.program_id(0).to(tl.int64)
+    if ROTATE and PRELOAD:
+        ri = tl.arange(0, HEAD_DIM)
+        rrot = tl.load(
+            rot_ptr + ((r % HQ) // GQA) * stride_rh + ri[:, None] * stride_ri + ri[None, :] * stride_rj
+        )
     if PDL:
         gdc_wait()
-    r = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, CH)
     d = tl.arange(0, HEAD_DIM)
     m = tl.full([], float("-inf"), tl.float32)
@@ -610,7 +622,9 @@ def merge_splits_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * o, 0)
         m = m_new
     out = acc / tl.where(den > 0, den, 1.0)
-    if ROTATE:
+    if ROTATE and PRELOAD:
+        _round_store(out_ptr + r * HEAD_DIM + d, tl.sum(rrot * out[None, :], 1))
+    elif ROTATE:
         rot = rot_ptr + ((r % HQ) // GQA) * stride_rh
         _rotate_store(out, rot, stride_ri, stride_rj, out_ptr + r * HEAD_DIM, HEAD_DIM, RC)
     else:
