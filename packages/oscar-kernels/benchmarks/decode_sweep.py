@@ -33,17 +33,17 @@ import oscar_kernels as ok  # noqa: E402
 dec = sys.modules["oscar_kernels.decode_attention"]
 
 #: launch knobs of ``decode_attention`` compared at each shape's default split count (A/B in one
-#: run): ``EARLY`` (first INT2 tile before the PDL wait), the merge's rotation preload, and
-#: 32-token window programs
+#: run): the merge's rotation preload, window programs of 64 or 32 tokens, the query rotation in
+#: one program per row (0) or per 32 / 16 outputs
 CONFIGS = {
-    "base": dict(EARLY_MAX_TILES=0, MERGE_PRELOAD_MAX_D=0, WINDOW_TOKENS=None),
-    "early": dict(EARLY_MAX_TILES=1 << 20, MERGE_PRELOAD_MAX_D=0, WINDOW_TOKENS=None),
-    "preload": dict(EARLY_MAX_TILES=0, MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=None),
-    "early+preload": dict(EARLY_MAX_TILES=1 << 20, MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=None),
-    "early+preload+w32": dict(EARLY_MAX_TILES=1 << 20, MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=32),
+    "session2": dict(MERGE_PRELOAD_MAX_D=0, WINDOW_TOKENS=64, ROTATE_ROWS_PER_PROGRAM=0),
+    "preload": dict(MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=64, ROTATE_ROWS_PER_PROGRAM=0),
+    "preload+w32": dict(MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=32, ROTATE_ROWS_PER_PROGRAM=0),
+    "preload+w32+rot32": dict(MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=32, ROTATE_ROWS_PER_PROGRAM=32),
+    "preload+w32+rot16": dict(MERGE_PRELOAD_MAX_D=128, WINDOW_TOKENS=32, ROTATE_ROWS_PER_PROGRAM=16),
 }
 
-SPLITS = {1: (33, 66, 99, 132, 198), 8: (16, 24, 33, 66)}  # swept with "early+preload"
+SPLITS = {1: (33, 66, 99, 132, 198), 8: (16, 24, 33, 66)}  # swept with the defaults
 
 
 def set_knobs(knobs: dict) -> None:
@@ -64,6 +64,9 @@ def parts(s, ns):
     d, g = s["d"], s["g"]
     lo = cache.layout
     out = {"rotate": us(lambda: dec._rotate_queries_triton(q, ep))}
+    rows, dec.ROTATE_ROWS_PER_PROGRAM = dec.ROTATE_ROWS_PER_PROGRAM, 0
+    out["rotate_one_program_per_row"] = us(lambda: dec._rotate_queries_triton(q, ep))
+    dec.ROTATE_ROWS_PER_PROGRAM = rows
     sc = 1 / math.sqrt(d)
     out["split+merge"] = us(
         lambda: dec._launch_decode(s["q_rot"], cache, bt, sl, ws, sc, g, ns, 32, 1, 2, impl="gluon")
@@ -78,6 +81,24 @@ def parts(s, ns):
     out["merge"] = us(
         lambda: merge_splits_kernel[(bsz * hq,)](
             po, plse, o, rot, *rot.stride(), nt, hq, g, HEAD_DIM=d, CH=ch, ROTATE=True, RC=32
+        )
+    )
+    out["merge_preload"] = us(
+        lambda: merge_splits_kernel[(bsz * hq,)](
+            po,
+            plse,
+            o,
+            rot,
+            *rot.stride(),
+            nt,
+            hq,
+            g,
+            HEAD_DIM=d,
+            CH=ch,
+            ROTATE=True,
+            RC=32,
+            PRELOAD=True,
+            num_warps=8,
         )
     )
     z = torch.zeros(1, device=G.DEV)
@@ -112,14 +133,14 @@ def sweep_shape(ctx: int, bsz: int) -> dict:
     row = {"ctx": ctx, "batch": bsz, "configs": {}, "splits": {}}
     _, bn, _, pps = dec.resolve_launch(s["cache"], s["q"], "gluon")
     row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, bn, pps)
-    defaults = {k: getattr(dec, k) for k in CONFIGS["base"]}
+    defaults = {k: getattr(dec, k) for k in CONFIGS["session2"]}
     try:
         for name, knobs in CONFIGS.items():
             set_knobs(knobs)
             row["configs"][name] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
             kern = dec.LAST_COMPILED.get("decode_split")
             row["configs"][name + "_regs"] = getattr(kern, "n_regs", None)
-        set_knobs(CONFIGS["early+preload"])
+        set_knobs(defaults)
         for ns in SPLITS.get(bsz, ()):
             row["splits"][ns] = us(lambda a=args, ns=ns: ok.decode_attention(*a, impl="gluon", num_splits=ns))
     finally:

@@ -76,19 +76,15 @@ def _pdl_supported(device_index: int) -> bool:
 #: programmatic dependent launch where :func:`pdl_available` (a switch for A/B timings)
 USE_PDL = True
 
-#: Gluon: request a split's first INT2 tile before waiting for the query rotation (``EARLY``),
-#: when a split is at most this many tiles long (host-known: ``max_len / num_splits``). Short
-#: splits gain a memory round trip; the build with ``EARLY`` has 130 registers instead of 168
-#: and was slower at 128k (docs/performance.md), so long splits keep the measured kernel.
-#: ``0``: never (a switch for A/B timings).
-EARLY_MAX_TILES = 16
-
 #: the merge loads the ``[d, d]`` value rotation before it waits for the split kernel
 #: (``PRELOAD``, 8 warps) where ``d <= MERGE_PRELOAD_MAX_D`` (``0``: never; A/B switch)
 MERGE_PRELOAD_MAX_D = 128
 
-#: BF16 window tokens per Gluon program (a knob for sweeps; see ``attention_gluon``)
+#: BF16 window tokens per Gluon program (``None``: ``WINDOW_TOKENS_PER_PROGRAM``; a knob for sweeps)
 WINDOW_TOKENS: int | None = None
+
+#: output elements per program of the query rotation (``0``: one program per query row; A/B knob)
+ROTATE_ROWS_PER_PROGRAM = 32
 
 
 def _num_sms(device: torch.device) -> int:
@@ -303,9 +299,10 @@ def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
         q = q.contiguous()
     rot = ep.k_rotation  # q @ R_K: out[i] = Σ_j q[j]·R[j, i]
     out = _empty(bsz, hq, d, dtype=torch.bfloat16, device=q.device)
-    rotate_rows_kernel[(bsz * hq,)](
+    rows = ROTATE_ROWS_PER_PROGRAM if ROTATE_ROWS_PER_PROGRAM and d % ROTATE_ROWS_PER_PROGRAM == 0 else 0
+    rotate_rows_kernel[(bsz * hq, d // rows if rows else 1)](
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
-        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device),
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows,
     )  # fmt: skip
     return out
 
@@ -368,8 +365,6 @@ def _launch_decode(
 
         # every tile inside one page: tiles start at sink + k·block_n
         one_page = lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0
-        split_tiles = -(-block_table.shape[1] * lo.page_size // max(1, num_splits)) // block_n
-        early = pdl and num_stages >= 2 and split_tiles <= EARLY_MAX_TILES
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -386,7 +381,6 @@ def _launch_decode(
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             ONE_PAGE=one_page,
             PDL=pdl,
-            EARLY=early,
             num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}),
         )

@@ -566,10 +566,13 @@ def _round_store(ptrs, y):
 @triton.jit
 def rotate_rows_kernel(
     x_ptr, stride_xb, stride_xh, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, HQ, GQA,
-    HEAD_DIM: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr = False, ROWS: tl.constexpr = 0,
 ):  # fmt: skip
-    """Program ``r = b*HQ + hq``: row ``x[b, hq]`` times its KV head's rotation (float32 FMAs,
-    one launch instead of the three of ``rotate_queries``); ``out`` is ``[B, HQ, d]`` contiguous.
+    """Program ``(r = b*HQ + hq, c)``: row ``x[b, hq]`` times its KV head's rotation (float32
+    FMAs, one launch instead of the three of ``rotate_queries``), output elements
+    ``[c·ROWS, (c+1)·ROWS)`` (``ROWS`` 0: all, one program per row); ``out`` is ``[B, HQ, d]``
+    contiguous. Several programs per row read a slice of the rotation each: one memory round
+    trip instead of ``HEAD_DIM / RC`` chunks in one program (a short decode step waits for it).
     ``PDL``: lets the split kernel launch at once (it waits for this one before reading ``out``)."""
     if PDL:
         gdc_launch_dependents()
@@ -578,7 +581,13 @@ def rotate_rows_kernel(
     hq = r % HQ
     x = tl.load(x_ptr + b * stride_xb + hq * stride_xh + tl.arange(0, HEAD_DIM)).to(tl.float32)
     rot = rot_ptr + (hq // GQA) * stride_rh
-    _rotate_store(x, rot, stride_ri, stride_rj, out_ptr + r * HEAD_DIM, HEAD_DIM, RC)
+    if ROWS == 0:
+        _rotate_store(x, rot, stride_ri, stride_rj, out_ptr + r * HEAD_DIM, HEAD_DIM, RC)
+    else:
+        i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        j = tl.arange(0, HEAD_DIM)
+        rr = tl.load(rot + i[:, None] * stride_ri + j[None, :] * stride_rj)
+        _round_store(out_ptr + r * HEAD_DIM + i, tl.sum(rr * x[None, :], 1))
 
 
 @triton.jit

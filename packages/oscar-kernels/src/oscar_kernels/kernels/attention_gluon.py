@@ -31,8 +31,8 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
 * The next tile's codes, scales and page ids are loaded before the current tile is
   computed (register double buffering: one tile always in flight per warp).
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
-  into A-operand registers), in extra programs of 64 window tokens each per (sequence, KV
-  head) (:func:`window_programs`: 5 for the default 64 + 256).
+  into A-operand registers), in extra programs of 32 window tokens each per (sequence, KV
+  head) (:func:`window_programs`: 10 for the default 64 + 256).
 * ``PDL`` (sm_90, programmatic dependent launch): the kernel lets the merge launch at once
   and waits for the query-rotation kernel only just before it loads the rotated queries.
 
@@ -54,8 +54,10 @@ except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon"
 #: value of the unpacked fp16 operand per unit of ``c·4^j`` (a subnormal: ``2^-24``)
 UNPACK_UNIT = 2.0**-24
 
-#: BF16 window tokens per program (sink and recent windows are cut into pieces this long)
-WINDOW_TOKENS_PER_PROGRAM = 64
+#: BF16 window tokens per program (sink and recent windows are cut into pieces this long): one
+#: 32-token tile each, so no program walks the window tiles serially (64 → 32 at 8k x 1:
+#: docs/performance.md)
+WINDOW_TOKENS_PER_PROGRAM = 32
 
 
 def window_programs(sink: int, recent: int, w_tok: int = WINDOW_TOKENS_PER_PROGRAM) -> int:
@@ -348,7 +350,6 @@ if gluon is not None:
         PREFETCH: gl.constexpr,
         ONE_PAGE: gl.constexpr,
         PDL: gl.constexpr,
-        EARLY: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
@@ -391,24 +392,6 @@ if gluon is not None:
         if split < NUM_SPLITS:
             # Σ(p·z) per head: o_j = a_j·2^24/4^j + lpz (see module docstring)
             lpz = gl.zeros([NP], gl.float32, layout=COLL)
-            if EARLY:
-                start = SINK
-                end = gl.maximum(length - RECENT, SINK)
-                per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                lo = start + split * per
-                hi = gl.minimum(end, lo + per)
-                bt_row = b * stride_bt
-                kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                # the first tile does not depend on the rotation kernel (the cache was written
-                # before it started): request it before the wait, so it overlaps that kernel
-                kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
-                    _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
-                    stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                    BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
-                )  # fmt: skip
-                pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
             if PDL:  # the rotated queries are the previous kernel's output
                 _griddep("wait", num_warps)
             # q_j·2/4^j: quarter j's products are c·q·2^-23 (x = c·4^j·2^-24), all quarters alike
@@ -424,16 +407,15 @@ if gluon is not None:
             qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
             qsum = gl.convert_layout(qsum, COLL) * (2.0**-23)
             k_scale_log2 = sm_scale_log2 * (2.0**23)
-            if not EARLY:  # this order kept as measured (168 registers; see docs/performance.md)
-                start = SINK
-                end = gl.maximum(length - RECENT, SINK)
-                per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-                lo = start + split * per
-                hi = gl.minimum(end, lo + per)
-                bt_row = b * stride_bt
-                kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-                vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-            if PREFETCH and not EARLY:
+            start = SINK
+            end = gl.maximum(length - RECENT, SINK)
+            per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = start + split * per
+            hi = gl.minimum(end, lo + per)
+            bt_row = b * stride_bt
+            kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+            if PREFETCH:
                 kc, vc, ks, kz, vs, vz, ms = _int2_tile(
                     kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
                     _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
@@ -544,7 +526,6 @@ def compile_decode_gluon(
     windows: bool = True,
     prefetch: bool = True,
     one_page: bool = True,
-    early: bool = False,
     w_tok: int = WINDOW_TOKENS_PER_PROGRAM,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
@@ -577,7 +558,6 @@ def compile_decode_gluon(
         PREFETCH=prefetch,
         ONE_PAGE=one_page,
         PDL=arch >= 90,
-        EARLY=early,
         num_warps=num_warps,
         stride_st=1,
         stride_ct=head_dim // 4,
