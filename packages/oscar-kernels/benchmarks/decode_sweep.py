@@ -106,86 +106,12 @@ def parts(s, ns):
     return out
 
 
-def sweep_prefetch(ctx: int, bsz: int) -> dict:
-    """Tiles in flight per warp: one (``num_stages`` 2, 168 registers, 12 programs per SM) or
-    two (``num_stages`` 3, 226 registers, 9 per SM, splits filled for 9) — op and split+merge
-    graph µs, and the query rotation in programs of 32 vs 16 outputs at batch <= 8."""
-    s = G._int2_decode_setup(ctx, bsz)
-    args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
-    row = {"ctx": ctx, "batch": bsz}
-    d, g = s["d"], s["g"]
-    for name, stages, pps in (("prefetch1", 2, 12), ("prefetch2", 3, 9), ("prefetch2_pps12", 3, 12)):
-        ns = ok.choose_num_splits(bsz, 8, ctx, G.DEV, 32, pps)
-        row[name + "_splits"] = ns
-        row[name + "_op_us"] = us(
-            lambda a=args, st=stages, p=pps: ok.decode_attention(
-                *a, impl="gluon", num_stages=st, programs_per_sm=p
-            )
-        )
-        row[name + "_kernels_us"] = us(
-            lambda st=stages, ns=ns: dec._launch_decode(
-                s["q_rot"],
-                s["cache"],
-                s["bt"],
-                s["sl"],
-                s["ws"],
-                1 / math.sqrt(d),
-                g,
-                ns,
-                32,
-                1,
-                st,
-                impl="gluon",
-            )
-        )
-        kern = dec.LAST_COMPILED.get("decode_split")
-        row[name + "_regs"] = getattr(kern, "n_regs", None)
-        row[name + "_kernels_bw_frac"] = round(s["nbytes"] / (row[name + "_kernels_us"] * 1e-6) / COPY_BPS, 3)
-    if bsz <= 8:
-        for rows in (32, 16):
-            dec.ROTATE_ROWS_PER_PROGRAM = rows
-            row[f"rot{rows}_op_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
-        dec.ROTATE_ROWS_PER_PROGRAM = 32
-    s = None
-    k = torch.randn(bsz, 8, ctx, 128, device=G.DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    qs = torch.randn(bsz, 32, 1, 128, device=G.DEV, dtype=torch.bfloat16)
-    row["sdpa_us"] = us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
-    return row
-
-
-COPY_BPS = 4.27e12  # replaced by the measured copy bandwidth in main()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--prefetch", action="store_true", help="the tiles-in-flight / rotation sweep only")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    if a.prefetch:
-        global COPY_BPS
-        COPY_BPS = G.copy_bandwidth_gbs() * 1e9
-        res = {"triton": __import__("triton").__version__, "copy_GBps": COPY_BPS / 1e9, "rows": []}
-        for ctx, bsz in (
-            (131072, 8),
-            (131072, 32),
-            (131072, 1),
-            (32768, 32),
-            (8192, 1),
-            (32768, 1),
-            (8192, 8),
-        ):
-            try:
-                row = sweep_prefetch(ctx, bsz)
-            except Exception:  # one broken shape must not cost the device call
-                row = {"ctx": ctx, "batch": bsz, "error": traceback.format_exc()[-2000:]}
-            print(json.dumps(row), flush=True)
-            res["rows"].append(row)
-            torch.cuda.empty_cache()
-            json.dump(res, open(os.path.join(a.out, "decode_prefetch_sweep.json"), "w"), indent=1)
-        return
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()
     shapes = [(c, b) for b in (1, 8) for c in (8192, 32768, 131072)]

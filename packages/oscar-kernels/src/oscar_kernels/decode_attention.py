@@ -378,7 +378,7 @@ def _launch_decode(
             BLOCK_N=block_n,
             BLOCK_W=32,  # window tiles: 64 would raise the register count of every program
             W_TOK=w_tok,
-            PREFETCH=min(2, max(0, num_stages - 1)),  # tiles requested ahead of the one computed
+            PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             ONE_PAGE=one_page,
             PDL=pdl,
             num_warps=num_warps,

@@ -425,22 +425,8 @@ if gluon is not None:
                 # page ids one iteration ahead: the next tile's loads never wait for a block-table
                 # load issued in the same iteration (in-order issue would stall the warp on it)
                 pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
-                if PREFETCH == 2:  # two tiles in flight per warp: the second one too
-                    kc_1, vc_1, ks_1, kz_1, vs_1, vz_1, ms_1 = _int2_tile(
-                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo + BLOCK_N, hi,
-                        pg1, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
-                    )  # fmt: skip
-                    pg2 = _page(bt_ptr, bt_row, lo + 2 * BLOCK_N, hi, page_size)
             for t0 in range(lo, hi, BLOCK_N):
-                if PREFETCH == 2:  # the tile after next is requested before this one is computed
-                    pg3 = _page(bt_ptr, bt_row, t0 + 3 * BLOCK_N, hi, page_size)
-                    kc_2, vc_2, ks_2, kz_2, vs_2, vz_2, ms_2 = _int2_tile(
-                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + 2 * BLOCK_N,
-                        hi, pg2, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh,
-                        stride_st, BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
-                    )  # fmt: skip
-                elif PREFETCH:  # the next tile is requested before this one is computed
+                if PREFETCH:  # the next tile is requested before this one is computed
                     pg2 = _page(bt_ptr, bt_row, t0 + 2 * BLOCK_N, hi, page_size)
                     kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
                         kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi, pg1,
@@ -472,23 +458,7 @@ if gluon is not None:
                 a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
                 a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
                 a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
-                if PREFETCH == 2:
-                    pg2 = pg3
-                    kc = kc_1
-                    vc = vc_1
-                    ks = ks_1
-                    kz = kz_1
-                    vs = vs_1
-                    vz = vz_1
-                    ms = ms_1
-                    kc_1 = kc_2
-                    vc_1 = vc_2
-                    ks_1 = ks_2
-                    kz_1 = kz_2
-                    vs_1 = vs_2
-                    vz_1 = vz_2
-                    ms_1 = ms_2
-                elif PREFETCH:
+                if PREFETCH:
                     pg1 = pg2
                     kc = kc_n
                     vc = vc_n
@@ -554,7 +524,7 @@ def compile_decode_gluon(
     block_n: int = 64,
     num_warps: int = 1,
     windows: bool = True,
-    prefetch: int = 1,
+    prefetch: bool = True,
     one_page: bool = True,
     w_tok: int = WINDOW_TOKENS_PER_PROGRAM,
 ):
@@ -585,7 +555,7 @@ def compile_decode_gluon(
         BLOCK_N=block_n,
         BLOCK_W=32,
         W_TOK=w_tok,
-        PREFETCH=int(prefetch),
+        PREFETCH=prefetch,
         ONE_PAGE=one_page,
         PDL=arch >= 90,
         num_warps=num_warps,
