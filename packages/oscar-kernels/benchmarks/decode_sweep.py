@@ -106,12 +106,64 @@ def parts(s, ns):
     return out
 
 
+def sweep_async(ctx: int, bsz: int) -> dict:
+    """INT2 tiles through a ``cp.async`` ring of ``ASYNC_STAGES`` stages (0: register prefetch):
+    op and split+merge graph µs, and the split+merge bandwidth fraction."""
+    s = G._int2_decode_setup(ctx, bsz)
+    args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
+    row = {"ctx": ctx, "batch": bsz}
+    ns = ok.choose_num_splits(bsz, 8, ctx, G.DEV, 32, 12)
+    for stages in (0, 3, 4):
+        dec.ASYNC_STAGES = stages
+        row[f"async{stages}_op_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
+        kus = us(
+            lambda: dec._launch_decode(
+                s["q_rot"],
+                s["cache"],
+                s["bt"],
+                s["sl"],
+                s["ws"],
+                1 / math.sqrt(s["d"]),
+                s["g"],
+                ns,
+                32,
+                1,
+                2,
+                impl="gluon",
+            )
+        )
+        row[f"async{stages}_kernels_us"] = kus
+        row[f"async{stages}_kernels_bw_frac"] = round(s["nbytes"] / (kus * 1e-6) / COPY_BPS, 3)
+        kern = dec.LAST_COMPILED.get("decode_split")
+        row[f"async{stages}_regs"] = getattr(kern, "n_regs", None)
+    dec.ASYNC_STAGES = 0
+    return row
+
+
+COPY_BPS = 4.27e12  # replaced by the measured copy bandwidth in main()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--async-ring", action="store_true", help="the cp.async ring A/B only")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.async_ring:
+        global COPY_BPS
+        COPY_BPS = G.copy_bandwidth_gbs() * 1e9
+        res = {"triton": __import__("triton").__version__, "copy_GBps": COPY_BPS / 1e9, "rows": []}
+        for ctx, bsz in ((131072, 8), (131072, 32), (8192, 1)):
+            try:
+                row = sweep_async(ctx, bsz)
+            except Exception:  # one broken shape must not cost the device call
+                row = {"ctx": ctx, "batch": bsz, "error": traceback.format_exc()[-2000:]}
+            print(json.dumps(row), flush=True)
+            res["rows"].append(row)
+            torch.cuda.empty_cache()
+            json.dump(res, open(os.path.join(a.out, "decode_async_sweep.json"), "w"), indent=1)
+        return
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()
     shapes = [(c, b) for b in (1, 8) for c in (8192, 32768, 131072)]

@@ -160,12 +160,15 @@ def test_gluon_long_split_value_offset():
 
 @needs_triton
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="runs the Gluon kernel: needs an NVIDIA GPU")
-@pytest.mark.parametrize("variant", [0, 1], ids=["windows-64+merge-plain+rotate-rows", "defaults"])
+@pytest.mark.parametrize(
+    "variant", [0, 1, 2], ids=["windows-64+merge-plain+rotate-rows", "defaults", "cp-async-ring"]
+)
 @pytest.mark.parametrize("g", [1, 3, 4, 8])
 def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     """The decode op's launch variants against the reference: window programs of 64 or 32
     tokens, the merge with its rotation loaded before or after its PDL wait, the query
-    rotation in one program per row or per 32 outputs. Random cache, odd lengths, page
+    rotation in one program per row or per 32 outputs, the INT2 tiles through a 3-stage
+    ``cp.async`` ring (one-page tiles: page 64, sink 32). Random cache, odd lengths, page
     boundaries, 1 … 9 splits."""
     import importlib
 
@@ -177,6 +180,10 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     gen = torch.Generator().manual_seed(g + 10 * variant)
     lo = CacheLayout(2, 128, page_size=16, sink_tokens=5, recent_tokens=12)
     lens = [0, 3, 17, 18, 32, 33, 95, 257, 1001]
+    if variant == 2:
+        monkeypatch.setattr(dec, "ASYNC_STAGES", 3)
+        lo = CacheLayout(2, 128, page_size=64, sink_tokens=32, recent_tokens=40)
+        lens = [0, 3, 33, 72, 95, 160, 257, 1001, 2049]
     cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", steps=2)
     if (why := gluon_unavailable_reason(cache)) is not None:
         pytest.skip(f"Gluon kernel cannot run here: {why}")
@@ -189,6 +196,8 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
         )
         assert torch.isfinite(out).all() and out[0].abs().max() == 0
         assert rel(out, ref) < 1e-2, (splits, rel(out, ref))
+        if variant == 2:  # the ring really ran
+            assert "cp.async" in dec.LAST_COMPILED["decode_split"].asm["ptx"]
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")

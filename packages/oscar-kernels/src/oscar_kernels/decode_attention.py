@@ -86,6 +86,10 @@ WINDOW_TOKENS: int | None = None
 #: output elements per program of the query rotation (``0``: one program per query row; A/B knob)
 ROTATE_ROWS_PER_PROGRAM = 32
 
+#: Gluon: ``cp.async`` ring of this many shared-memory stages for the INT2 tiles instead of the
+#: register prefetch (``0``: off, the measured default; an experiment, docs/performance.md)
+ASYNC_STAGES = 0
+
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -381,6 +385,7 @@ def _launch_decode(
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             ONE_PAGE=one_page,
             PDL=pdl,
+            ASYNC=ASYNC_STAGES if one_page and num_stages >= 2 else 0,
             num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}),
         )

@@ -46,7 +46,11 @@ GLUON_IMPORT_ERROR: str | None = None
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _acp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    # cp.async global -> shared: ``async_copy_global_to_shared`` in Triton 3.6, ``async_load`` in 3.9
+    _cp_async = getattr(_acp, "async_load", None) or _acp.async_copy_global_to_shared
 except Exception as e:  # noqa: BLE001 - any import problem means "no Gluon"
     GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
     gluon = None
@@ -234,6 +238,87 @@ if gluon is not None:
         return kc, vc, ks, kz, vs, vz, ms
 
     @gluon.jit
+    def _int2_issue(
+        kb,
+        vb,
+        sb,
+        kw_ptr,
+        vw_ptr,
+        ks_ptr,
+        kz_ptr,
+        vs_ptr,
+        vz_ptr,
+        t0,
+        hi,
+        pg,
+        page_size,
+        h,
+        stride_cp,
+        stride_ch,
+        stride_ct,
+        stride_sp,
+        stride_sh,
+        stride_st,
+        BLOCK_N: gl.constexpr,
+        Q4: gl.constexpr,
+        BLK: gl.constexpr,
+        BLV: gl.constexpr,
+        SCL: gl.constexpr,
+    ):
+        """``ASYNC``: request one INT2 tile (one page, as ``ONE_PAGE``) with ``cp.async`` into the
+        shared-memory stage ``kb`` / ``vb`` (code words) and ``sks`` … ``svz`` (k scale, k zero,
+        v scale, v zero), zero-filled past ``hi``; one commit group per tile."""
+        W4: gl.constexpr = Q4 // 4
+        off = t0 % page_size
+        ct4 = stride_ct // 4
+        cbase = (pg.to(gl.int64) * stride_cp + h * stride_ch + off * stride_ct) // 4
+        wk = gl.arange(0, W4, layout=gl.SliceLayout(0, BLK))
+        lk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLK))
+        mk = ((t0 + lk) < hi)[:, None] & (wk >= 0)[None, :]
+        _cp_async(kb, kw_ptr + cbase + (lk * ct4)[:, None] + wk[None, :], mask=mk)
+        wv = gl.arange(0, W4, layout=gl.SliceLayout(0, BLV))
+        lv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BLV))
+        mv = ((t0 + lv) < hi)[:, None] & (wv >= 0)[None, :]
+        _cp_async(vb, vw_ptr + cbase + (lv * ct4)[:, None] + wv[None, :], mask=mv)
+        # scales / zeros as int32 pairs of tokens (cp.async moves >= 4 bytes): rows k scale,
+        # k zero, v scale, v zero of a [4, BLOCK_N / 2] word tile
+        r = gl.arange(0, 4, layout=gl.SliceLayout(1, SCL))
+        lw = gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(0, SCL))
+        so = (pg.to(gl.int64) * stride_sp + h * stride_sh + off * stride_st) // 2 + lw
+        kw2 = ks_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        zw2 = kz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        vw2 = vs_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        ww2 = vz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        rr = gl.zeros([4, BLOCK_N // 2], gl.int32, SCL) + r[:, None]
+        base = gl.where(rr == 0, kw2, gl.where(rr == 1, zw2, gl.where(rr == 2, vw2, ww2)))
+        ms = (rr >= 0) & ((t0 + 2 * lw) < hi)[None, :]
+        _cp_async(sb, base + so[None, :], mask=ms)
+        _acp.commit_group()
+
+    @gluon.jit
+    def _scales(w, BLOCK_N: gl.constexpr, ROWL: gl.constexpr):
+        """``[4, BLOCK_N / 2]`` int32 words of bf16 pairs (:func:`_int2_issue`) → k scale, k zero,
+        v scale, v zero ``[BLOCK_N]`` float32 in ``ROWL`` (bf16 → fp32 is a 16-bit shift)."""
+        lo = (w << 16).to(gl.float32, bitcast=True)
+        hi = (w & -65536).to(gl.float32, bitcast=True)
+        x = gl.reshape(gl.join(lo, hi), [4, BLOCK_N])  # token 2j + parity
+        r = gl.arange(0, 4, layout=gl.SliceLayout(1, x.type.layout))[:, None]
+        ks = gl.convert_layout(gl.sum(gl.where(r == 0, x, 0.0), 0), ROWL)
+        kz = gl.convert_layout(gl.sum(gl.where(r == 1, x, 0.0), 0), ROWL)
+        vs = gl.convert_layout(gl.sum(gl.where(r == 2, x, 0.0), 0), ROWL)
+        vz = gl.convert_layout(gl.sum(gl.where(r == 3, x, 0.0), 0), ROWL)
+        return ks, kz, vs, vz
+
+    @gluon.jit
+    def _warp_sync(num_warps: gl.constexpr):
+        """``bar.warp.sync``: every lane's shared-memory accesses before it are done (one-warp
+        programs: the ``cp.async`` ring's read-after-write and write-after-read order)."""
+        x = gl.arange(0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        gl.inline_asm_elementwise(
+            "bar.warp.sync -1; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
     def _griddep(OP: gl.constexpr, num_warps: gl.constexpr):
         """``griddepcontrol.<OP>`` (``wait`` / ``launch_dependents``): programmatic dependent
         launch, sm_90+. A side-effecting asm, so neither it nor the loads after it move."""
@@ -350,6 +435,7 @@ if gluon is not None:
         PREFETCH: gl.constexpr,
         ONE_PAGE: gl.constexpr,
         PDL: gl.constexpr,
+        ASYNC: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
@@ -415,58 +501,115 @@ if gluon is not None:
             bt_row = b * stride_bt
             kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
             vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-            if PREFETCH:
-                kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                    kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
-                    _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
-                    stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                    BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
-                )  # fmt: skip
-                # page ids one iteration ahead: the next tile's loads never wait for a block-table
-                # load issued in the same iteration (in-order issue would stall the warp on it)
-                pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
-            for t0 in range(lo, hi, BLOCK_N):
-                if PREFETCH:  # the next tile is requested before this one is computed
-                    pg2 = _page(bt_ptr, bt_row, t0 + 2 * BLOCK_N, hi, page_size)
-                    kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
-                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi, pg1,
-                        page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+            if ASYNC > 0:
+                # cp.async ring of ASYNC stages: tile i + ASYNC - 1 is requested before tile i is
+                # computed, with no registers held for it (register prefetch: ptxas issued the
+                # next tile's loads in the second half of the iteration, docs/performance.md)
+                W4: gl.constexpr = Q4 // 4
+                SL2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+                kb = gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, W4], SL2)
+                vb = gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, W4], SL2)
+                sb = gl.allocate_shared_memory(gl.int32, [ASYNC, 4, BLOCK_N // 2], SL2)
+                SCL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
+                for st0 in gl.static_range(ASYNC - 1):
+                    _int2_issue(
+                        kb.index(st0), vb.index(st0), sb.index(st0), kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr,
+                        vz_ptr, lo + st0 * BLOCK_N, hi,
+                        _page(bt_ptr, bt_row, lo + st0 * BLOCK_N, hi, page_size), page_size, h, stride_cp,
+                        stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, SCL,
                     )  # fmt: skip
-                else:  # fewer registers, more resident programs instead
-                    kc, vc, ks, kz, vs, vz, ms = _int2_tile(
-                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi,
-                        _page(bt_ptr, bt_row, t0, hi, page_size), page_size,
-                        h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
-                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                pga = _page(bt_ptr, bt_row, lo + (ASYNC - 1) * BLOCK_N, hi, page_size)
+                ls_r = gl.arange(0, BLOCK_N, layout=ROWL)
+                for t0 in range(lo, hi, BLOCK_N):
+                    i = (t0 - lo) // BLOCK_N
+                    sn = (i + ASYNC - 1) % ASYNC
+                    pgn = _page(bt_ptr, bt_row, t0 + ASYNC * BLOCK_N, hi, page_size)
+                    _warp_sync(num_warps)  # stage sn was read in the previous iteration
+                    _int2_issue(
+                        kb.index(sn), vb.index(sn), sb.index(sn), kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr,
+                        vz_ptr, t0 + (ASYNC - 1) * BLOCK_N, hi, pga, page_size, h, stride_cp, stride_ch,
+                        stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, SCL,
                     )  # fmt: skip
-                st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
-                st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
-                st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
-                st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
-                st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
-                s = st * ks[:, None] + qsum[None, :] * kz[:, None]
-                s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
-                p, alpha, m_i = _softmax_cols(s2, m_i)
-                l_i = l_i * alpha + gl.sum(p, 0)
-                pv = (p * vs[:, None]).to(gl.float16)
-                lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
-                pb = gl.convert_layout(pv, LB)
-                # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
-                # subnormals, so nothing large is ever added and cancelled)
-                a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
-                a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
-                a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
-                a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                    pga = pgn
+                    _acp.wait_group(ASYNC - 1)  # tile i has landed (this thread's copies)
+                    _warp_sync(num_warps)  # ... and every other lane's
+                    sc = i % ASYNC
+                    kc = kb.index(sc).load(BLK)
+                    vc = vb.index(sc).load(BLV)
+                    ks, kz, vs, vz = _scales(sb.index(sc).load(SCL), BLOCK_N, ROWL)
+                    ms = (t0 + ls_r) < hi
+                    st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
+                    st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
+                    st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
+                    st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
+                    st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
+                    s = st * ks[:, None] + qsum[None, :] * kz[:, None]
+                    s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
+                    p, alpha, m_i = _softmax_cols(s2, m_i)
+                    l_i = l_i * alpha + gl.sum(p, 0)
+                    pv = (p * vs[:, None]).to(gl.float16)
+                    lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
+                    pb = gl.convert_layout(pv, LB)
+                    # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
+                    # subnormals, so nothing large is ever added and cancelled)
+                    a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
+                    a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
+                    a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
+                    a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                _acp.wait_group(0)
+            else:
                 if PREFETCH:
-                    pg1 = pg2
-                    kc = kc_n
-                    vc = vc_n
-                    ks = ks_n
-                    kz = kz_n
-                    vs = vs_n
-                    vz = vz_n
-                    ms = ms_n
+                    kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                        kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, lo, hi,
+                        _page(bt_ptr, bt_row, lo, hi, page_size), page_size, h,
+                        stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                        BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                    )  # fmt: skip
+                    # page ids one iteration ahead: the next tile's loads never wait for a block-table
+                    # load issued in the same iteration (in-order issue would stall the warp on it)
+                    pg1 = _page(bt_ptr, bt_row, lo + BLOCK_N, hi, page_size)
+                for t0 in range(lo, hi, BLOCK_N):
+                    if PREFETCH:  # the next tile is requested before this one is computed
+                        pg2 = _page(bt_ptr, bt_row, t0 + 2 * BLOCK_N, hi, page_size)
+                        kc_n, vc_n, ks_n, kz_n, vs_n, vz_n, ms_n = _int2_tile(
+                            kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0 + BLOCK_N, hi,
+                            pg1, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh,
+                            stride_st, BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                        )  # fmt: skip
+                    else:  # fewer registers, more resident programs instead
+                        kc, vc, ks, kz, vs, vz, ms = _int2_tile(
+                            kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, bt_ptr, bt_row, t0, hi,
+                            _page(bt_ptr, bt_row, t0, hi, page_size), page_size,
+                            h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
+                            BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
+                        )  # fmt: skip
+                    st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
+                    st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
+                    st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
+                    st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
+                    st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
+                    s = st * ks[:, None] + qsum[None, :] * kz[:, None]
+                    s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
+                    p, alpha, m_i = _softmax_cols(s2, m_i)
+                    l_i = l_i * alpha + gl.sum(p, 0)
+                    pv = (p * vs[:, None]).to(gl.float16)
+                    lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
+                    pb = gl.convert_layout(pv, LB)
+                    # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
+                    # subnormals, so nothing large is ever added and cancelled)
+                    a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
+                    a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
+                    a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
+                    a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                    if PREFETCH:
+                        pg1 = pg2
+                        kc = kc_n
+                        vc = vc_n
+                        ks = ks_n
+                        kz = kz_n
+                        vs = vs_n
+                        vz = vz_n
+                        ms = ms_n
             a0 = a0 * (2.0**24) + lpz[None, :]
             a1 = a1 * (2.0**22) + lpz[None, :]
             a2 = a2 * (2.0**20) + lpz[None, :]
@@ -527,6 +670,7 @@ def compile_decode_gluon(
     prefetch: bool = True,
     one_page: bool = True,
     w_tok: int = WINDOW_TOKENS_PER_PROGRAM,
+    async_stages: int = 0,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -558,6 +702,7 @@ def compile_decode_gluon(
         PREFETCH=prefetch,
         ONE_PAGE=one_page,
         PDL=arch >= 90,
+        ASYNC=async_stages,
         num_warps=num_warps,
         stride_st=1,
         stride_ct=head_dim // 4,
