@@ -4,7 +4,8 @@ Graph-replay times (µs) of ``decode_attention`` at batch 1 and 8 (Qwen3-8B atte
 random cache as in ``gpu_run.py``) for each entry of :data:`CONFIGS` at the default split
 count, per explicit ``num_splits`` with the early/preload knobs on, SDPA BF16 in the same
 run, and at 8k x 1 the parts of one step timed alone: query rotation, split + merge kernels,
-the merge alone, an empty graph node (docs/performance.md).
+the merge alone, an empty graph node (docs/performance.md). ``--async-ring``: only the A/B of
+the experimental ``cp.async`` ring (``ASYNC_STAGES`` 0 / 3 / 4) at 128k x 8, 128k x 32, 8k x 1.
 
 Usage (repo root, GPU machine)::
 

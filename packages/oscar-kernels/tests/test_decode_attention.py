@@ -338,6 +338,17 @@ def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
 
 
 @needs_triton
+def test_gluon_cp_async_ring_compiles_for_sm90():
+    """The experimental ``cp.async`` ring of the INT2 tiles (``ASYNC_STAGES``) compiles for sm_90
+    on both Triton versions (3.6 ``async_copy_global_to_shared``, 3.9 ``async_load``): the tile
+    copies are ``cp.async`` into shared memory and the codes still reach ``mma.sync`` unpacked
+    in registers."""
+    ptx = _gluon_ptx_or_skip(gqa=4, head_dim=128, block_n=32, async_stages=3)
+    assert "cp.async" in ptx and "cp.async.wait_group" in ptx
+    assert "mma.sync.aligned.m16n8k16" in ptx and "prmt.b32" in ptx
+
+
+@needs_triton
 def test_merge_of_many_partials_in_chunks():
     """The merge kernel's one-pass online LSE merge over 150 partials in 64-partial chunks
     (as a long-context split count makes it), with empty partials (lse = -inf, o = 0) among
