@@ -33,6 +33,10 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
   into A-operand registers), in extra programs of 32 window tokens each per (sequence, KV
   head) (:func:`window_programs`: 10 for the default 64 + 256).
+* ``ASYNC`` (experimental, off by default): the INT2 tiles go through a ``cp.async`` ring of
+  ``ASYNC`` shared-memory stages instead of the register prefetch (ptxas issues the latter's
+  loads late in the iteration); 50.4 vs 48.3 % of copy bandwidth at 128k x 8 on the H200,
+  slower at 8k x 1 (docs/performance.md).
 * ``PDL`` (sm_90, programmatic dependent launch): the kernel lets the merge launch at once
   and waits for the query-rotation kernel only just before it loads the rotated queries.
 
