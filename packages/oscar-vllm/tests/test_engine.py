@@ -169,7 +169,9 @@ def _run_prefix(llm, texts) -> dict:
         "cont": list(cont.outputs[0].token_ids),
         "cont_logprobs": _logprobs(cont),
         "cont_cached": cont.num_cached_tokens or 0,
-        "capacity": _capacity_tokens(llm),
+        # KV blocks (with caching on, vLLM's cache_config.block_size is then the window groups'
+        # smaller block size; the INT2 group keeps the engine's)
+        "blocks": int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks),
         # vLLM's own, group-aware count: max concurrency at max_model_len x max_model_len
         "kv_tokens": getattr(llm.llm_engine.vllm_config.cache_config, "kv_cache_size_tokens", None),
     }
@@ -330,7 +332,7 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, osc
     assert cont <= 1.5 * bf16_cont + 0.01
     # the windows still come out of the budget: the same number of blocks as with caching off
     # (the window groups then take their pages from those blocks, counted by vLLM itself)
-    assert on["capacity"] == off["capacity"]
+    assert on["blocks"] == off["blocks"]
     # ... and vLLM counts what the window groups hold per request in its concurrency
     print(f"vLLM's KV cache size (max concurrency x max_model_len): OSCAR caching off {off['kv_tokens']}, "
           f"on {on['kv_tokens']}, BF16 {bf16['kv_tokens']}")  # fmt: skip
