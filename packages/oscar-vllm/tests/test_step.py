@@ -326,8 +326,9 @@ def _requests(n_tokens):
 def test_windows_are_restored_exactly_when_a_slot_does_not_hold_them(monkeypatch):
     """Three slots, four requests: rows move between steps (no restore: the slots follow their
     content), requests skipped while others take their slots (least recently used: restored
-    on return, from the window records), and vLLM V2's fixed request rows (no restore). Every request's outputs are bitwise those it gets alone.
-    Never restoring (a planted bug) fails; so does restoring with the wrong prefix."""
+    on return, from the window records), and vLLM V2's fixed request rows (no restore). Every
+    request's outputs are bitwise those it gets alone. Never restoring (a planted bug) fails;
+    so does restoring with the wrong prefix."""
     from oscar_vllm import step as step_mod
     from oscar_vllm.step import SlotTracker
 
