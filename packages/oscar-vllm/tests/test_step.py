@@ -164,6 +164,47 @@ def test_gpu_check_script_reduced_on_cpu(monkeypatch):
     assert not mod.run_case(mod.REDUCED[0], torch.device("cpu"))["pass"]
 
 
+def test_gpu_check_graph_case_reduced_on_cpu(monkeypatch):
+    """The CUDA-graph case of the GPU script, reduced: decode steps padded to the graph's batch
+    through the builder's persistent buffers (on CPU an eager call on the buffers stands in for
+    the replay), a mixed batch with padding rows and tokens. Planted: metadata handed over in
+    fresh tensors instead of the buffers (what a replay would not see) fails it; so do token
+    tensors that stop at the last real token (a replay would process stale padding entries)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (pip install 'oscar-kernels[triton]')")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("TRITON_INTERPRET must be set before Triton is imported")
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("oscar_vllm_gpu_check_graph", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
+    assert res["pass"], res
+    from oscar_vllm.step import StepBuffers
+
+    hold = StepBuffers.hold
+    monkeypatch.setattr(StepBuffers, "hold", lambda self, md: md)
+    res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
+    assert not res["pass"] and not res["addresses_kept"]
+    monkeypatch.setattr(StepBuffers, "hold", hold)
+    real = mod.build_step
+
+    def unpadded(*a, num_tokens=None, **k):
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, "build_step", unpadded)
+    try:
+        res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
+    except OscarError as e:  # the eager call refuses token tensors shorter than the batch
+        assert "slot_mapping" in str(e)
+    else:
+        assert not res["pass"]
+
+
 # ---- prefix-cache hits: restored BF16 rows give the outputs of a miss -----------------------
 # (docs/vllm.md, "Prefix caching": what the windows-in-pages design needs of the worker)
 

@@ -227,6 +227,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             cm.num_reqs,
             None if rows is None else torch.as_tensor(rows, dtype=torch.int32),
             self.slots,
+            num_tokens=int(cm.num_actual_tokens),
         )
         md = replace(md, restore=tuple(restore))
         if self.buffers is not None:

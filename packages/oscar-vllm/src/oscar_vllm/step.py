@@ -112,11 +112,15 @@ def build_step(
     num_reqs: int,
     window_slots: torch.Tensor | None,
     slots: WindowSlots | None,
+    num_tokens: int | None = None,
 ) -> StepMetadata:
     """:class:`StepMetadata` from vLLM's per-step tensors (``CommonAttentionMetadata`` fields).
 
     ``window_slots`` are the runner's persistent request rows when it has them; else
-    ``slots`` assigns them from the first KV block of each row (host lists).
+    ``slots`` assigns them from the first KV block of each row (host lists). ``num_tokens``:
+    vLLM's token count including CUDA-graph padding (``num_actual_tokens``; padding tokens have
+    slot ``-1`` and belong to no row): the token tensors cover it, so a graph captured at that
+    size never reads stale entries.
     """
     b = num_reqs
     dev = seq_lens.device
@@ -138,10 +142,11 @@ def build_step(
             dtype=torch.int32,
             device=dev,
         )
-    n = int(qsl_cpu[-1]) if b else 0
+    n = max(int(qsl_cpu[-1]) if b else 0, num_tokens or 0)
     tok = torch.arange(n, device=dev, dtype=torch.int32)
-    seq_index = torch.searchsorted(qsl[1:], tok, right=True).to(torch.int32)
-    positions = prefix[seq_index] + tok - qsl[seq_index]
+    # padding tokens (past the last row's end) are given to the last row; their slot is -1
+    seq_index = torch.searchsorted(qsl[1:], tok, right=True).clamp_(max=max(b - 1, 0)).to(torch.int32)
+    positions = prefix[seq_index] + tok - qsl[seq_index] if b else tok
     return StepMetadata(
         num_actual_tokens=n,
         max_query_len=int(q_lens_cpu.max()) if b else 0,
