@@ -432,7 +432,9 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
         and mixed_err < 1e-2
     )
     if cuda:
-        res.update(_mixed_graph_experiment(case, cache_e, ep, tables, done, max_blocks, qkv, scale, device))
+        res.update(
+            _mixed_graph_experiment(case, cache_e, ep, tables, done, max_blocks, qkv, scale, device, grow)
+        )
     res.update(timing)
     return res
 
@@ -458,7 +460,7 @@ def _timed_us(fn, iters: int) -> float:  # noqa: ANN001
     return round(statistics.median(ts), 1)
 
 
-def _mixed_graph_experiment(case, cache, ep, tables, done, max_blocks, qkv, scale, device):  # noqa: ANN001, ANN202
+def _mixed_graph_experiment(case, cache, ep, tables, done, max_blocks, qkv, scale, device, grow):  # noqa: ANN001, ANN202
     """Experiment (not a pass criterion): a mixed batch's extend step captured once and replayed
     with another mixed batch of the same padded shape (rows, tokens, longest chunk)."""
     try:
@@ -466,6 +468,8 @@ def _mixed_graph_experiment(case, cache, ep, tables, done, max_blocks, qkv, scal
         rows1 = list(range(min(3, n_req)))
         qlens = [1] * (len(rows1) - 1) + [16]
         t = sum(qlens)
+        for r in rows1:  # both batches: any row may take the chunk, one position further on
+            grow(r, max(qlens) + 1)
         bufs = StepBuffers(len(rows1) + 1, t + 4, device)
         md1, _ = _md(rows1, done, qlens, tables, max_blocks, case.page, len(rows1) + 1, t + 4, device)
         held = bufs.hold(md1)
@@ -481,6 +485,7 @@ def _mixed_graph_experiment(case, cache, ep, tables, done, max_blocks, qkv, scal
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run_layer(c_graph, ep, sq, sk, sv, held, scale, backend="triton")
+        run_layer(c_eager, ep, sq, sk, sv, md1, scale, backend="triton")  # what the warm-up wrote
         # another batch, same shape: other rows, positions one further on
         rows2 = list(reversed(rows1))
         done2 = list(done)
