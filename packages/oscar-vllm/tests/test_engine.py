@@ -309,6 +309,9 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, osc
     # block that holds generated tokens
     assert on["cont_cached"] > PROBE_LEN
     assert again[0]["prefix_lens"][0] == on["repeat_cached"][1]  # the hit is really skipped
+    # the hit's first step restores its window slot; its later steps find their windows there
+    assert again[0]["restored"] == [0] and not any(s["restored"] for s in again[1:])
+    assert not any(s["restored"] for s in on["repeat_steps"][0])  # a miss never restores
     for key in ("repeat", "cont"):
         want = off[key] if key == "cont" else off[key][0]
         got = on[key] if key == "cont" else on[key][1]

@@ -215,13 +215,15 @@ class StepBuffers:
 
 def step_record(md: StepMetadata) -> dict:
     """A step's batch as host lists: per row the chunk length, the cached prefix before it,
-    the window slot and the first KV block (what decides each sequence's outputs)."""
+    the window slot and the first KV block (what decides each sequence's outputs), and the rows
+    whose window slot was restored (prefix caching)."""
     qsl = md.query_start_loc.cpu().tolist()
     return {
         "query_lens": [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)],
         "prefix_lens": md.prefix_lens.cpu().tolist(),
         "window_slots": md.window_slots.cpu().tolist(),
         "first_blocks": md.block_table[:, 0].cpu().tolist() if md.block_table.shape[1] else [],
+        "restored": [row for row, _, _ in md.restore],
     }
 
 
