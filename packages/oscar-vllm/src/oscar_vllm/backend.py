@@ -8,10 +8,14 @@
   (GPU profiling, CPU RSS); with an explicit ``kv_cache_memory_bytes`` the backend takes
   their size out of that budget.
 * Prefix caching (when :func:`oscar_vllm.compat.exact_prefix_caching`): each layer also keeps
-  its BF16 window rows in pages of vLLM sliding-window KV-cache groups, declared by *window
-  layers* registered beside it (:class:`OscarWindowLayer`); every step restores each row's
-  window slot from them, so a cache hit computes what a miss computes (docs/vllm.md,
-  "Prefix caching").
+  its BF16 window rows in pages of a vLLM sliding-window KV-cache group (window blocks smaller
+  than the INT2 block, same page bytes), declared by *window layers* registered beside it
+  (:class:`OscarWindowLayer`); a row whose window slot does not hold its windows (a hit, a
+  request that lost its slot: :class:`oscar_vllm.step.SlotTracker`) restores it from them, so
+  a cache hit computes what a miss computes (docs/vllm.md, "Prefix caching").
+* CUDA graphs: FULL graphs of pure decode batches with prefix caching off, none with it
+  (:func:`oscar_vllm.compat.cudagraph_support`); the builder keeps each step's metadata in
+  persistent buffers (:class:`oscar_vllm.step.StepBuffers`) that a replay reads.
 * ``exclude_layers``: those layers leave OSCAR once the model is loaded
   (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
   them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
