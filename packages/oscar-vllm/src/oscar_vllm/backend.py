@@ -247,14 +247,14 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     ) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Window slots and rows to restore with prefix caching (:func:`oscar_vllm.step.plan_slots`).
 
-        Reads the INT2 block table on the host (a device-to-host copy on GPU; with prefix
-        caching the backend declares no CUDA-graph support, so this runs eagerly)."""
+        Copies the few block-table entries it needs to the host (one device-to-host copy on GPU;
+        with prefix caching the backend declares no CUDA-graph support, so this runs eagerly)."""
         b = cm.num_reqs
         return plan_slots(
             self.tracker,
             cm.query_start_loc_cpu,
             seq_cpu,
-            cm.block_table_tensor[:b].cpu(),
+            cm.block_table_tensor,
             b,
             self.block_size,
             None if fixed is None else [int(x) for x in list(fixed)[:b]],

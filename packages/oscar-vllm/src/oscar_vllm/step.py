@@ -671,37 +671,47 @@ def plan_slots(
     tracker: SlotTracker,
     query_start_loc_cpu: torch.Tensor,
     seq_lens_cpu: torch.Tensor,
-    block_table_cpu: torch.Tensor,
+    block_table: torch.Tensor,
     num_reqs: int,
     block_size: int,
     fixed: list[int] | None = None,
 ) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """Window slots of a batch's rows and the rows to restore, ``(row, slot, prefix)``, from host
-    copies of vLLM's per-step tensors (prefix caching; :class:`SlotTracker`).
+    """Window slots of a batch's rows and the rows to restore, ``(row, slot, prefix)``, from vLLM's
+    per-step tensors (prefix caching; :class:`SlotTracker`).
 
-    ``block_table_cpu``: the INT2 group's ``[B, max_blocks]`` table of ``block_size``-token blocks.
+    ``block_table``: the INT2 group's ``[B, max_blocks]`` table of ``block_size``-token blocks
+    (any device): only the entries the tracker needs (the blocks of positions ``prefix - 1`` and
+    ``seq - 1`` and the blocks the step writes) are gathered and copied to the host, in one copy.
     """
     b = num_reqs
     qsl = query_start_loc_cpu[: b + 1].tolist()
     seq = [int(x) for x in seq_lens_cpu[:b].tolist()]
     qlen = [qsl[i + 1] - qsl[i] for i in range(b)]
     prefix = [seq[i] - qlen[i] for i in range(b)]
-    table = block_table_cpu[:b].tolist()
-
-    def blk(i: int, p: int) -> int:
-        return int(table[i][(p - 1) // block_size]) if p > 0 else -1
-
-    written = [
-        set(table[i][prefix[i] // block_size : (seq[i] - 1) // block_size + 1]) if qlen[i] > 0 else set()
-        for i in range(b)
-    ]
+    width = int(block_table.shape[1]) if block_table.dim() == 2 else 0
+    cols: list[list[int]] = []
+    for i in range(b):
+        if qlen[i] <= 0 or seq[i] <= 0:
+            cols.append([])
+            continue
+        before = [(prefix[i] - 1) // block_size] if prefix[i] > 0 else []
+        cols.append(before + list(range(prefix[i] // block_size, (seq[i] - 1) // block_size + 1)))
+    flat = [i * width + c for i, cs in enumerate(cols) for c in cs if c < width]
+    if len(flat) != sum(len(cs) for cs in cols):
+        raise OscarError(f"OSCAR: a row's positions lie past its block table ({width} blocks)")
+    vals = block_table[:b].reshape(-1)[torch.tensor(flat, dtype=torch.long, device=block_table.device)]
+    vals = vals.tolist() if flat else []
+    blocks_before, blocks_after, written, k = [-1] * b, [-1] * b, [set() for _ in range(b)], 0
+    for i, cs in enumerate(cols):
+        if not cs:
+            continue
+        got = vals[k : k + len(cs)]
+        k += len(cs)
+        if prefix[i] > 0:
+            blocks_before[i], got = int(got[0]), got[1:]
+        written[i] = {int(x) for x in got}
+        blocks_after[i] = int(got[-1])
     slots, again = tracker.plan(
-        [blk(i, prefix[i]) for i in range(b)],
-        prefix,
-        [blk(i, seq[i]) for i in range(b)],
-        seq,
-        written,
-        [q > 0 for q in qlen],
-        fixed,
+        blocks_before, prefix, blocks_after, seq, written, [q > 0 for q in qlen], fixed
     )
     return slots, [(i, slots[i], prefix[i]) for i in range(b) if again[i]]
