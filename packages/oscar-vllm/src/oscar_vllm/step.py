@@ -59,9 +59,9 @@ class StepMetadata:
 class WindowSlots:
     """Window-pool row of every live request, for model runners that give no request row.
 
-    Used while prefix caching is off (with caching on, slots are batch rows, restored every
-    step from the window pages). Keyed by the request's first KV block, which no other live
-    request holds while prefix caching is off. A request that starts (no cached
+    Used while prefix caching is off (with caching on, :class:`SlotTracker` keys slots by their
+    content and restores from the window pages where needed). Keyed by the request's first KV
+    block, which no other live request holds while prefix caching is off. A request that starts (no cached
     tokens) takes a slot — its predecessor's if it got the same first block (that one
     has finished), else a free one, else the least recently seen slot of a request not
     in this batch. A request that continues must already have one: otherwise its BF16
