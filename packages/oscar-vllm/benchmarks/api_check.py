@@ -177,18 +177,20 @@ def check_window_groups() -> str:
     assert issubclass(backend.OscarWindowLayer, AttentionLayerBase)
     # the runner collects specs from every AttentionLayerBase in static_forward_context
     _source_has(GPUModelRunner.get_kv_cache_spec, "get_layers_from_vllm_config(self.vllm_config, layer_type)")
-    # a window page is exactly an INT2 page; SlidingWindowSpec keeps its manager
+    # a window page (16-token window blocks) is exactly an INT2 page (128-token blocks);
+    # SlidingWindowSpec keeps its manager
     cell = cell_bytes(64, 64)
     int2 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16,
                              state_content_bytes=cell)  # fmt: skip
-    win = compat.window_spec(128, 3, 64, torch.bfloat16, 256, cell)
+    win = compat.window_spec(16, 3, 64, torch.bfloat16, 256, cell * 128 // 16)
     assert isinstance(win, SlidingWindowSpec) and win.page_size_bytes == int2.page_size_bytes
     assert KVCacheSpecRegistry.get_manager_class(win) is SlidingWindowManager
     # a hit needs the blocks of the last `window - 1` tokens cached; blocks before
     # `computed - window + 1` are freed: the window covers (N - recent, N)
-    assert SlidingWindowManager._contiguous_blocks_for_hit(256, 128, False) == 2
+    assert SlidingWindowManager._contiguous_blocks_for_hit(256, 16, False) == 16
     _source_has(SlidingWindowManager.get_num_skipped_tokens, "num_computed_tokens - self.sliding_window + 1")
-    # groups: 30 INT2 layers + 10 window layers each -> 1 + 10 groups of 30 layers, one page size
+    # groups: 30 INT2 layers + 30 window layers -> 2 groups of 30 layers, one page size, two block
+    # sizes (the scheduler's block is their lcm, hashes at their gcd)
     for mod_name in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
         try:
             mod = importlib.import_module(mod_name)
@@ -197,13 +199,28 @@ def check_window_groups() -> str:
         if hasattr(mod, "_get_kv_cache_groups_uniform_page_size"):
             break
     specs = {f"model.layers.{i}.self_attn.attn": int2 for i in range(30)}
-    specs |= {f"model.layers.{i}.self_attn.attn.oscar_window_{g}": win for i in range(30) for g in range(10)}
+    specs |= {f"model.layers.{i}.self_attn.attn.oscar_window_0": win for i in range(30)}
     groups = mod._get_kv_cache_groups_uniform_page_size(mod.unify_kv_cache_spec_page_size(specs))
-    assert len(groups) == 11 and all(len(g.layer_names) == 30 for g in groups), [
+    assert len(groups) == 2 and all(len(g.layer_names) == 30 for g in groups), [
         len(g.layer_names) for g in groups
     ]
-    assert sum(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups) == 10
-    return f"window pages of {win.page_size_bytes} B: 10 sliding-window groups + the INT2 group ({mod_name})"
+    assert sorted(g.kv_cache_spec.block_size for g in groups) == [16, 128]
+    sizes = next(
+        (getattr(importlib.import_module(m), "resolve_kv_cache_block_sizes", None) for m in
+         ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")),
+        None,
+    )  # fmt: skip
+    assert sizes is not None, "resolve_kv_cache_block_sizes (per-group block sizes) not found"
+    _source_has(sizes, "math.lcm")
+    # CUDA graphs: the builder answers get_cudagraph_support; capture builds through
+    # build_for_cudagraph_capture
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
+
+    assert AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE.value == 1 and AttentionCGSupport.NEVER.value == 0
+    assert callable(AttentionMetadataBuilder.get_cudagraph_support)
+    assert callable(AttentionMetadataBuilder.build_for_cudagraph_capture)
+    pages = f"window pages of {win.page_size_bytes} B"
+    return f"{pages}: 1 sliding-window group of 16-token blocks + the INT2 group ({mod_name})"
 
 
 CHECKS = (check_version, check_registry, check_backend_api, check_specs, check_grouping,

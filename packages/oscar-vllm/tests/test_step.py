@@ -164,13 +164,57 @@ def test_gpu_check_script_reduced_on_cpu(monkeypatch):
     assert not mod.run_case(mod.REDUCED[0], torch.device("cpu"))["pass"]
 
 
+def test_gpu_check_graph_case_reduced_on_cpu(monkeypatch):
+    """The CUDA-graph case of the GPU script, reduced: decode steps padded to the graph's batch
+    through the builder's persistent buffers (on CPU an eager call on the buffers stands in for
+    the replay), a mixed batch with padding rows and tokens. Planted: metadata handed over in
+    fresh tensors instead of the buffers (what a replay would not see) fails it; so do token
+    tensors that stop at the last real token (a replay would process stale padding entries)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (pip install 'oscar-kernels[triton]')")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("TRITON_INTERPRET must be set before Triton is imported")
+    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("oscar_vllm_gpu_check_graph", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
+    assert res["pass"], res
+    from oscar_vllm.step import StepBuffers
+
+    hold = StepBuffers.hold
+    monkeypatch.setattr(StepBuffers, "hold", lambda self, md: md)
+    res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
+    assert not res["pass"] and not res["addresses_kept"]
+    monkeypatch.setattr(StepBuffers, "hold", hold)
+    real = mod.build_step
+
+    def unpadded(*a, num_tokens=None, **k):
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, "build_step", unpadded)
+    try:
+        res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
+    except OscarError as e:  # the eager call refuses token tensors shorter than the batch
+        assert "slot_mapping" in str(e)
+    else:
+        assert not res["pass"]
+
+
 # ---- prefix-cache hits: restored BF16 rows give the outputs of a miss -----------------------
 # (docs/vllm.md, "Prefix caching": what the windows-in-pages design needs of the worker)
 
 
+WB, G = 8, 3  # window blocks of 8 tokens (INT2 blocks of 16); a record spans 3 pages
+
+
 def _hit_setup():
     from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
-    from oscar_vllm.step import WindowPages
+    from oscar_vllm.step import WindowPages, plan_window_records
 
     lo = CacheLayout(2, 32, page_size=16, group_size=16, sink_tokens=8, recent_tokens=16)
     pg = torch.Generator().manual_seed(1)
@@ -182,15 +226,17 @@ def _hit_setup():
     for f in ("k_sink", "v_sink", "k_recent", "v_recent"):
         getattr(cache, f).fill_(float("nan"))  # an unrestored row that is read shows as NaN
     # window records in pages of 20 rows (an engine's: its INT2 page size), NaN until written:
-    # a record is 2 * 2 * (16 + 8) = 96 rows, i.e. 5 pages (window groups)
-    pages = WindowPages(torch.full((96, 20, 32), float("nan"), dtype=torch.bfloat16), 2, 16, 8)
-    assert WindowPages.groups_for(2, 16, 8, 20) == 5
+    # window blocks of 8 tokens (held: ceil(15 / 8) = 2 before a position), the sink in 2 parts of
+    # 4, so a record is 2 * 2 * (8 + 4) = 48 rows, i.e. 3 pages (window groups)
+    plan = plan_window_records(2, 16, 8, 16, 20, in_flight_tokens=24, min_block=8)
+    assert (plan.block_size, plan.sink_parts, plan.sink_part, plan.groups) == (WB, 2, 4, G)
+    pages = WindowPages(torch.full((128, 20, 32), float("nan"), dtype=torch.bfloat16), 2, plan, 8)
     return cache, params, pages
 
 
 def _tables(first: int, n_blocks: int) -> list[list[int]]:
-    """Window block tables ``[5 groups][n_blocks]`` with distinct block ids from ``first``."""
-    return [[first + 5 * j + gi for j in range(n_blocks)] for gi in range(5)]
+    """Window block tables ``[G groups][n_blocks]`` with distinct block ids from ``first``."""
+    return [[first + G * j + gi for j in range(n_blocks)] for gi in range(G)]
 
 
 def _run_hit(state, steps, blocks, wtables, slot, x, restore=None):
@@ -232,21 +278,22 @@ def test_a_prefix_hit_with_restored_windows_gives_the_outputs_of_a_miss(n_cached
         (torch.randn(60, 2, 32, generator=g) * 2 + 0.5).to(torch.bfloat16),
         torch.randn(60, 2, 32, generator=g).to(torch.bfloat16),
     )
-    miss = _run_hit(_hit_setup(), [(0, 24), (24, 24), (48, 12)], [1, 2, 3, 4], _tables(40, 4), 2, x)
+    miss = _run_hit(_hit_setup(), [(0, 24), (24, 24), (48, 12)], [1, 2, 3, 4], _tables(40, 8), 2, x)
     assert torch.isfinite(miss).all()
 
     def hit(restore=True):
         state = _hit_setup()
         a_steps = [(0, 20), (20, 20), *((40 + i, 1) for i in range(10))]
-        a_tables = _tables(60, 4)
+        a_tables = _tables(60, 8)
         _run_hit(state, a_steps, [9, 10, 11, 12], a_tables, 0, tuple(t[:50] for t in x))
         shared = n_cached // 16
+        held = n_cached // WB  # window blocks before the hit
         # B shares A's INT2 blocks of the hit and the window blocks a sliding-window group
-        # (window = recent = 16) keeps for it: the last block before the hit; the others are
-        # the null block (0, never written: NaN); new blocks after the hit
-        new = _tables(0, 4)
+        # (window = recent = 16, blocks of 8) keeps for it: the last two before the hit; the
+        # others are the null block (0, never written: NaN); new blocks after the hit
+        new = _tables(0, 8)
         wt = [
-            [a[j] if j == shared - 1 else (0 if j < shared else nb[j]) for j in range(4)]
+            [a[j] if held - 2 <= j < held else (0 if j < held else nb[j]) for j in range(8)]
             for a, nb in zip(a_tables, new, strict=True)
         ]
         blocks = [9, 10, 11, 12][:shared] + [24, 25, 26, 27][shared:]
@@ -261,3 +308,135 @@ def test_a_prefix_hit_with_restored_windows_gives_the_outputs_of_a_miss(n_cached
     monkeypatch.setattr(step_mod, "hit_window_positions", lambda n, s, r: real(n, s, r)[:-1])
     planted = hit()
     assert not torch.equal(planted[n_cached:], miss[n_cached:])
+
+
+# ---- restore only when a slot does not hold a request's windows (SlotTracker) ---------------
+
+
+def _batched(state, schedule, reqs, x, tracker, fixed=None):
+    """Run ``schedule`` (steps of ``[(request, tokens)]``, each step's rows in that order) like the
+    backend with prefix caching: the builder's :func:`plan_slots`, the restore of the rows it
+    flags, the layer, the window-record write. Returns each request's outputs ``[T, H_q, d]``."""
+    from oscar_vllm.step import plan_slots, restore_windows, write_window_pages
+
+    cache, params, pages = state
+    done = {r: reqs[r]["start"] for r in reqs}
+    out = {r: torch.full((x[r][0].shape[0], 4, 32), float("nan")) for r in reqs}
+    for step in schedule:
+        b = len(step)
+        qlens = [n for _, n in step]
+        qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+        seq = torch.tensor([done[r] + n for r, n in step], dtype=torch.int32)
+        table = torch.tensor([(reqs[r]["blocks"] + [0] * 4)[:4] for r, _ in step], dtype=torch.int32)
+        wt = torch.stack([torch.tensor(reqs[r]["wtables"]) for r, _ in step], dim=1)  # [G, B, 8]
+        mapping = torch.tensor(
+            [reqs[r]["blocks"][i // 16] * 16 + i % 16 for r, n in step for i in range(done[r], done[r] + n)]
+        )
+        slots, restore = plan_slots(
+            tracker, qsl, seq, table, b, 16, None if fixed is None else [fixed[r] for r, _ in step]
+        )
+        md = build_step(qsl, qsl, seq, seq, table, mapping, b, torch.tensor(slots), None)
+        for row, slot, prefix in restore:
+            restore_windows(cache, slot, pages, wt[:, row], prefix)
+        q, k, v = (torch.cat([x[r][i][done[r] : done[r] + n] for r, n in step]) for i in range(3))
+        o = run_layer(cache, params, q, k, v, md, 32**-0.5)
+        write_window_pages(cache, params, k, v, md, pages, wt)
+        for j, (r, n) in enumerate(step):
+            out[r][done[r] : done[r] + n] = o[qsl[j] : qsl[j + 1]].float()
+            done[r] += n
+    return out
+
+
+def _requests(n_tokens):
+    g = torch.Generator().manual_seed(5)
+    x = {
+        r: (
+            torch.randn(n, 4, 32, generator=g).to(torch.bfloat16),
+            (torch.randn(n, 2, 32, generator=g) * 2 + 0.5).to(torch.bfloat16),
+            torch.randn(n, 2, 32, generator=g).to(torch.bfloat16),
+        )
+        for r, n in n_tokens.items()
+    }
+    reqs = {
+        r: {"blocks": [1 + 4 * i + j for j in range(4)], "wtables": _tables(30 + 24 * i, 8), "start": 0}
+        for i, r in enumerate(n_tokens)
+    }
+    return x, reqs
+
+
+def test_windows_are_restored_exactly_when_a_slot_does_not_hold_them(monkeypatch):
+    """Three slots, four requests: rows move between steps (no restore: the slots follow their
+    content), requests skipped while others take their slots (least recently used: restored
+    on return, from the window records), and vLLM V2's fixed request rows (no restore). Every
+    request's outputs are bitwise those it gets alone. Never restoring (a planted bug) fails;
+    so does restoring with the wrong prefix."""
+    from oscar_vllm import step as step_mod
+    from oscar_vllm.step import SlotTracker
+
+    x, reqs = _requests({"a": 45, "b": 40, "c": 30, "d": 26})
+    schedule = [
+        [("a", 20), ("b", 20)],
+        [("b", 12), ("a", 20)],  # rows swapped: each keeps its slot
+        [("a", 1), ("b", 1), ("c", 16)],
+        [("c", 10), ("a", 1)],  # b skipped
+        [("d", 20), ("a", 1), ("c", 1)],  # d takes b's slot (the least recently used)
+        [("b", 1), ("d", 6), ("a", 1)],  # b returns: restored (into c's slot, least recent)
+        [("a", 1), ("b", 6), ("c", 3)],  # c lost its slot to b: restored into d's
+    ]
+    alone = {}
+    for r in reqs:
+        own = [[(q, n)] for step in schedule for q, n in step if q == r]
+        tracker = SlotTracker(3)
+        alone[r] = _batched(_hit_setup(), own, {r: reqs[r]}, {r: x[r]}, tracker)[r]
+        assert tracker.restores == 0  # alone: its slot always holds its windows
+        assert torch.isfinite(alone[r]).all()
+
+    tracker = SlotTracker(3)
+    got = _batched(_hit_setup(), schedule, reqs, x, tracker)
+    for r in reqs:
+        assert torch.equal(got[r], alone[r]), r
+    assert tracker.restores == 2  # b and c, once each; a never (it kept its slot throughout)
+
+    # V2 runner: fixed request rows; a fresh request in a used row restores nothing (no prefix)
+    tracker = SlotTracker(4)
+    got = _batched(_hit_setup(), schedule, reqs, x, tracker, fixed={"a": 0, "b": 1, "c": 2, "d": 3})
+    assert all(torch.equal(got[r], alone[r]) for r in reqs) and tracker.restores == 0
+
+    real = SlotTracker.plan
+
+    def never(self, *a, **k):
+        slots, _ = real(self, *a, **k)
+        return slots, [False] * len(slots)
+
+    monkeypatch.setattr(SlotTracker, "plan", never)
+    planted = _batched(_hit_setup(), schedule, reqs, x, SlotTracker(3))
+    assert not torch.equal(planted["b"], alone["b"])
+    monkeypatch.undo()
+    real_plan = step_mod.plan_slots
+
+    def short(*a, **k):
+        slots, restore = real_plan(*a, **k)
+        return slots, [(row, slot, p - 1) for row, slot, p in restore]
+
+    monkeypatch.setattr(step_mod, "plan_slots", short)
+    planted = _batched(_hit_setup(), schedule, reqs, x, SlotTracker(3))
+    assert not torch.equal(planted["b"], alone["b"])
+
+
+def test_a_slot_whose_block_is_written_through_another_slot_is_forgotten():
+    """A slot's key names the INT2 block of its last position; when that block is written through
+    another slot (the request finished, its block went to another request), a later request
+    with the same block and length must not reuse the stale slot."""
+    from oscar_vllm.step import SlotTracker
+
+    t = SlotTracker(2)
+    # request A: 20 tokens in blocks [5, 6] through some slot
+    s_a, r = t.plan([-1], [0], [6], [20], [{5, 6}], [True])
+    assert r == [False]
+    # A is gone; request B got blocks 5, 6 and writes 20 tokens through the other slot
+    s_b, _ = t.plan([-1], [0], [6], [20], [{5, 6}], [True])
+    assert s_b != s_a  # A's slot is not free (it holds A's content): the free one first
+    # B continues: it must get its own slot, not A's (same key (6, 20)), and no restore
+    s, r = t.plan([6], [20], [6], [21], [{6}], [True])
+    assert s == s_b and r == [False]
+    assert t.key[s_a[0]] is None  # A's slot was forgotten when B wrote block 6

@@ -61,3 +61,44 @@ def test_api_check_passes_on_the_installed_vllm(monkeypatch, capsys):
     monkeypatch.setattr(core.EngineCore, "_initialize_kv_caches", lambda self, vllm_config, extra: None)
     assert mod.main() == 1
     assert "FAIL  check_config_and_engine" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not ENGINE_PRESENT, reason="vLLM is not installed (run the nox session 'vllm')")
+def test_cudagraph_support_is_decode_only_without_prefix_caching_and_none_with_it():
+    """vLLM captures FULL graphs only for batches every builder supports: OSCAR's builder answers
+    UNIFORM_SINGLE_TOKEN_DECODE with caching off and NEVER with exact prefix caching (host logic
+    per row); the window layers' builder keeps vLLM's default NEVER."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from oscar_vllm import backend, compat
+
+    def cfg(caching: bool, hybrid: bool = True):
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(backend=SimpleNamespace(name="OSCAR")),
+            cache_config=SimpleNamespace(enable_prefix_caching=caching),
+            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=not hybrid),
+            additional_config={"oscar": {"rotations": "x.safetensors"}},
+        )
+
+    get = backend.OscarMetadataBuilder.get_cudagraph_support
+    assert get(cfg(False), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert get(cfg(True), None) == AttentionCGSupport.NEVER
+    # caching requested but not served exactly (no hybrid manager: the guard turns it off)
+    assert get(cfg(True, hybrid=False), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert backend.OscarWindowBuilder.get_cudagraph_support(cfg(True), None) == AttentionCGSupport.NEVER
+    assert compat.cudagraph_support(cfg(False)) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_window_record_plan_for_the_engines_geometries():
+    """The window-record geometry plan_window_records picks (docs/vllm.md, "Prefix caching")."""
+    from oscar_vllm.step import plan_window_records
+
+    # SmolLM2 on CPU: block 128, INT2 page 15,360 B = 120 BF16 rows of d 64, 64 tokens in flight
+    p = plan_window_records(3, 128, 64, 256, 120, 64)
+    assert (p.block_size, p.sink_parts, p.sink_part, p.groups) == (16, 16, 4, 1)
+    assert p.record_rows(3) == 120
+    # Qwen3-8B shape on GPU: block 16, 8 KV heads of 128, group 128 -> 72 B cells, 36 rows a page
+    p = plan_window_records(8, 16, 64, 256, 8 * 16 * 72 // 256, 2048)
+    assert (p.block_size, p.sink_parts, p.sink_part, p.groups) == (16, 16, 4, 9)

@@ -8,10 +8,14 @@
   (GPU profiling, CPU RSS); with an explicit ``kv_cache_memory_bytes`` the backend takes
   their size out of that budget.
 * Prefix caching (when :func:`oscar_vllm.compat.exact_prefix_caching`): each layer also keeps
-  its BF16 window rows in pages of vLLM sliding-window KV-cache groups, declared by *window
-  layers* registered beside it (:class:`OscarWindowLayer`); every step restores each row's
-  window slot from them, so a cache hit computes what a miss computes (docs/vllm.md,
-  "Prefix caching").
+  its BF16 window rows in pages of a vLLM sliding-window KV-cache group (window blocks smaller
+  than the INT2 block, same page bytes), declared by *window layers* registered beside it
+  (:class:`OscarWindowLayer`); a row whose window slot does not hold its windows (a hit, a
+  request that lost its slot: :class:`oscar_vllm.step.SlotTracker`) restores it from them, so
+  a cache hit computes what a miss computes (docs/vllm.md, "Prefix caching").
+* CUDA graphs: FULL graphs of pure decode batches with prefix caching off, none with it
+  (:func:`oscar_vllm.compat.cudagraph_support`); the builder keeps each step's metadata in
+  persistent buffers (:class:`oscar_vllm.step.StepBuffers`) that a replay reads.
 * ``exclude_layers``: those layers leave OSCAR once the model is loaded
   (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
   them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
@@ -50,10 +54,15 @@ from oscar_math.errors import OscarError
 from . import compat
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
 from .step import (
+    SlotTracker,
+    StepBuffers,
     StepMetadata,
     WindowPages,
+    WindowPlan,
     WindowSlots,
     build_step,
+    plan_slots,
+    plan_window_records,
     restore_windows,
     run_layer,
     step_record,
@@ -93,14 +102,26 @@ def _artifact_for(vllm_config: Any):  # noqa: ANN202 - Rotations
     return load_checked(settings, num_layers, total_kv, int(mc.get_head_size()))
 
 
-class OscarAttentionBackend(AttentionBackend):
-    """vLLM attention backend over the OSCAR paged INT2 + BF16-window cache."""
+class _OscarBackendBase(AttentionBackend):
+    """What the INT2 layers' backend and the window layers' backend declare alike."""
 
     accept_output_buffer: bool = True
     # The write needs the per-step metadata (positions, window slots), so it runs in forward.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple | None:
+        return compat.kv_cache_layouts()
+
+
+class OscarAttentionBackend(_OscarBackendBase):
+    """vLLM attention backend over the OSCAR paged INT2 + BF16-window cache."""
 
     @staticmethod
     def get_name() -> str:
@@ -114,17 +135,9 @@ class OscarAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[OscarMetadataBuilder]:
         return OscarMetadataBuilder
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        return [MultipleOf(16)]
-
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return [d for d in range(16, 513, 16)]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple | None:
-        return compat.kv_cache_layouts()
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -165,35 +178,87 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.slots = WindowSlots(int(vllm_config.scheduler_config.max_num_seqs))
-        # with prefix caching every step restores each request's window rows from the window
-        # pages into the slot of its batch row, so slots need not follow requests
-        self.by_row = compat.exact_prefix_caching(vllm_config)
+        sc = vllm_config.scheduler_config
+        self.max_seqs = int(sc.max_num_seqs)
+        self.slots = WindowSlots(self.max_seqs)
+        # with prefix caching a slot is named by its content (SlotTracker): a request keeps the
+        # slot that holds its windows, and anything else restores from the window pages
+        self.cached = compat.exact_prefix_caching(vllm_config)
+        self.tracker = SlotTracker(self.max_seqs)
+        self.block_size = int(getattr(kv_cache_spec, "block_size", vllm_config.cache_config.block_size))
+        # CUDA graphs replay the addresses seen at capture: every step's metadata is copied into
+        # these persistent tensors (CUDA only; the CPU platform has no graphs)
+        self.buffers = (
+            StepBuffers(self.max_seqs, max(int(sc.max_num_batched_tokens), self.max_seqs), device)
+            if torch.device(device).type == "cuda"
+            else None
+        )
+        self._capturing = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
+        """FULL graphs of pure decode batches when caching is off; none with prefix caching
+        (its restore runs host logic per row): :func:`oscar_vllm.compat.cudagraph_support`."""
+        return compat.cudagraph_support(vllm_config)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> StepMetadata:
+        # capture batches are dummies (no requests): window slots 0..B-1, no slot bookkeeping
+        self._capturing = True
+        try:
+            return self.build(0, common_attn_metadata)
+        finally:
+            self._capturing = False
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> StepMetadata:
         cm = common_attn_metadata
         seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        seq_cpu = seq_cpu if seq_cpu is not None else cm.seq_lens.cpu()
         rows = compat.request_slots(cm)
-        if self.by_row:
-            rows = list(range(cm.num_reqs))
+        restore: list[tuple[int, int, int]] = []
+        if self._capturing:
+            rows = [i % self.max_seqs for i in range(cm.num_reqs)]
+        elif self.cached:
+            rows, restore = self._plan_cached(cm, seq_cpu, rows)
         md = build_step(
             cm.query_start_loc,
             cm.query_start_loc_cpu,
             cm.seq_lens,
-            seq_cpu if seq_cpu is not None else cm.seq_lens.cpu(),
+            seq_cpu,
             cm.block_table_tensor,
             cm.slot_mapping,
             cm.num_reqs,
             None if rows is None else torch.as_tensor(rows, dtype=torch.int32),
             self.slots,
+            num_tokens=int(cm.num_actual_tokens),
         )
+        md = replace(md, restore=tuple(restore))
+        if self.buffers is not None:
+            md = self.buffers.hold(md)
         path = os.environ.get(STEP_LOG_ENV)
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps(step_record(md)) + "\n")
         return md
+
+    def _plan_cached(
+        self, cm: CommonAttentionMetadata, seq_cpu: torch.Tensor, fixed: Any
+    ) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Window slots and rows to restore with prefix caching (:func:`oscar_vllm.step.plan_slots`).
+
+        Copies the few block-table entries it needs to the host (one device-to-host copy on GPU;
+        with prefix caching the backend declares no CUDA-graph support, so this runs eagerly)."""
+        b = cm.num_reqs
+        return plan_slots(
+            self.tracker,
+            cm.query_start_loc_cpu,
+            seq_cpu,
+            cm.block_table_tensor,
+            b,
+            self.block_size,
+            None if fixed is None else [int(x) for x in list(fixed)[:b]],
+        )
 
 
 class OscarAttentionImpl(AttentionImpl):
@@ -242,6 +307,7 @@ class OscarAttentionImpl(AttentionImpl):
         self.cached = compat.exact_prefix_caching(cfg)  # window rows also kept in window pages
         self.window_names: list[str] = []
         self._pages: WindowPages | None = None
+        self._plan: WindowPlan | None = None
         self._cfg = cfg
         rot = self.rotations
         _LOADED_GROUP["group"] = rot.group_size
@@ -312,11 +378,25 @@ class OscarAttentionImpl(AttentionImpl):
                 f"BF16 rows of {2 * lo.head_dim} bytes; use a block size that is a multiple of 64, "
                 "or --no-enable-prefix-caching"
             )
-        groups = WindowPages.groups_for(lo.num_kv_heads, bs, lo.sink_tokens, page // (2 * lo.head_dim))
-        spec = compat.window_spec(
-            bs, lo.num_kv_heads, lo.head_dim, self._kv_dtype(), max(lo.recent_tokens, 2), cell
+        plan = plan_window_records(
+            lo.num_kv_heads,
+            bs,
+            lo.sink_tokens,
+            lo.recent_tokens,
+            page // (2 * lo.head_dim),
+            compat.in_flight_tokens(self._cfg),
         )
-        self.window_names = [f"{name}{WINDOW_SUFFIX}{g}" for g in range(groups)]
+        self._plan = plan
+        # a window block of plan.block_size tokens in a page of exactly the INT2 page's bytes
+        spec = compat.window_spec(
+            plan.block_size,
+            lo.num_kv_heads,
+            lo.head_dim,
+            self._kv_dtype(),
+            max(lo.recent_tokens, 2),
+            cell * bs // plan.block_size,
+        )
+        self.window_names = [f"{name}{WINDOW_SUFFIX}{g}" for g in range(plan.groups)]
         for n in self.window_names:
             compat.add_window_layer(self._cfg, n, OscarWindowLayer(spec))
 
@@ -350,7 +430,8 @@ class OscarAttentionImpl(AttentionImpl):
             if self.cached:  # the same buffer holds this layer's pages of every window group
                 d = lo.head_dim
                 rows = buf.view(torch.bfloat16).view(buf.shape[0], buf.shape[1] // (2 * d), d)
-                self._pages = WindowPages(rows, lo.num_kv_heads, lo.page_size, lo.sink_tokens)
+                assert self._plan is not None  # set with the window layers
+                self._pages = WindowPages(rows, lo.num_kv_heads, self._plan, lo.sink_tokens)
         return self._cache, self._params
 
     def forward(
@@ -387,8 +468,9 @@ class OscarAttentionImpl(AttentionImpl):
             tables = torch.stack(
                 [m.block_table[:b] for m in compat.window_metadata(self.window_names)]
             )  # [groups, B, max_blocks]
-            for row, prefix in enumerate(md.prefix_lens.tolist()):
-                restore_windows(cache, int(md.window_slots[row]), self._pages, tables[:, row], prefix)
+            # only rows whose slot does not already hold their windows (the builder's SlotTracker)
+            for row, slot, prefix in md.restore:
+                restore_windows(cache, slot, self._pages, tables[:, row], prefix)
             out = run_layer(cache, params, q, k, v, md, self.scale)
             write_window_pages(cache, params, k, v, md, self._pages, tables)
         output[:n].view(n, h, d).copy_(out)
@@ -460,13 +542,8 @@ class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
         return OscarWindowMetadata(cm.block_table_tensor[: cm.num_reqs].to(torch.int32))
 
 
-class OscarWindowBackend(AttentionBackend):
+class OscarWindowBackend(_OscarBackendBase):
     """Backend of the window layers: pages only, no attention of their own."""
-
-    accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = True
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
 
     @staticmethod
     def get_name() -> str:
@@ -479,14 +556,6 @@ class OscarWindowBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[OscarWindowBuilder]:
         return OscarWindowBuilder
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        return [MultipleOf(16)]
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple | None:
-        return compat.kv_cache_layouts()
 
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:

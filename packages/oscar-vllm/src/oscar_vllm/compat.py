@@ -32,6 +32,8 @@ __all__ = [
     "check_prefix_caching",
     "exact_prefix_caching",
     "window_spec",
+    "in_flight_tokens",
+    "cudagraph_support",
     "add_window_layer",
     "window_metadata",
     "attention_layer_base",
@@ -254,6 +256,34 @@ def window_spec(
         sliding_window=window,
         state_content_bytes=cell,
     )
+
+
+def in_flight_tokens(vllm_config: Any) -> int:
+    """Tokens scheduled but not yet settled, which vLLM's sliding-window manager holds blocks for
+    besides the window (``VllmConfig.max_in_flight_tokens``; ``max_num_batched_tokens`` where
+    that property does not exist)."""
+    n = getattr(vllm_config, "max_in_flight_tokens", None)
+    if isinstance(n, int):
+        return n
+    return int(vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def cudagraph_support(vllm_config: Any) -> Any:
+    """The OSCAR metadata builder's ``AttentionCGSupport`` in this configuration.
+
+    ``UNIFORM_SINGLE_TOKEN_DECODE`` (vLLM captures FULL graphs of pure decode batches, padded
+    with zero-token rows, and runs other batches with attention outside the graphs) when prefix
+    caching is off: the decode step (``paged_write`` + ``decode_attention``) makes no host
+    synchronisation, its launch sizes depend on host-known sizes only, and the builder keeps the
+    metadata in persistent buffers. ``NEVER`` with exact prefix caching: the window restore and
+    the slot bookkeeping run host logic per row, so vLLM keeps attention out of its graphs
+    (piecewise graphs still capture everything else).
+    """
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    if exact_prefix_caching(vllm_config):
+        return AttentionCGSupport.NEVER
+    return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 def add_window_layer(vllm_config: Any, name: str, layer: Any) -> None:

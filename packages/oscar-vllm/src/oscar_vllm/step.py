@@ -19,13 +19,20 @@ __all__ = [
     "StepMetadata",
     "WindowSlots",
     "build_step",
+    "StepBuffers",
     "step_record",
     "write_step",
     "attend_step",
     "run_layer",
     "hit_window_positions",
+    "WindowPlan",
+    "WindowPages",
+    "plan_window_records",
+    "window_sink_parts",
     "write_window_pages",
     "restore_windows",
+    "SlotTracker",
+    "plan_slots",
 ]
 
 
@@ -44,14 +51,17 @@ class StepMetadata:
     seq_index: torch.Tensor  # [T]
     window_slots: torch.Tensor  # [B]
     all_decode: bool
+    #: rows whose window slot must be restored before the layer runs: ``(row, slot, prefix)``
+    #: (prefix caching; :class:`SlotTracker`)
+    restore: tuple[tuple[int, int, int], ...] = ()
 
 
 class WindowSlots:
     """Window-pool row of every live request, for model runners that give no request row.
 
-    Used while prefix caching is off (with caching on, slots are batch rows, restored every
-    step from the window pages). Keyed by the request's first KV block, which no other live
-    request holds while prefix caching is off. A request that starts (no cached
+    Used while prefix caching is off (with caching on, :class:`SlotTracker` keys slots by their
+    content and restores from the window pages where needed). Keyed by the request's first KV
+    block, which no other live request holds while prefix caching is off. A request that starts (no cached
     tokens) takes a slot — its predecessor's if it got the same first block (that one
     has finished), else a free one, else the least recently seen slot of a request not
     in this batch. A request that continues must already have one: otherwise its BF16
@@ -102,11 +112,15 @@ def build_step(
     num_reqs: int,
     window_slots: torch.Tensor | None,
     slots: WindowSlots | None,
+    num_tokens: int | None = None,
 ) -> StepMetadata:
     """:class:`StepMetadata` from vLLM's per-step tensors (``CommonAttentionMetadata`` fields).
 
     ``window_slots`` are the runner's persistent request rows when it has them; else
-    ``slots`` assigns them from the first KV block of each row (host lists).
+    ``slots`` assigns them from the first KV block of each row (host lists). ``num_tokens``:
+    vLLM's token count including CUDA-graph padding (``num_actual_tokens``; padding tokens have
+    slot ``-1`` and belong to no row): the token tensors cover it, so a graph captured at that
+    size never reads stale entries.
     """
     b = num_reqs
     dev = seq_lens.device
@@ -128,10 +142,11 @@ def build_step(
             dtype=torch.int32,
             device=dev,
         )
-    n = int(qsl_cpu[-1]) if b else 0
+    n = max(int(qsl_cpu[-1]) if b else 0, num_tokens or 0)
     tok = torch.arange(n, device=dev, dtype=torch.int32)
-    seq_index = torch.searchsorted(qsl[1:], tok, right=True).to(torch.int32)
-    positions = prefix[seq_index] + tok - qsl[seq_index]
+    # padding tokens (past the last row's end) are given to the last row; their slot is -1
+    seq_index = torch.searchsorted(qsl[1:], tok, right=True).clamp_(max=max(b - 1, 0)).to(torch.int32)
+    positions = prefix[seq_index] + tok - qsl[seq_index] if b else tok
     return StepMetadata(
         num_actual_tokens=n,
         max_query_len=int(q_lens_cpu.max()) if b else 0,
@@ -143,19 +158,72 @@ def build_step(
         positions=positions,
         seq_index=seq_index,
         window_slots=ws,
-        all_decode=bool(b) and bool((q_lens_cpu <= 1).all()) and bool((prefix_cpu > 0).all()),
+        # padding rows (no tokens: vLLM's CUDA-graph padding) do not make a batch an extend;
+        # a one-token first step is a decode too (the decode kernel attends its own key)
+        all_decode=bool(b) and bool((q_lens_cpu <= 1).all()) and bool((q_lens_cpu == 1).any()),
     )
+
+
+class StepBuffers:
+    """Persistent device tensors that every step's :class:`StepMetadata` lives in.
+
+    A FULL CUDA graph replays the kernel launches with the tensor addresses seen at capture,
+    while vLLM builds each step's metadata eagerly before the replay; the builder therefore
+    copies each step's metadata into these buffers (sized for ``max_reqs`` rows and
+    ``max_tokens`` tokens) instead of handing over fresh tensors.
+    """
+
+    def __init__(self, max_reqs: int, max_tokens: int, device: torch.device) -> None:
+        def z(n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.max_reqs, self.max_tokens = max_reqs, max_tokens
+        self.query_start_loc, self.seq_lens, self.prefix_lens = z(max_reqs + 1), z(max_reqs), z(max_reqs)
+        self.window_slots = z(max_reqs)
+        self.positions, self.seq_index = z(max_tokens), z(max_tokens)
+        self.slot_mapping = z(max_tokens, torch.int64)
+        self.block_table: torch.Tensor | None = None
+
+    def hold(self, md: StepMetadata) -> StepMetadata:
+        """``md`` with every tensor copied into (a view of) these buffers."""
+        b, n = md.seq_lens.shape[0], md.num_actual_tokens
+        if b > self.max_reqs or n > self.max_tokens:
+            raise OscarError(
+                f"OSCAR: a step of {b} rows / {n} tokens exceeds {self.max_reqs} / {self.max_tokens}"
+            )
+        w = md.block_table.shape[1]
+        if self.block_table is None or self.block_table.shape[1] != w:
+            self.block_table = torch.zeros(self.max_reqs, w, dtype=torch.int32, device=md.block_table.device)
+
+        def put(buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            view = buf[: t.shape[0]]
+            view.copy_(t, non_blocking=True)
+            return view
+
+        return replace(
+            md,
+            query_start_loc=put(self.query_start_loc, md.query_start_loc),
+            seq_lens=put(self.seq_lens, md.seq_lens),
+            prefix_lens=put(self.prefix_lens, md.prefix_lens),
+            block_table=put(self.block_table, md.block_table),
+            slot_mapping=put(self.slot_mapping, md.slot_mapping[:n]),
+            positions=put(self.positions, md.positions),
+            seq_index=put(self.seq_index, md.seq_index),
+            window_slots=put(self.window_slots, md.window_slots),
+        )
 
 
 def step_record(md: StepMetadata) -> dict:
     """A step's batch as host lists: per row the chunk length, the cached prefix before it,
-    the window slot and the first KV block (what decides each sequence's outputs)."""
+    the window slot and the first KV block (what decides each sequence's outputs), and the rows
+    whose window slot was restored (prefix caching)."""
     qsl = md.query_start_loc.cpu().tolist()
     return {
         "query_lens": [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)],
         "prefix_lens": md.prefix_lens.cpu().tolist(),
         "window_slots": md.window_slots.cpu().tolist(),
         "first_blocks": md.block_table[:, 0].cpu().tolist() if md.block_table.shape[1] else [],
+        "restored": [row for row, _, _ in md.restore],
     }
 
 
@@ -265,35 +333,96 @@ def run_layer(
 # exactly these rows into a window slot and then computes what a miss computes.
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """Geometry of one layer's window records (chosen by :func:`plan_window_records`).
+
+    ``block_size``: tokens per window block (a divisor of the INT2 block size: vLLM allows
+    other block sizes in other KV-cache groups as long as the page bytes are equal).
+    ``sink_parts``: the sink rows are cut into this many parts of ``sink_part`` positions;
+    the record of window block ``j`` carries part ``j % sink_parts``. Any ``sink_parts``
+    consecutive blocks carry the whole sink, and vLLM's sliding-window manager (window =
+    ``recent``) always keeps that many blocks before a hit or a running request's position.
+    ``groups``: pages (window KV-cache groups) per record.
+    """
+
+    block_size: int
+    sink_parts: int
+    sink_part: int
+    groups: int
+
+    def record_rows(self, num_kv_heads: int) -> int:
+        """BF16 rows (of ``d``) in one block's record: ring rows + one sink part, K and V."""
+        return 2 * num_kv_heads * (self.block_size + self.sink_part)
+
+
+def window_sink_parts(block_size: int, sink: int, recent: int) -> tuple[int, int]:
+    """``(parts, positions per part)``: as many parts as window blocks always held
+    (``ceil((recent - 1) / block)``, the blocks of positions ``(p - recent, p)``)."""
+    parts = max(1, -(-(max(recent, 2) - 1) // block_size))
+    return parts, -(-sink // parts) if sink else 0
+
+
+def plan_window_records(
+    num_kv_heads: int,
+    block_size: int,
+    sink: int,
+    recent: int,
+    rows_per_page: int,
+    in_flight_tokens: int,
+    min_block: int = 16,
+) -> WindowPlan:
+    """The window-record geometry with the fewest pages held per running request.
+
+    vLLM's sliding-window manager holds ``ceil((recent - 1 + in_flight) / wb) + 1`` blocks per
+    group and request (its admission cap, what its concurrency count uses); a record of a
+    ``wb``-token block needs ``ceil(2·H·(wb + sink_part) / rows_per_page)`` groups. Candidates:
+    the divisors of ``block_size`` that are multiples of ``min_block`` (else ``block_size``).
+    """
+    cands = [w for w in range(min_block, block_size + 1, min_block) if block_size % w == 0] or [block_size]
+    best: tuple[int, int, WindowPlan] | None = None
+    for wb in cands:
+        parts, part = window_sink_parts(wb, sink, recent)
+        if part > wb:  # a record's sink part must be complete once its block is full
+            continue
+        groups = -(-2 * num_kv_heads * (wb + part) // rows_per_page)
+        held = -(-(max(recent, 2) - 1 + in_flight_tokens) // wb) + 1
+        cost = groups * held
+        plan = WindowPlan(wb, parts, part, groups)
+        if best is None or (cost, -wb) < (best[0], -best[1]):
+            best = (cost, wb, plan)
+    if best is None:
+        raise OscarError(
+            f"OSCAR: no window-record geometry for block size {block_size}, sink {sink}, recent {recent}"
+        )
+    return best[2]
+
+
 @dataclass
 class WindowPages:
     """One layer's BF16 window rows inside engine pages.
 
-    For each token block ``j`` of a sequence the layer keeps one *record*: the ring rows of the
-    block's tokens, ``[2 (K, V), H_kv, block_size, d]``, then a copy of the sequence's sink rows
-    ``[2, H_kv, sink, d]`` (so any block of the window carries the sink). Record row ``r`` lives
-    in row ``r % rows_per_page`` of page ``tables[r // rows_per_page][j]``: a record spans
-    :meth:`groups` pages, one per window KV-cache group, each as large as one INT2 page.
+    For each window block ``j`` (``plan.block_size`` tokens) of a sequence the layer keeps one
+    *record*: the ring rows of the block's tokens ``[2 (K, V), H_kv, block, d]``, then sink part
+    ``j % sink_parts`` ``[2, H_kv, sink_part, d]``. Record row ``r`` lives in row
+    ``r % rows_per_page`` of page ``tables[r // rows_per_page][j]``: a record spans
+    ``plan.groups`` pages, one per window KV-cache group, each as large as one INT2 page.
 
     Attributes:
         rows: ``[num_blocks, rows_per_page, d]`` bf16 view of the layer's page buffer.
-        num_kv_heads, block_size, sink_tokens: the record's geometry.
+        num_kv_heads: KV heads of the layer (this rank's).
+        plan: the record geometry.
+        sink_tokens: the layout's sink length.
     """
 
     rows: torch.Tensor
     num_kv_heads: int
-    block_size: int
+    plan: WindowPlan
     sink_tokens: int
 
-    @staticmethod
-    def record_rows(num_kv_heads: int, block_size: int, sink_tokens: int) -> int:
-        """Rows (of ``d`` bf16) in one block's record."""
-        return 2 * num_kv_heads * (block_size + sink_tokens)
-
-    @staticmethod
-    def groups_for(num_kv_heads: int, block_size: int, sink_tokens: int, rows_per_page: int) -> int:
-        """Pages (window groups) one record needs."""
-        return -(-WindowPages.record_rows(num_kv_heads, block_size, sink_tokens) // rows_per_page)
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
 
     @property
     def rows_per_page(self) -> int:
@@ -302,14 +431,14 @@ class WindowPages:
     def _ring_row(self, kv: int, head: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         return (kv * self.num_kv_heads + head) * self.block_size + offset
 
-    def _sink_row(self, kv: int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _sink_row(self, kv: int, head: torch.Tensor, within_part: torch.Tensor) -> torch.Tensor:
         base = 2 * self.num_kv_heads * self.block_size
-        return base + (kv * self.num_kv_heads + head) * self.sink_tokens + pos
+        return base + (kv * self.num_kv_heads + head) * self.plan.sink_part + within_part
 
     def locate(
         self, tables: torch.Tensor, block: torch.Tensor, row: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """``(page, row in page)`` of record rows ``row`` of token blocks ``block``; ``tables``
+        """``(page, row in page)`` of record rows ``row`` of window blocks ``block``; ``tables``
         ``[G, max_blocks]`` (one sequence) broadcast with ``block`` and ``row``."""
         rpp = self.rows_per_page
         return tables[row // rpp, block].long(), row % rpp
@@ -335,57 +464,76 @@ def write_window_pages(
 ) -> None:
     """Store the step's BF16 window rows in ``pages`` (after :func:`run_layer`).
 
-    ``tables``: ``[G, B, max_blocks]`` window block tables of the step's rows. Every written token
-    goes to its block's record; every record the step touched gets the sequence's sink rows
-    (from its window slot). The ring rows are those :func:`oscar_kernels.paged_write` puts in
-    a ring, computed by that same write into a scratch ring as long as the step's longest
-    chunk, so a restored row is bitwise the row a miss reads.
+    ``tables``: ``[G, B, max_window_blocks]`` window block tables of the step's rows. Every
+    written token's ring rows go to its window block's record, and with them that record's sink
+    part (from the row's window slot; written at every token, so the last write of a full block
+    is complete). The ring rows are the rows :func:`oscar_kernels.paged_write` puts in the ring:
+    read back from the window slot when the step's longest chunk fits in the ring, else computed
+    by that same write into a scratch ring as long as the chunk, so a restored row is bitwise the
+    row a miss reads. Padding tokens (``slot_mapping < 0``) write into the null block 0. No host
+    synchronisation on this path.
     """
     n = md.num_actual_tokens
     if n == 0:
         return
+    lo = cache.layout
     b = md.seq_lens.shape[0]
-    ring = max(int(md.max_query_len), 1)
-    scratch = allocate_cache(
-        replace(cache.layout, page_size=1, sink_tokens=0, recent_tokens=ring), 1, max(b, 1), cache.device
-    )
-    valid = md.slot_mapping[:n] >= 0
-    write_step(
-        scratch,
-        params,
-        k[:n],
-        v[:n],
-        replace(
-            md,
-            slot_mapping=torch.where(valid, 0, -1).to(md.slot_mapping.dtype),
-            window_slots=torch.arange(b, dtype=torch.int32, device=cache.device),
-        ),
-        backend,
-        parts="ring",
-    )
     dev = pages.rows.device
-    sidx = md.seq_index[:n].long()[valid].to(dev)
-    pos = md.positions[:n].long()[valid].to(dev)
-    if pos.numel() == 0:
-        return
+    valid = (md.slot_mapping[:n] >= 0).to(dev)
+    sidx = torch.where(valid, md.seq_index[:n].long().to(dev), 0)
+    pos = torch.where(valid, md.positions[:n].long().to(dev), 0)
+    slots = md.window_slots.long().to(dev)[sidx]
+    from_slot = int(md.max_query_len) <= lo.recent_tokens
+    if from_slot:  # every row the step wrote is still in the slot (ring, or sink below ``sink``)
+        ring, rows_of = max(lo.recent_tokens, 1), slots
+        k_src, v_src = cache.k_recent, cache.v_recent
+    else:
+        ring = max(int(md.max_query_len), 1)
+        scratch = allocate_cache(
+            replace(lo, page_size=1, sink_tokens=0, recent_tokens=ring), 1, max(b, 1), cache.device
+        )
+        write_step(
+            scratch,
+            params,
+            k[:n],
+            v[:n],
+            replace(
+                md,
+                slot_mapping=torch.where(md.slot_mapping[:n] >= 0, 0, -1).to(md.slot_mapping.dtype),
+                window_slots=torch.arange(b, dtype=torch.int32, device=cache.device),
+            ),
+            backend,
+            parts="ring",
+        )
+        rows_of, k_src, v_src = sidx, scratch.k_recent, scratch.v_recent
     tables = tables.to(dev).long()
     heads = torch.arange(pages.num_kv_heads, device=dev)
-    bs, rpp = pages.block_size, pages.rows_per_page
-    block = (pos // bs)[:, None]
-    for kv, src in ((0, scratch.k_recent), (1, scratch.v_recent)):
-        r = pages._ring_row(kv, heads[None, :], (pos % bs)[:, None])  # [n, H]
-        page = tables[r // rpp, sidx[:, None], block]
-        pages.rows[page, r % rpp] = src[sidx, :, (pos % ring)].to(dev)
-    if pages.sink_tokens == 0:
+    wb, rpp = pages.block_size, pages.rows_per_page
+    block = (pos // wb)[:, None]
+    null = torch.zeros((), dtype=torch.long, device=dev)
+    in_sink = (pos < lo.sink_tokens)[:, None, None]
+    for kv, src, sink_src in ((0, k_src, cache.k_sink), (1, v_src, cache.v_sink)):
+        r = pages._ring_row(kv, heads[None, :], (pos % wb)[:, None])  # [n, H]
+        page = torch.where(valid[:, None], tables[r // rpp, sidx[:, None], block], null)
+        vals = src[rows_of, :, (pos % ring)]  # [n, H, d]
+        if from_slot and lo.sink_tokens:  # the write keeps positions < sink in the sink rows only
+            vals = torch.where(in_sink, sink_src[slots, :, pos.clamp(max=lo.sink_tokens - 1)], vals)
+        pages.rows[page, r % rpp] = vals.to(pages.rows.dtype).to(dev)
+    part = pages.plan.sink_part
+    if lo.sink_tokens == 0 or part == 0:
         return
-    s = torch.arange(pages.sink_tokens, device=dev)
-    for row in torch.unique(sidx).tolist():
-        slot = int(md.window_slots[row])
-        for j in torch.unique(pos[sidx == row] // bs).tolist():
-            for kv, src in ((0, cache.k_sink), (1, cache.v_sink)):
-                r = pages._sink_row(kv, heads[:, None], s[None, :])  # [H, sink]
-                page, off = pages.locate(tables[:, row], torch.full_like(r, j), r)
-                pages.rows[page, off] = src[slot].to(dev)
+    # sink part (block % parts) of each token's record, from the row's slot: [n, H, part]
+    q = (pos // wb) % pages.plan.sink_parts
+    s = q[:, None] * part + torch.arange(part, device=dev)[None, :]  # [n, part] sink positions
+    s_ok = s < lo.sink_tokens
+    s = torch.where(s_ok, s, 0)
+    for kv, src in ((0, cache.k_sink), (1, cache.v_sink)):
+        r = pages._sink_row(kv, heads[None, :, None], torch.arange(part, device=dev)[None, None, :])
+        page = tables[r // rpp, sidx[:, None, None], block[:, :, None]]  # [n, H, part]
+        keep = (valid[:, None] & s_ok)[:, None, :]
+        page = torch.where(keep, page, null)
+        vals = src[slots[:, None, None], heads[None, :, None], s[:, None, :]]  # [n, H, part, d]
+        pages.rows[page, r % rpp] = vals.to(pages.rows.dtype).to(dev)
 
 
 def restore_windows(
@@ -393,27 +541,177 @@ def restore_windows(
 ) -> None:
     """Fill window slot ``slot`` with the rows a request with ``n_cached`` computed tokens reads
     (:func:`hit_window_positions`) from the records :func:`write_window_pages` stored;
-    ``tables``: the request's ``[G, max_blocks]`` window block tables."""
+    ``tables``: the request's ``[G, max_window_blocks]`` window block tables.
+
+    Ring rows (and sink positions ``> n_cached - recent``) come from their own blocks' records;
+    older sink positions from the sink parts of the ``sink_parts`` blocks ending at the block of
+    position ``n_cached - 1`` (all held by vLLM's sliding-window manager)."""
     lo = cache.layout
     if n_cached <= 0:
         return
     dev = pages.rows.device
     tables = tables.to(dev).long()
     heads = torch.arange(lo.num_kv_heads, device=dev)[:, None]
-    bs = pages.block_size
+    wb, plan = pages.block_size, pages.plan
     want = torch.tensor(hit_window_positions(n_cached, lo.sink_tokens, lo.recent_tokens), device=dev)
-    n_sink = int((want < lo.sink_tokens).sum())
-    if n_sink:  # from the record of the block holding position n_cached - 1
-        s = torch.arange(n_sink, device=dev)[None, :]
-        last = torch.full((lo.num_kv_heads, n_sink), (n_cached - 1) // bs, device=dev)
+    in_ring = want > n_cached - lo.recent_tokens  # read from the position's own block's record
+    ring_pos = want[in_ring].long()
+    if ring_pos.numel():
+        p = ring_pos[None, :]
+        blk = (p // wb).expand(lo.num_kv_heads, -1)
+        for kv, sdst, rdst in ((0, cache.k_sink, cache.k_recent), (1, cache.v_sink, cache.v_recent)):
+            page, off = pages.locate(tables, blk, pages._ring_row(kv, heads, p % wb))
+            vals = pages.rows[page, off].to(rdst.device)  # [H, n, d]
+            sink = ring_pos < lo.sink_tokens
+            if bool(sink.any()):
+                sdst[slot][:, ring_pos[sink].to(sdst.device)] = vals[:, sink.to(vals.device)]
+            tail = ~sink
+            if bool(tail.any()):
+                ring_rows = (ring_pos[tail] % lo.recent_tokens).to(rdst.device)
+                rdst[slot][:, ring_rows] = vals[:, tail.to(vals.device)]
+    old = want[~in_ring].long()  # sink positions whose own block may have left the window
+    if old.numel():
+        last = (n_cached - 1) // wb
+        q = old // plan.sink_part
+        blk = last - ((last - q) % plan.sink_parts)  # the held block with index % parts == q
+        sp = (old - q * plan.sink_part)[None, :]
         for kv, dst in ((0, cache.k_sink), (1, cache.v_sink)):
-            page, off = pages.locate(tables, last, pages._sink_row(kv, heads, s))
-            dst[slot, :, :n_sink] = pages.rows[page, off].to(dst.device)
-    tail = want[want >= lo.sink_tokens].long()
-    if tail.numel() and lo.recent_tokens:
-        p = tail[None, :]
-        for kv, dst in ((0, cache.k_recent), (1, cache.v_recent)):
             page, off = pages.locate(
-                tables, (p // bs).expand(lo.num_kv_heads, -1), pages._ring_row(kv, heads, p % bs)
+                tables, blk[None, :].expand(lo.num_kv_heads, -1), pages._sink_row(kv, heads, sp)
             )
-            dst[slot][:, (tail % lo.recent_tokens).to(dst.device)] = pages.rows[page, off].to(dst.device)
+            dst[slot][:, old.to(dst.device)] = pages.rows[page, off].to(dst.device)
+
+
+# ---- which rows need a restore: window slots that follow their content -------------------------
+
+
+class SlotTracker:
+    """What each window slot holds, so a request restores its windows only when its slot does
+    not already hold them (docs/vllm.md, "Prefix caching").
+
+    A slot's content is named by the key ``(INT2 block of position p - 1, p)`` of the step that
+    last wrote it: a block full and cached names its whole prefix (vLLM hashes the chain), a
+    partial block has one owner. A block that is written through another slot gets a new content,
+    so every slot whose key names it is forgotten. A request whose key matches a slot reuses it
+    without a restore; any other request with cached tokens (a prefix hit, a resumed or moved
+    request) takes a free or least recently used slot and restores it from the window records,
+    which vLLM's sliding-window manager keeps for every running request.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.key: list[tuple[int, int] | None] = [None] * num_slots
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self.restores = 0  # rows restored so far (diagnostics, tests)
+
+    def plan(
+        self,
+        last_block_before: list[int],
+        prefix: list[int],
+        last_block_after: list[int],
+        seq: list[int],
+        written_blocks: list[set[int]],
+        active: list[bool],
+        fixed: list[int] | None = None,
+    ) -> tuple[list[int], list[bool]]:
+        """Slots of a batch's rows and whether each must be restored; records the step's writes.
+
+        Per row: the INT2 block of position ``prefix - 1`` (any value when ``prefix == 0``),
+        ``prefix``, the block of position ``seq - 1``, ``seq``, the INT2 blocks the step writes,
+        and whether the row is real (padding rows get slot 0, no restore). ``fixed``: slots
+        given by the model runner (vLLM V2's ``req_idx``), else chosen here.
+        """
+        b = len(prefix)
+        slots, restore = [0] * b, [False] * b
+        taken: set[int] = set()
+        want = [(last_block_before[i], prefix[i]) if prefix[i] > 0 else None for i in range(b)]
+        if fixed is not None:
+            for i in range(b):
+                if active[i]:
+                    slots[i] = fixed[i]
+                    taken.add(fixed[i])
+                    restore[i] = want[i] is not None and self.key[fixed[i]] != want[i]
+        else:
+            by_key: dict[tuple[int, int], list[int]] = {}
+            for s, k in enumerate(self.key):
+                if k is not None:
+                    by_key.setdefault(k, []).append(s)
+            pending = []
+            for i in range(b):
+                if not active[i]:
+                    continue
+                match = [s for s in by_key.get(want[i], []) if s not in taken] if want[i] else []
+                if match:
+                    slots[i] = match[0]
+                    taken.add(match[0])
+                else:
+                    pending.append(i)
+            for i in pending:  # free slots first, then the least recently used
+                free = [s for s in self._lru if s not in taken and self.key[s] is None]
+                rest = [s for s in self._lru if s not in taken]
+                if not rest:
+                    raise OscarError(f"OSCAR: more than {self.num_slots} requests in one step (max_num_seqs)")
+                slots[i] = (free or rest)[0]
+                taken.add(slots[i])
+                restore[i] = want[i] is not None
+        written = set().union(*(written_blocks[i] for i in range(b) if active[i])) if b else set()
+        for s in range(self.num_slots):  # contents overwritten through another slot
+            k = self.key[s]
+            if k is not None and s not in taken and k[0] in written:
+                self.key[s] = None
+        for i in range(b):
+            if active[i]:
+                self.key[slots[i]] = (last_block_after[i], seq[i])
+                self._lru.move_to_end(slots[i])
+        self.restores += sum(restore)
+        return slots, restore
+
+
+def plan_slots(
+    tracker: SlotTracker,
+    query_start_loc_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    block_table: torch.Tensor,
+    num_reqs: int,
+    block_size: int,
+    fixed: list[int] | None = None,
+) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Window slots of a batch's rows and the rows to restore, ``(row, slot, prefix)``, from vLLM's
+    per-step tensors (prefix caching; :class:`SlotTracker`).
+
+    ``block_table``: the INT2 group's ``[B, max_blocks]`` table of ``block_size``-token blocks
+    (any device): only the entries the tracker needs (the blocks of positions ``prefix - 1`` and
+    ``seq - 1`` and the blocks the step writes) are gathered and copied to the host, in one copy.
+    """
+    b = num_reqs
+    qsl = query_start_loc_cpu[: b + 1].tolist()
+    seq = [int(x) for x in seq_lens_cpu[:b].tolist()]
+    qlen = [qsl[i + 1] - qsl[i] for i in range(b)]
+    prefix = [seq[i] - qlen[i] for i in range(b)]
+    width = int(block_table.shape[1]) if block_table.dim() == 2 else 0
+    cols: list[list[int]] = []
+    for i in range(b):
+        if qlen[i] <= 0 or seq[i] <= 0:
+            cols.append([])
+            continue
+        before = [(prefix[i] - 1) // block_size] if prefix[i] > 0 else []
+        cols.append(before + list(range(prefix[i] // block_size, (seq[i] - 1) // block_size + 1)))
+    flat = [i * width + c for i, cs in enumerate(cols) for c in cs if c < width]
+    if len(flat) != sum(len(cs) for cs in cols):
+        raise OscarError(f"OSCAR: a row's positions lie past its block table ({width} blocks)")
+    vals = block_table[:b].reshape(-1)[torch.tensor(flat, dtype=torch.long, device=block_table.device)]
+    vals = vals.tolist() if flat else []
+    blocks_before, blocks_after, written, k = [-1] * b, [-1] * b, [set() for _ in range(b)], 0
+    for i, cs in enumerate(cols):
+        if not cs:
+            continue
+        got = vals[k : k + len(cs)]
+        k += len(cs)
+        if prefix[i] > 0:
+            blocks_before[i], got = int(got[0]), got[1:]
+        written[i] = {int(x) for x in got}
+        blocks_after[i] = int(got[-1])
+    slots, again = tracker.plan(
+        blocks_before, prefix, blocks_after, seq, written, [q > 0 for q in qlen], fixed
+    )
+    return slots, [(i, slots[i], prefix[i]) for i in range(b) if again[i]]
