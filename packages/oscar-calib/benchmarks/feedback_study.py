@@ -111,6 +111,37 @@ def layer_errors(model: Any, scheme: Any, ids: torch.Tensor, windows: Windows) -
     return {"logit_rel_mean": statistics.fmean(lg), "output_rel_mean": statistics.fmean(og), "logit_rel": lg}
 
 
+@torch.no_grad()
+def served(
+    model: Any, rot: Any, ctx: Any, tok: Any, text: str, contexts: list[int], windows: Windows
+) -> dict:
+    """Perplexity through the paged kernels (``paged_write`` with the artifact's feedback,
+    ``extend_attention``, chunks of 256) vs the per-query emulation of the same artifact."""
+    from oscar_calib.metrics import final_hidden, sequences_metrics
+    from oscar_calib.paged import PagedConfig, PagedLM
+
+    out = {}
+    for c in contexts:
+        rows = []
+        for seq in token_chunks(tok, text, c, 2 * c, 0):
+            ids = seq[None].to(next(model.parameters()).device)
+            ref = final_hidden(model, ids)[0]
+            with simulate(model, build_scheme("oscar2", ctx), windows):
+                emu = final_hidden(model, ids)[0]
+            lm = PagedLM(model, rot, PagedConfig(max_seqs=1, max_len=c, prefill_chunk=256))
+            ker = lm.final_hidden([ids[0]])[0]
+            m = sequences_metrics(model, ref, {"bf16": ref, "emu": emu, "kernels": ker}, ids[0])
+            rows.append({k: v.perplexity for k, v in m.items()})
+            print(
+                f"served {c}: bf16 {rows[-1]['bf16']:.4f} emulation {rows[-1]['emu']:.4f} "
+                f"kernels {rows[-1]['kernels']:.4f} (kernels/emulation - 1 = "
+                f"{100 * (rows[-1]['kernels'] / rows[-1]['emu'] - 1):+.3f} %)",
+                flush=True,
+            )
+        out[str(c)] = rows
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="feedback-study")
@@ -127,6 +158,14 @@ def main() -> int:
     ap.add_argument("--errors", action="store_true", help="per-layer logit/output errors (1 seq/context)")
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES))
     ap.add_argument("--only", nargs="*", default=None, help="OSCAR variants to score (default: all)")
+    ap.add_argument(
+        "--served",
+        type=int,
+        nargs="*",
+        default=[],
+        help="contexts at which the first 2 held-out sequences are also run through the paged INT2 "
+        "kernels (PagedLM, the artifact's feedback written by paged_write) against the emulation",
+    )
     ap.add_argument(
         "--confirm", nargs="*", default=None, help="OSCAR variants on held-out / other text (default: all)"
     )
@@ -230,7 +269,14 @@ def main() -> int:
             sch = oscar_schemes()
             report["errors"][str(c)] = {
                 n: layer_errors(model16, sch[n], ids, windows)
-                for n in ("plain (oscar2-nofeedback)", "fb K", "fb V", "fb KV")
+                for n in (
+                    "plain (oscar2-nofeedback)",
+                    "oscar2 [artifact]",
+                    "oscar2 [artifact, --feedback kv]",
+                    "fb K",
+                    "fb V",
+                    "fb KV",
+                )
                 if n in sch
             }
             for n, e in report["errors"][str(c)].items():
@@ -239,6 +285,11 @@ def main() -> int:
                 )
             dump()
         times["errors"] = time.perf_counter() - t
+    if args.served and rot.k_feedback is not None:
+        t = time.perf_counter()
+        report["served"] = served(model16, rot, ctx, tok, held_text, args.served, windows)
+        times["served"] = time.perf_counter() - t
+        dump()
     t = time.perf_counter()
     report["selection"] = {}
     for c, n in zip(args.select_contexts, args.select_seqs, strict=True):
