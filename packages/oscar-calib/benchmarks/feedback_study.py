@@ -38,7 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
 from long_context_study3 import BUILTIN_SNAPSHOT, OTHER_SNAPSHOT, snapshot  # noqa: E402
 
-from oscar_calib.calibrate import CalibrationConfig, calibration_chunks, rotations_from_statistics  # noqa: E402
+from oscar_calib.calibrate import (  # noqa: E402
+    KEY_CLIP_POWER_PLAIN,
+    CalibrationConfig,
+    calibration_chunks,
+    rotations_from_statistics,
+)
 from oscar_calib.capture import collect_statistics  # noqa: E402
 from oscar_calib.models import load_model, model_name  # noqa: E402
 from oscar_calib.output_clip import output_metrics  # noqa: E402
@@ -147,7 +152,13 @@ def main() -> int:
     ap.add_argument("--out", default="feedback-study")
     ap.add_argument("--artifact", default=None, help="use this artifact (default: calibrate with defaults)")
     ap.add_argument("--damp", type=float, nargs="+", default=[0.01, 0.1])
-    ap.add_argument("--key-clip-scales", type=float, nargs="*", default=[0.7, 1.43])
+    ap.add_argument(
+        "--key-powers",
+        type=float,
+        nargs="*",
+        default=[0.35, 0.5, 0.6, 0.7],
+        help="key clip powers (stored ratio = searched ** p) tried with feedback keys in the selection",
+    )
     ap.add_argument("--no-ropemean", action="store_true")
     ap.add_argument("--select-contexts", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--select-seqs", type=int, nargs="*", default=[4, 2])
@@ -253,8 +264,12 @@ def main() -> int:
             )
         for dm in args.damp[1:]:
             s[f"fb K damp {dm}"] = feedback_scheme(base, f"fb K d{dm}", fb[dm][0], None)
-        for sc in args.key_clip_scales:
-            s[f"fb K, key clip exponent x{sc}"] = feedback_scheme(base, f"fb K kx{sc}", fk, None, sc)
+        p0 = float(rot.calibration.get("clip_power", 1.0))
+        s[f"previous default (plain, pK{KEY_CLIP_POWER_PLAIN})"] = feedback_scheme(
+            base, "previous", None, None, KEY_CLIP_POWER_PLAIN / p0
+        )
+        for p in args.key_powers:
+            s[f"fb K pK{p}"] = feedback_scheme(base, f"fb K pK{p}", fk, None, p / p0)
         if means is not None:
             s["ropemean (emulation)"] = RopeMeanScheme(base, means, inv_freq)
             s["ropemean + fb K (emulation)"] = RopeMeanScheme(s["fb K"], means, inv_freq)
@@ -299,9 +314,33 @@ def main() -> int:
         dump()
     times["selection"] = time.perf_counter() - t
 
+    # the in-format variant with the lowest mean KL on the calibration split is confirmed below
+    in_format = (
+        [
+            k
+            for k in report["selection"].get(str(args.select_contexts[0]), {}).get("schemes", {})
+            if "emulation" not in k
+        ]
+        if args.select_contexts
+        else []
+    )
+    if in_format:
+        pick = min(
+            in_format,
+            key=lambda k: statistics.fmean(
+                statistics.fmean(report["selection"][str(c)]["schemes"][k]["kl"])
+                for c in args.select_contexts
+            ),
+        )
+        report["pick"] = pick
+        print(f"picked on the calibration split (mean KL over contexts): {pick!r}", flush=True)
+        confirm = None if args.confirm is None else [*args.confirm, pick]
+    else:
+        confirm = args.confirm
+
     def full(baselines: bool) -> dict[str, Any]:
         s = {b: build_scheme(b, ctx) for b in args.baselines} if baselines else {}
-        s.update({k: v for k, v in oscar_schemes().items() if args.confirm is None or k in args.confirm})
+        s.update({k: v for k, v in oscar_schemes().items() if confirm is None or k in confirm})
         return s
 
     t = time.perf_counter()

@@ -52,6 +52,11 @@ CONFIG_VERSION = 1
 CLIP_SEARCHES = ("output", "row", "kl")
 #: which rows are written with error-feedback codes (CalibrationConfig.feedback)
 FEEDBACK_MODES = ("none", "k", "v", "kv")
+#: default key clip power with plain rounding (chosen in issue 13's first study) and with
+#: error-feedback key codes (milder clipping: feedback spreads the rounding error into
+#: directions queries do not read, so clipping buys less; docs/results.md, fourth study)
+KEY_CLIP_POWER_PLAIN = 0.7
+KEY_CLIP_POWER_FEEDBACK = 0.5
 
 
 def tool_version() -> str:
@@ -92,7 +97,9 @@ class CalibrationConfig:
             result as it is. The search minimises a per-row error, which the end-to-end optimum
             does not follow: 0.7 was chosen on the calibration split at 2k and 8k context
             (it was 0.5 before, chosen at 2k; milder clipping loses more at long context) and
-            confirmed on held-out text — docs/results.md, "Long context".
+            confirmed on held-out text — docs/results.md, "Long context". ``None`` (default):
+            0.7 with plain key rounding, 0.5 with error-feedback key codes (``feedback`` "k" or
+            "kv"; chosen on the calibration split and confirmed on held-out text, fourth study).
         value_clip_power: the same for values (``None``: ``clip_power``); 0.5 by default.
         key_clip_objective: ``"logit"`` weighs every sampled key row alike in the expected
             logit error; ``"attention"`` weighs each row by the attention its token receives
@@ -139,7 +146,7 @@ class CalibrationConfig:
     recent: int = 256
     key_centering: bool = True
     clip: bool = True
-    clip_power: float = 0.7
+    clip_power: float | None = None
     value_clip_power: float | None = 0.5
     key_clip_objective: str = "logit"
     clip_search: str = "row"
@@ -156,6 +163,10 @@ class CalibrationConfig:
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
+        if self.clip_power is None:  # the default depends on how the key codes are rounded
+            default = KEY_CLIP_POWER_FEEDBACK if "k" in str(self.feedback) else KEY_CLIP_POWER_PLAIN
+            object.__setattr__(self, "clip_power", default)
+
         def _int(name: str, low: int) -> None:
             v = getattr(self, name)
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= low
