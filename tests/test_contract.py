@@ -25,7 +25,7 @@ H_Q, H_KV, D, LAYERS = 4, 2, 64, 2
 SINK, RECENT = 8, 16
 
 
-def _random_rotations(tmp_path, group_size: int, granularity: str) -> Rotations:
+def _random_rotations(tmp_path, group_size: int, granularity: str, feedback: bool = False) -> Rotations:
     g = torch.Generator().manual_seed(3)
     G = H_KV if granularity == "kv_head" else 1
     layers = []
@@ -39,6 +39,12 @@ def _random_rotations(tmp_path, group_size: int, granularity: str) -> Rotations:
         rot["k_clip"] = torch.tensor([0.8, 0.95])[:G]
         rot["v_clip"] = torch.tensor([0.9, 1.0])[:G]
         rot["k_mean"] = torch.randn(G, D, generator=g)
+        if feedback:  # error-feedback codes (format version 2) from random anisotropic metrics
+            from oscar_math.feedback import feedback_matrix
+
+            for kind in ("k", "v"):
+                a = torch.randn(G, D, D, generator=g, dtype=torch.float64) * torch.logspace(0, -2, D)
+                rot[f"{kind}_feedback"] = feedback_matrix(a @ a.transpose(-1, -2))
         layers.append(rot)
     rotations = Rotations(
         model="contract-test",
@@ -57,15 +63,21 @@ def _random_rotations(tmp_path, group_size: int, granularity: str) -> Rotations:
     return load_rotations(path, num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D)
 
 
-def _contract_fake_quant(x, rot, mean, clip, group_size):
+def _contract_fake_quant(x, rot, mean, clip, group_size, feedback=None):
     """[T, H, d] → [T, H, d] float64 straight from the documented contract."""
+    from oscar_math.feedback import fake_quantize_int2_feedback
+
     out = torch.empty_like(x, dtype=torch.float64)
     H = x.shape[1]
     rot, clip = rot.expand(H, -1, -1), clip.expand(H)
     mean = mean.expand(H, -1) if mean is not None else None
+    fb = feedback.expand(H, -1, -1) if feedback is not None else None
     for h in range(H):
         xr = (x[:, h].double() - (mean[h].double() if mean is not None else 0)) @ rot[h].double()
-        xq = fake_quantize_int2(xr.float(), group_size, float(clip[h])).double()
+        if fb is None:
+            xq = fake_quantize_int2(xr.float(), group_size, float(clip[h])).double()
+        else:
+            xq = fake_quantize_int2_feedback(xr.float(), group_size, fb[h], float(clip[h])).double()
         out[:, h] = xq @ rot[h].double().T + (mean[h].double() if mean is not None else 0)
     return out
 
@@ -80,12 +92,13 @@ def _attend(q, k, v):
 
 
 @pytest.fixture(
-    params=[(D, "kv_head"), (32, "kv_head"), (D, "layer")],
-    ids=["group=d", "group=32", "granularity=layer"],
+    params=[(D, "kv_head", False), (32, "kv_head", False), (D, "layer", False), (D, "kv_head", True)],
+    ids=["group=d", "group=32", "granularity=layer", "feedback"],
 )
 def setup(request, tmp_path):
-    gs, granularity = request.param
-    rotations = _random_rotations(tmp_path, gs, granularity)
+    gs, granularity, feedback = request.param
+    rotations = _random_rotations(tmp_path, gs, granularity, feedback)
+    assert rotations.format_version == ("2" if feedback else "1")
     g = torch.Generator().manual_seed(11)
     T = SINK + RECENT + 37  # INT2 middle of 37 tokens, crossing a page boundary below
     k = torch.randn(T, H_KV, D, generator=g) * 2
@@ -94,8 +107,10 @@ def setup(request, tmp_path):
     layer = rotations.for_layer(1)
     mid = slice(SINK, T - RECENT)
     k_ref, v_ref = k.double().clone(), v.double().clone()
-    k_ref[mid] = _contract_fake_quant(k[mid], layer.k_rotation, layer.k_mean, layer.k_clip, gs)
-    v_ref[mid] = _contract_fake_quant(v[mid], layer.v_rotation, None, layer.v_clip, gs)
+    k_ref[mid] = _contract_fake_quant(
+        k[mid], layer.k_rotation, layer.k_mean, layer.k_clip, gs, layer.k_feedback
+    )
+    v_ref[mid] = _contract_fake_quant(v[mid], layer.v_rotation, None, layer.v_clip, gs, layer.v_feedback)
     return rotations, gs, q, k, v, k_ref, v_ref
 
 

@@ -11,6 +11,7 @@ from conftest import needs_smollm2
 from oscar_calib.calibrate import CalibrationConfig, calibrate, rotations_from_statistics
 from oscar_calib.capture import collect_statistics
 from oscar_calib.models import tiny_random_model
+from oscar_math import dequantize_int2
 from oscar_math.artifact import load_rotations, save_rotations
 from oscar_math.errors import OscarError
 from oscar_math.rotation import is_orthogonal
@@ -38,6 +39,8 @@ def qwen3():
         (dict(value_clip_power=1.5), "value_clip_power"),
         (dict(key_clip_objective="mse"), "key_clip_objective"),
         (dict(tokens=True), "tokens"),
+        (dict(feedback="q"), "feedback"),
+        (dict(feedback_damp=0.0), "feedback_damp"),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -198,3 +201,50 @@ def test_attention_key_objective_weighs_rows_by_received_attention(qwen3):
     unweighted = search_clip_ratio(x, att.group_size, metric=metric).ratios
     torch.testing.assert_close(logit.k_clip[i], unweighted)
     assert not torch.equal(expected, unweighted)  # the weights change the choice on these rows
+
+
+def test_error_feedback_in_the_artifact(qwen3, tmp_path):
+    """Key feedback by default: format version 2, ``F`` strictly lower triangular and derived
+    from ``R_Kᵀ C_Q R_K``; the default key clip power follows the rounding; eval serves it."""
+    from oscar_calib.calibrate import calibration_chunks
+    from oscar_calib.schemes import SchemeContext, build_scheme
+    from oscar_math.feedback import feedback_matrix
+
+    model, tok = qwen3
+    base = CalibrationConfig(**SMALL)
+    assert base.feedback == "k" and base.clip_power == 0.5
+    assert CalibrationConfig(feedback="none", **SMALL).clip_power == 0.7
+    assert CalibrationConfig(feedback="none", clip_power=0.9, **SMALL).clip_power == 0.9
+    chunks, _ = calibration_chunks(tok, base)
+    stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
+    rot = rotations_from_statistics(stats, base, model="m")
+    assert rot.format_version == "2" and rot.v_feedback is None
+    assert rot.calibration["feedback"] == {"rows": "k", "damp": 0.01}
+    c_q = stats.query_cov[1].result("kv_head").double()
+    R = rot.k_rotation[1].double()
+    want = feedback_matrix(R.transpose(-1, -2) @ c_q @ R)
+    torch.testing.assert_close(rot.k_feedback[1], want, atol=1e-3, rtol=1e-3)
+    kv = rotations_from_statistics(stats, dataclasses.replace(base, feedback="kv"), model="m")
+    assert kv.v_feedback is not None and kv.v_feedback[0].shape == (2, 128, 128)
+    none = rotations_from_statistics(stats, dataclasses.replace(base, feedback="none"), model="m")
+    assert none.format_version == "1" and not none.has_feedback
+    back = load_rotations(save_rotations(tmp_path / "fb.safetensors", rot))
+    assert torch.equal(back.k_feedback[0], rot.k_feedback[0])
+    # oscar2 writes feedback codes, oscar2-nofeedback plain ones (same clip, same scale/zero)
+    ctx = SchemeContext(128, 2, 2, back)
+    k = torch.randn(40, 2, 128, generator=torch.Generator().manual_seed(0))
+    a = build_scheme("oscar2", ctx).key_codec(0).encode(k)
+    b = build_scheme("oscar2-nofeedback", ctx).key_codec(0).encode(k)
+    assert torch.equal(a.scale, b.scale) and not torch.equal(a.codes, b.codes)
+    # and under the metric the feedback codes are better on these rows
+    codec = build_scheme("oscar2", ctx).key_codec(0)
+    y = codec.to_rotated(k)
+
+    R0 = back.k_rotation[0].double()  # layer 0's metric
+    m = R0.transpose(-1, -2) @ stats.query_cov[0].result("kv_head").double() @ R0
+
+    def err(q):
+        e = (y - dequantize_int2(q)).double()
+        return float(torch.einsum("thi,hij,thj->", e, m, e))
+
+    assert err(a) < err(b)

@@ -95,9 +95,9 @@ def test_calibrate_stores_the_output_search(llama, tmp_path):
     row = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
     meta = out.calibration
     assert meta["clip_search"]["tokens_per_sequence"] == 256 and meta["clip_search"]["sequences"] == 1
-    assert "clip_power" not in meta and meta["row_clip_power"] == {"k": 0.7, "v": 0.5}
+    assert "clip_power" not in meta and meta["row_clip_power"] == {"k": 0.5, "v": 0.5}  # feedback default
     assert meta["output_error_ratio"]["chosen_vs_row_search"] <= 1.0
-    assert row.calibration["clip_power"] == 0.7
+    assert row.calibration["clip_power"] == 0.5  # key power with error-feedback codes (the default)
     # same rotations and mean, other clip ratios
     for a, b in zip(out.k_rotation, row.k_rotation, strict=True):
         torch.testing.assert_close(a, b)

@@ -47,9 +47,25 @@ def dyadic(*shape: int, gen: torch.Generator, scale: int = 8, span: int = 32) ->
     return torch.randint(-span, span, shape, generator=gen).float() / scale
 
 
-def make_params(hkv: int, d: int, granularity: str, gen: torch.Generator, exact: bool = False):
+def random_feedback(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    """Error-feedback matrices ``[..., d, d]`` (strictly lower triangular) of random anisotropic
+    metrics, as calibration makes them (``oscar_math.feedback_matrix``)."""
+    from oscar_math.feedback import feedback_matrix
+
+    d = shape[-1]
+    n = 1 if len(shape) == 2 else shape[0]
+    q = torch.linalg.qr(torch.randn(n, d, d, generator=gen, dtype=torch.float64))[0]
+    lam = torch.logspace(0, -3, d, dtype=torch.float64)
+    f = feedback_matrix(q @ torch.diag(lam) @ q.transpose(-1, -2))
+    return f[0] if len(shape) == 2 else f
+
+
+def make_params(
+    hkv: int, d: int, granularity: str, gen: torch.Generator, exact: bool = False, feedback: str = ""
+):
     """Random rotations, key mean and clip ratios; ``exact``: rotations and mean for which
-    rotating dyadic keys is exact arithmetic (so any summation order gives the same bits)."""
+    rotating dyadic keys is exact arithmetic (so any summation order gives the same bits).
+    ``feedback``: ``"k"``, ``"v"`` or ``"kv"`` adds random error-feedback matrices."""
     from oscar_kernels import LayerQuantParams
 
     shape = (d, d) if granularity == "layer" else (hkv, d, d)
@@ -62,6 +78,8 @@ def make_params(hkv: int, d: int, granularity: str, gen: torch.Generator, exact:
         k_mean=mean,
         k_clip=0.8 + 0.2 * torch.rand(hkv, generator=gen),
         v_clip=0.9,
+        k_feedback=random_feedback(*shape, gen=gen) if "k" in feedback else None,
+        v_feedback=random_feedback(*shape, gen=gen) if "v" in feedback else None,
     )
 
 
@@ -77,6 +95,7 @@ def fill_cache(
     precise=False,
     exact=False,
     pending=None,
+    feedback="",
 ):
     """Allocate a cache and write random tokens for sequences of ``lens`` (scattered pages).
 
@@ -85,7 +104,8 @@ def fill_cache(
     same for every sequence (``[]`` = one prefill-only write). ``pad`` padding tokens
     (slot -1, huge values, position 0 of sequence 0) are mixed into every write: they
     must change nothing. ``exact``: :func:`make_params` ``exact`` rotations and dyadic
-    keys/values, so the rotation is exact arithmetic on every device.
+    keys/values, so the rotation is exact arithmetic on every device. ``feedback``: see
+    :func:`make_params`.
     Returns ``(cache, params, block_table, window_slots, keys, values)``.
     """
     from oscar_kernels import allocate_cache, paged_write
@@ -103,7 +123,7 @@ def fill_cache(
     cache = allocate_cache(layout, num_pages, len(lens) + 1, DEVICE)
     for t in (cache.k_codes, cache.v_codes):  # garbage, not zeros, where nothing was written
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
-    params = make_params(layout.num_kv_heads, layout.head_dim, granularity, gen, exact)
+    params = make_params(layout.num_kv_heads, layout.head_dim, granularity, gen, exact, feedback)
     h, d = layout.num_kv_heads, layout.head_dim
     if exact:
         keys = [(dyadic(n, h, d, gen=gen) + 0.5).bfloat16().to(DEVICE) for n in lens]

@@ -139,7 +139,8 @@ def test_truncated(tmp_path, good):
     "change,match",
     [
         ({"format": "something-else"}, "Invalid format"),
-        ({"format_version": "2"}, "Unsupported format_version: expected '1', got '2'"),
+        ({"format_version": "3"}, r"Unsupported format_version: expected one of \['1', '2'\], got '3'"),
+        ({"format_version": "2"}, "format_version '2' without k_feedback or v_feedback"),
         ({"granularity": "token"}, "Invalid granularity"),
         ({"head_dim": "sixteen"}, "Invalid metadata head_dim"),
         ({"calibration": "{not json"}, "Invalid metadata calibration"),

@@ -28,6 +28,7 @@ from oscar_math.artifact import Granularity, Rotations
 from oscar_math.clipping import clip_error, search_clip_ratio
 from oscar_math.eigen import eigenbasis
 from oscar_math.errors import check
+from oscar_math.feedback import feedback_matrix
 from oscar_math.hadamard import is_hadamard_order
 from oscar_math.rotation import HadamardMode, compose_rotation
 
@@ -49,6 +50,13 @@ __all__ = [
 CONFIG_VERSION = 1
 #: how stored clip ratios are chosen (CalibrationConfig.clip_search)
 CLIP_SEARCHES = ("output", "row", "kl")
+#: which rows are written with error-feedback codes (CalibrationConfig.feedback)
+FEEDBACK_MODES = ("none", "k", "v", "kv")
+#: default key clip power with plain rounding (chosen in issue 13's first study) and with
+#: error-feedback key codes (milder clipping: feedback spreads the rounding error into
+#: directions queries do not read, so clipping buys less; docs/results.md, fourth study)
+KEY_CLIP_POWER_PLAIN = 0.7
+KEY_CLIP_POWER_FEEDBACK = 0.5
 
 
 def tool_version() -> str:
@@ -89,7 +97,9 @@ class CalibrationConfig:
             result as it is. The search minimises a per-row error, which the end-to-end optimum
             does not follow: 0.7 was chosen on the calibration split at 2k and 8k context
             (it was 0.5 before, chosen at 2k; milder clipping loses more at long context) and
-            confirmed on held-out text — docs/results.md, "Long context".
+            confirmed on held-out text — docs/results.md, "Long context". ``None`` (default):
+            0.7 with plain key rounding, 0.5 with error-feedback key codes (``feedback`` "k" or
+            "kv"; chosen on the calibration split and confirmed on held-out text, fourth study).
         value_clip_power: the same for values (``None``: ``clip_power``); 0.5 by default.
         key_clip_objective: ``"logit"`` weighs every sampled key row alike in the expected
             logit error; ``"attention"`` weighs each row by the attention its token receives
@@ -117,6 +127,12 @@ class CalibrationConfig:
         bit_reversal: bit-reversal permutation of eigen-directions into groups.
         hadamard: ``"group"``, ``"full"`` or ``"none"`` (see ``compose_rotation``).
         max_samples: token rows kept per layer for the clip search.
+        feedback: which rows are written with error-feedback (LDLQ) codes
+            (:mod:`oscar_math.feedback`): ``"k"``, ``"v"``, ``"kv"`` or ``"none"``. Keys use the
+            logit metric ``R_Kᵀ C_Q R_K``, values ``R_Vᵀ (Σ_{h in group} W_hᵀ W_h) R_V`` (the
+            group's ``o_proj`` slices). Same scale, zero, clip and bits; the artifact stores the
+            feedback matrices (format version 2) so every write path computes the same codes.
+        feedback_damp: relative diagonal loading of the metric before its factorisation.
     """
 
     tokens: int = 16384
@@ -130,7 +146,7 @@ class CalibrationConfig:
     recent: int = 256
     key_centering: bool = True
     clip: bool = True
-    clip_power: float = 0.7
+    clip_power: float | None = None
     value_clip_power: float | None = 0.5
     key_clip_objective: str = "logit"
     clip_search: str = "row"
@@ -142,9 +158,15 @@ class CalibrationConfig:
     bit_reversal: bool = True
     hadamard: str = "group"
     max_samples: int = 2048
+    feedback: str = "k"
+    feedback_damp: float = 0.01
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
+        if self.clip_power is None:  # the default depends on how the key codes are rounded
+            default = KEY_CLIP_POWER_FEEDBACK if "k" in str(self.feedback) else KEY_CLIP_POWER_PLAIN
+            object.__setattr__(self, "clip_power", default)
+
         def _int(name: str, low: int) -> None:
             v = getattr(self, name)
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= low
@@ -203,6 +225,13 @@ class CalibrationConfig:
             "key_clip_objective",
             f"one of {objectives}",
             self.key_clip_objective,
+        )
+        check(self.feedback in FEEDBACK_MODES, "feedback", f"one of {FEEDBACK_MODES}", self.feedback)
+        check(
+            isinstance(self.feedback_damp, (int, float)) and self.feedback_damp > 0,
+            "feedback_damp",
+            "a number > 0",
+            self.feedback_damp,
         )
         for name in ("key_centering", "clip", "bit_reversal"):
             check(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
@@ -265,6 +294,14 @@ def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x
 
 
+def _group_metric(per_head: torch.Tensor, num_kv_heads: int, groups: int) -> torch.Tensor:
+    """``[H_q, d, d]`` per-query-head metrics → ``[G, d, d]``: summed over each KV head's query
+    heads (``G = H_kv``) or over all heads (``G = 1``)."""
+    hq, d = per_head.shape[0], per_head.shape[-1]
+    m = per_head.double().reshape(num_kv_heads, hq // num_kv_heads, d, d).sum(1)
+    return m.sum(0, keepdim=True) if groups == 1 else m
+
+
 def rotations_from_statistics(
     stats: CalibrationStatistics,
     config: CalibrationConfig,
@@ -285,8 +322,25 @@ def rotations_from_statistics(
     g = 1 if config.granularity == Granularity.LAYER.value else info.num_kv_heads
     out: dict[str, list[torch.Tensor]] = {
         k: []
-        for k in ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip", "k_mean")
+        for k in (
+            "k_rotation",
+            "v_rotation",
+            "k_eigenvalues",
+            "v_eigenvalues",
+            "k_clip",
+            "v_clip",
+            "k_mean",
+            "k_feedback",
+            "v_feedback",
+        )
     }
+    if "v" in config.feedback:
+        check(
+            stats.output_metrics is not None,
+            "statistics.output_metrics",
+            "the o_proj metrics value feedback needs (collect_statistics records them)",
+            None,
+        )
     clip_report: dict[str, list[float]] = {"k_error_ratio": [], "v_error_ratio": []}
     for i in range(info.num_layers):
         c_q = stats.query_cov[i].result(config.granularity).cpu()  # [G, d, d]
@@ -327,7 +381,15 @@ def rotations_from_statistics(
         out["k_clip"].append(k_clip)
         out["v_clip"].append(v_clip)
         out["k_mean"].append(mean)
+        if "k" in config.feedback:
+            m_k = R_k.transpose(-1, -2) @ c_q.double() @ R_k
+            out["k_feedback"].append(feedback_matrix(m_k, config.feedback_damp))
+        if "v" in config.feedback:
+            m_v = _group_metric(stats.output_metrics[i], info.num_kv_heads, g)
+            out["v_feedback"].append(feedback_matrix(R_v.transpose(-1, -2) @ m_v @ R_v, config.feedback_damp))
     meta = dict(calibration or {})
+    if config.feedback != "none":
+        meta["feedback"] = {"rows": config.feedback, "damp": float(config.feedback_damp)}
     meta["clip_power"] = float(config.clip_power) if config.clip else 1.0
     if config.clip and config.value_clip_power is not None:
         meta["value_clip_power"] = float(config.value_clip_power)
@@ -339,6 +401,7 @@ def rotations_from_statistics(
         }
     k_mean = out.pop("k_mean") if config.key_centering else None
     out.pop("k_mean", None)
+    k_feedback, v_feedback = out.pop("k_feedback") or None, out.pop("v_feedback") or None
     return Rotations(
         model=model,
         num_layers=info.num_layers,
@@ -349,6 +412,8 @@ def rotations_from_statistics(
         recent_tokens=config.recent,
         granularity=config.granularity,
         k_mean=k_mean,
+        k_feedback=k_feedback,
+        v_feedback=v_feedback,
         calibration=meta,
         **out,
     )

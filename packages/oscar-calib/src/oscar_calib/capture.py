@@ -40,7 +40,7 @@ from oscar_math.errors import check
 from .attention import attention_override, sdpa_attention
 from .models import ModelInfo, model_info
 
-__all__ = ["LayerSample", "CalibrationStatistics", "collect_statistics"]
+__all__ = ["LayerSample", "CalibrationStatistics", "collect_statistics", "head_output_metrics"]
 
 # C_S through the fused kernel (ScoreWeightedValueCovariance.update_fused); tests set it
 # False to run the reference blockwise softmax over all keys and compare the two.
@@ -73,6 +73,9 @@ class CalibrationStatistics:
         value_cov: per layer, ``C_S`` accumulators.
         key_mean: per layer, key-mean accumulators.
         samples: per layer, the sampled raw rows.
+        output_metrics: per layer ``[H_q, d, d]`` float64 ``W_hᵀ W_h`` of each query head's
+            ``o_proj`` slice (the value error's weight in the residual stream; the value
+            feedback matrices are derived from it), or None.
         tokens: tokens run through the model.
         seconds: wall time of the capture.
     """
@@ -85,6 +88,26 @@ class CalibrationStatistics:
     tokens: int = 0
     seconds: float = 0.0
     scaling: list[float] = field(default_factory=list)
+    output_metrics: list[torch.Tensor] | None = None
+
+
+def head_output_metrics(model: Any, num_q_heads: int, head_dim: int) -> list[torch.Tensor] | None:
+    """Per layer ``[H_q, d, d]`` float64 ``W_hᵀ W_h`` (``W_h`` the head's ``o_proj`` columns).
+
+    None when a layer has no ``o_proj`` of the expected shape (then value feedback cannot be
+    derived and calibration says so).
+    """
+    from .attention import attention_modules
+
+    out = []
+    for module in attention_modules(model):
+        proj = getattr(module, "o_proj", None)
+        w = getattr(proj, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != num_q_heads * head_dim:
+            return None
+        w = w.detach().double().cpu().reshape(w.shape[0], num_q_heads, head_dim).permute(1, 0, 2)
+        out.append(w.transpose(1, 2) @ w)
+    return out
 
 
 def _sample_positions(
@@ -249,6 +272,7 @@ def collect_statistics(
         for i in range(info.num_layers)
     ]
     return CalibrationStatistics(
+        output_metrics=head_output_metrics(model, info.num_q_heads, info.head_dim),
         info=info,
         query_cov=capture.query_cov,
         value_cov=capture.value_cov,

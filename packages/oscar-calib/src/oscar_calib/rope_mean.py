@@ -22,6 +22,7 @@ emulation adds it back exactly, so it bounds what such a change could buy.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,7 +110,8 @@ class RopeMeanScheme(KVScheme):
     def _key_codec(self, layer_idx: int) -> RowCodec:
         if layer_idx not in self._codecs:
             c = self.base.key_codec(layer_idx)
-            self._codecs[layer_idx] = RowCodec(c.group_size, rotation=c.rotation, mean=None, clip=c.clip)
+            # keep everything but the static mean (rotation, clip, feedback)
+            self._codecs[layer_idx] = dataclasses.replace(c, mean=None)
         return self._codecs[layer_idx]
 
     def position_mean(self, layer_idx: int, length: int, device: torch.device) -> torch.Tensor:

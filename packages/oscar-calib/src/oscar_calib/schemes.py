@@ -31,6 +31,8 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``oscar2-nocenter``       ``oscar2`` without key centering
 ``oscar2-nobitrev``       ``oscar2`` without the bit-reversal permutation (group < d only)
 ``oscar2-norot``          ``oscar2`` with identity rotations (centering and clipping kept)
+``oscar2-nofeedback``     ``oscar2`` with plain rounding where the artifact stores error-feedback
+                          matrices (format version 2; :mod:`oscar_math.feedback`)
 ``hadamard2-center``      ``hadamard2`` with the calibrated key mean subtracted
 ``oscar2-kernels``        ``oscar2`` served through the paged INT2 kernels (needs
                           ``oscar-calib[kernels]``; see :mod:`oscar_calib.paged`)
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 
 from oscar_math import Int2Quantized, check, dequantize_int2, fake_quantize_int2, quantize_int2
+from oscar_math.feedback import quantize_int2_feedback
 from oscar_math.hookspecs import hookimpl
 
 __all__ = [
@@ -98,12 +101,16 @@ class RowCodec:
             ``x @ R``; None means identity.
         mean: ``[G, d]`` float32 subtracted (original basis) before rotating; None: none.
         clip: ``[G]`` clip ratios in ``(0, 1]``; None: no clipping.
+        feedback: ``[G, d, d]`` strictly lower-triangular error-feedback matrices
+            (:mod:`oscar_math.feedback`): codes are rounded in order with each error fed
+            forward; None: plain rounding.
     """
 
     group_size: int
     rotation: torch.Tensor | None = None
     mean: torch.Tensor | None = None
     clip: torch.Tensor | None = None
+    feedback: torch.Tensor | None = None
 
     def to_rotated(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H, d]`` → centred, rotated ``[..., H, d]`` float32."""
@@ -135,7 +142,11 @@ class RowCodec:
 
     def encode(self, x: torch.Tensor) -> Int2Quantized:
         """``[..., H, d]`` rows → packed INT2 of the centred, rotated rows."""
-        return quantize_int2(self.to_rotated(x), self.group_size, self.clip_ratio(x.shape[-2], x.device))
+        ratio = self.clip_ratio(x.shape[-2], x.device)
+        if self.feedback is not None:
+            fb = _per_head(self.feedback, x.shape[-2])
+            return quantize_int2_feedback(self.to_rotated(x), self.group_size, fb, ratio)
+        return quantize_int2(self.to_rotated(x), self.group_size, ratio)
 
     def decode(self, q: Int2Quantized, dtype: torch.dtype) -> torch.Tensor:
         """Packed ``[..., H, d/4]`` → ``[..., H, d]`` in the original basis."""
@@ -143,6 +154,8 @@ class RowCodec:
 
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` without packing: ``[..., H, d]`` → same shape in ``x.dtype``."""
+        if self.feedback is not None:
+            return self.from_rotated(dequantize_int2(self.encode(x)), x.dtype)
         y = self.to_rotated(x)
         yq = fake_quantize_int2(y, self.group_size, self.clip_ratio(x.shape[-2], x.device))
         return self.from_rotated(yq, x.dtype)
@@ -408,6 +421,7 @@ def _oscar_factory(
     center: bool = True,
     rotate: bool = True,
     bit_reversal: bool = True,
+    feedback: bool = True,
 ) -> Callable[[SchemeContext], KVScheme]:
     def make(ctx: SchemeContext) -> KVScheme:
         rot = _require_rotations(ctx, name)
@@ -425,6 +439,11 @@ def _oscar_factory(
                     clip=_clip_for(
                         _layer_tensor(rot, i, f"{kind}_clip"), power, _stored_clip_power(rot, kind, i)
                     ),
+                    # the artifact's error-feedback matrices (format version 2) are in the basis
+                    # of the stored rotation: dropped with it (norot, nobitrev)
+                    feedback=_layer_tensor(rot, i, f"{kind}_feedback")
+                    if feedback and rotate and bit_reversal
+                    else None,
                 )
 
             return build
@@ -498,6 +517,11 @@ def _specs() -> list[Any]:
             "oscar2-nobitrev",
             "oscar2 without the bit-reversal permutation (matters at group < d; ablation)",
             _oscar_factory("oscar2-nobitrev", "oscar2 without bit reversal", bit_reversal=False),
+        ),
+        SchemeSpec(
+            "oscar2-nofeedback",
+            "oscar2 with plain rounding instead of the artifact's error-feedback codes (ablation)",
+            _oscar_factory("oscar2-nofeedback", "oscar2 with plain rounding", feedback=False),
         ),
         SchemeSpec(
             "oscar2-norot",

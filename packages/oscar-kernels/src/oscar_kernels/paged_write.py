@@ -106,7 +106,8 @@ def paged_write(
 
     Args:
         cache: the layer's cache.
-        params: the layer's rotations / mean / clip ratios.
+        params: the layer's rotations / mean / clip ratios / error-feedback matrices (when
+            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``).
         key, value: ``[N, H_kv, d]`` un-rotated (after RoPE), any float dtype.
         slot_mapping: ``[N]`` flat INT2 slot ``page * page_size + offset``; ``< 0`` = skip (padding).
         positions: ``[N]`` position of each token in its sequence.
@@ -176,10 +177,11 @@ def _launch(
         block_t = 128 if lo.head_dim <= 128 else 32
     grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
     prec = "ieee" if (precise or interpreting()) else "tf32"
-    for x, rot, codes, scale, zero, sink, ring, alpha, has_mean in (
+    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean in (
         (
             key,
             ep.k_rotation,
+            ep.k_feedback,
             cache.k_codes,
             cache.k_scale,
             cache.k_zero,
@@ -191,6 +193,7 @@ def _launch(
         (
             value,
             ep.v_rotation,
+            ep.v_feedback,
             cache.v_codes,
             cache.v_scale,
             cache.v_zero,
@@ -211,6 +214,9 @@ def _launch(
             ep.k_mean,
             ep.k_mean.stride(0),
             alpha,
+            rot if fb is None else fb,  # a valid pointer either way; read only with HAS_FEEDBACK
+            0 if fb is None else fb.stride(0),
+            0 if fb is None else fb.stride(1),
             slot_mapping,
             positions,
             seq_index,
@@ -240,6 +246,7 @@ def _launch(
             SINK=lo.sink_tokens,
             RECENT=lo.recent_tokens,
             HAS_MEAN=has_mean,
+            HAS_FEEDBACK=fb is not None,
             WRITE_PAGES=parts != "ring",
             WRITE_RING=parts != "pages",
             BLOCK_T=block_t,

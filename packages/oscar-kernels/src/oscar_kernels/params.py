@@ -27,6 +27,8 @@ class ExpandedParams:
         k_rotation, v_rotation: ``[H_kv, d, d]`` (stride 0 on dim 0 for one per layer).
         k_mean: ``[H_kv, d]`` (zeros when absent).
         k_clip, v_clip: ``[H_kv]`` ratios in ``(0, 1]``.
+        k_feedback, v_feedback: ``[H_kv, d, d]`` strictly lower-triangular error-feedback
+            matrices in the rotated basis, or None (plain rounding).
     """
 
     k_rotation: torch.Tensor
@@ -35,6 +37,8 @@ class ExpandedParams:
     k_clip: torch.Tensor
     v_clip: torch.Tensor
     has_mean: bool
+    k_feedback: torch.Tensor | None = None
+    v_feedback: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class LayerQuantParams:
             (granularity ``kv_head``) float32 orthogonal matrices.
         k_mean: ``None``, ``[d]`` or ``[H_kv, d]`` — key mean in the original basis.
         k_clip, v_clip: float, or ``[H_kv]`` / ``[1]`` tensor, in ``(0, 1]`` (1 = no clip).
+        k_feedback, v_feedback: ``None`` (plain rounding), ``[d, d]`` or ``[H_kv, d, d]``
+            strictly lower-triangular error-feedback matrices (``oscar_math.feedback``, format
+            version 2 of the artifact): the codes are rounded coordinate by coordinate with each
+            error fed forward. Scale, zero and the cache layout are unchanged.
     """
 
     k_rotation: torch.Tensor
@@ -53,13 +61,16 @@ class LayerQuantParams:
     k_mean: torch.Tensor | None = None
     k_clip: float | torch.Tensor = 1.0
     v_clip: float | torch.Tensor = 1.0
+    k_feedback: torch.Tensor | None = None
+    v_feedback: torch.Tensor | None = None
 
     @classmethod
     def from_rotations(cls, rotations: Any, layer: int) -> LayerQuantParams:
         """Layer ``layer`` of an :class:`oscar_math.artifact.Rotations` (a loaded artifact).
 
         ``layer`` granularity (``G = 1``) gives ``[d, d]`` rotations, ``kv_head`` gives
-        ``[H_kv, d, d]``; clip ratios and the key mean are taken as stored.
+        ``[H_kv, d, d]``; clip ratios, the key mean and the error-feedback matrices (if the
+        artifact has them) are taken as stored.
         """
         check(
             isinstance(layer, int) and 0 <= layer < rotations.num_layers,
@@ -79,6 +90,8 @@ class LayerQuantParams:
             k_mean=one(lay.k_mean),
             k_clip=lay.k_clip,
             v_clip=lay.v_clip,
+            k_feedback=one(getattr(lay, "k_feedback", None)),
+            v_feedback=one(getattr(lay, "v_feedback", None)),
         )
 
     @property
@@ -116,7 +129,32 @@ class LayerQuantParams:
                 c.tolist(),
             )
             clips.append(c.to(device).expand(h).contiguous())
-        return ExpandedParams(rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None)
+        fbs = []
+        for name in ("k_feedback", "v_feedback"):
+            f = getattr(self, name)
+            if f is None:
+                fbs.append(None)
+                continue
+            check(
+                isinstance(f, torch.Tensor) and f.shape in ((d, d), (h, d, d)),
+                f"shape of {name}",
+                f"({d}, {d}) or ({h}, {d}, {d})",
+                tuple(f.shape) if isinstance(f, torch.Tensor) else type(f),
+            )
+            f = f.to(device=device, dtype=torch.float32)
+            # one host check at load time: the kernels read only the strictly lower part's
+            # columns in order, so anything on or above the diagonal would be silently ignored
+            check(bool(torch.isfinite(f).all()), name, "finite values", "NaN/Inf")
+            check(
+                not bool(torch.triu(f).ne(0).any()),
+                name,
+                "strictly lower triangular",
+                "nonzero entries on/above the diagonal",
+            )
+            fbs.append(f.expand(h, d, d).contiguous())
+        return ExpandedParams(
+            rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None, fbs[0], fbs[1]
+        )
 
 
 def as_expanded(

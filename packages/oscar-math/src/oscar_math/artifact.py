@@ -24,6 +24,8 @@ from .errors import ArtifactError
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_FEEDBACK",
+    "FORMAT_VERSIONS",
     "ORTHOGONALITY_TOL",
     "Granularity",
     "LayerRotations",
@@ -35,8 +37,13 @@ __all__ = [
 
 #: value of the ``format`` metadata key.
 FORMAT = "oscar-rotations"
-#: value of the ``format_version`` metadata key this code reads and writes.
+#: ``format_version`` of a file without error-feedback matrices (what readers of version 1 accept).
 FORMAT_VERSION = "1"
+#: ``format_version`` of a file with ``k_feedback`` / ``v_feedback``: the codes depend on them, so a
+#: reader that knows only version 1 must refuse the file rather than serve plain rounding.
+FORMAT_VERSION_FEEDBACK = "2"
+#: every version this code reads.
+FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_FEEDBACK)
 #: largest accepted ``max |RᵀR − I|`` of a stored rotation (float32 storage gives ~1e-6).
 ORTHOGONALITY_TOL = 1e-3
 
@@ -45,6 +52,8 @@ _META_KEYS = ("format", "format_version", "model", *_INT_KEYS, "granularity", "c
 #: per-layer tensors, in the order they are reported; ``k_mean`` is optional.
 _KINDS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip", "v_clip")
 _OPTIONAL = ("k_mean",)
+#: optional error-feedback matrices (format version 2), each all layers or none.
+_FEEDBACK = ("k_feedback", "v_feedback")
 
 
 class Granularity(str, Enum):
@@ -63,6 +72,8 @@ class LayerRotations:
         k_eigenvalues, v_eigenvalues: ``[G, d]`` float32 (0 where unknown).
         k_clip, v_clip: ``[G]`` float32 clip ratios in ``(0, 1]``.
         k_mean: ``[G, d]`` float32 key mean in the original basis, or ``None``.
+        k_feedback, v_feedback: ``[G, d, d]`` float32 strictly lower-triangular error-feedback
+            matrices (:mod:`oscar_math.feedback`), or ``None`` (plain rounding).
     """
 
     k_rotation: torch.Tensor
@@ -72,6 +83,8 @@ class LayerRotations:
     k_clip: torch.Tensor
     v_clip: torch.Tensor
     k_mean: torch.Tensor | None
+    k_feedback: torch.Tensor | None = None
+    v_feedback: torch.Tensor | None = None
 
 
 def _fail(msg: str) -> None:
@@ -97,6 +110,8 @@ class Rotations:
         k_eigenvalues, v_eigenvalues: ``num_layers × [G, d]``.
         k_clip, v_clip: ``num_layers × [G]``.
         k_mean: ``num_layers × [G, d]`` or ``None``.
+        k_feedback, v_feedback: ``num_layers × [G, d, d]`` strictly lower triangular, or
+            ``None``; either one present makes the file format version 2.
         calibration: JSON-serialisable provenance (token count, text source, seed, tool version).
     """
 
@@ -116,6 +131,8 @@ class Rotations:
     v_clip: tuple[torch.Tensor, ...]
     k_mean: tuple[torch.Tensor, ...] | None = None
     calibration: dict[str, Any] = field(default_factory=dict)
+    k_feedback: tuple[torch.Tensor, ...] | None = None
+    v_feedback: tuple[torch.Tensor, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -151,10 +168,12 @@ class Rotations:
             "k_clip": (g,),
             "v_clip": (g,),
             "k_mean": (g, d),
+            "k_feedback": (g, d, d),
+            "v_feedback": (g, d, d),
         }
-        for kind in (*_KINDS, *_OPTIONAL):
+        for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK):
             seq = getattr(self, kind)
-            if seq is None and kind in _OPTIONAL:
+            if seq is None and kind not in _KINDS:
                 continue
             if isinstance(seq, torch.Tensor) or not hasattr(seq, "__len__"):
                 got = type(seq).__name__
@@ -184,6 +203,11 @@ class Rotations:
                             f"Invalid {name}: not orthogonal, max |RᵀR - I| = {float(err[worst]):.3g} "
                             f"> {ORTHOGONALITY_TOL:g} (group {worst})"
                         )
+                if kind.endswith("_feedback") and bool(torch.triu(t).ne(0).any()):
+                    _fail(
+                        f"Invalid {name}: expected a strictly lower-triangular matrix "
+                        "(zero diagonal and above)"
+                    )
                 if kind.endswith("_clip") and not bool(((t > 0) & (t <= 1)).all()):
                     _fail(f"Invalid {name}: expected clip ratios in (0, 1], got {t.tolist()}")
                 out.append(t)
@@ -206,11 +230,23 @@ class Rotations:
             k_clip=self.k_clip[i],
             v_clip=self.v_clip[i],
             k_mean=None if self.k_mean is None else self.k_mean[i],
+            k_feedback=None if self.k_feedback is None else self.k_feedback[i],
+            v_feedback=None if self.v_feedback is None else self.v_feedback[i],
         )
+
+    @property
+    def has_feedback(self) -> bool:
+        """Whether the codes are written with error feedback (format version 2)."""
+        return self.k_feedback is not None or self.v_feedback is not None
+
+    @property
+    def format_version(self) -> str:
+        """``"2"`` with error-feedback matrices, else ``"1"``."""
+        return FORMAT_VERSION_FEEDBACK if self.has_feedback else FORMAT_VERSION
 
     def metadata(self) -> dict[str, str]:
         """The ``__metadata__`` strings of the file."""
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": self.model}
+        meta = {"format": FORMAT, "format_version": self.format_version, "model": self.model}
         meta.update({k: str(getattr(self, k)) for k in _INT_KEYS})
         meta["granularity"] = self.granularity.value
         meta["calibration"] = json.dumps(self.calibration, sort_keys=True)
@@ -220,7 +256,7 @@ class Rotations:
         """The file's tensors by name, ``layers.{i}.{kind}``."""
         out: dict[str, torch.Tensor] = {}
         for i in range(self.num_layers):
-            for kind in (*_KINDS, *_OPTIONAL):
+            for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK):
                 seq = getattr(self, kind)
                 if seq is not None:
                     out[f"layers.{i}.{kind}"] = seq[i]
@@ -293,7 +329,7 @@ def save_rotations(path: str | os.PathLike, rot: Rotations) -> Path:
 def _layer_kind_order(name: str) -> tuple[int, int, str]:
     parts = name.split(".")
     if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
-        kinds = (*_KINDS, *_OPTIONAL)
+        kinds = (*_KINDS, *_OPTIONAL, *_FEEDBACK)
         return (int(parts[1]), kinds.index(parts[2]) if parts[2] in kinds else 99, name)
     return (1 << 30, 0, name)
 
@@ -320,8 +356,9 @@ def _read(p: Path) -> Rotations:
         _fail(f"Invalid format: expected {FORMAT!r}, got {meta.get('format')!r}")
     if "format_version" not in meta:
         _fail("missing metadata key 'format_version'")
-    if meta["format_version"] != FORMAT_VERSION:
-        _fail(f"Unsupported format_version: expected {FORMAT_VERSION!r}, got {meta['format_version']!r}")
+    version = meta["format_version"]
+    if version not in FORMAT_VERSIONS:
+        _fail(f"Unsupported format_version: expected one of {list(FORMAT_VERSIONS)}, got {version!r}")
     for key in _META_KEYS:
         if key not in meta:
             _fail(f"missing metadata key {key!r}")
@@ -343,6 +380,8 @@ def _read(p: Path) -> Rotations:
         _fail(f"Invalid num_layers: expected an integer >= 1, got {n}")
     required = [f"layers.{i}.{k}" for i in range(n) for k in _KINDS]
     optional = [f"layers.{i}.{k}" for i in range(n) for k in _OPTIONAL]
+    if version == FORMAT_VERSION_FEEDBACK:
+        optional += [f"layers.{i}.{k}" for i in range(n) for k in _FEEDBACK]
     present = set(names)
     missing = [x for x in required if x not in present]
     if missing:
@@ -352,10 +391,20 @@ def _read(p: Path) -> Rotations:
     unexpected = sorted(present - set(required) - set(optional), key=_layer_kind_order)
     if unexpected:
         _fail(f"unexpected tensors for num_layers={n}: {_names_list(unexpected)}")
-    has_mean = [x for x in optional if x in present]
+    means = [f"layers.{i}.k_mean" for i in range(n)]
+    has_mean = [x for x in means if x in present]
     if has_mean and len(has_mean) != n:
-        first = next(x for x in optional if x not in present)
+        first = next(x for x in means if x not in present)
         _fail(f"missing tensor {first} (k_mean is present for other layers)")
+    feedback: dict[str, list[torch.Tensor] | None] = {}
+    for kind in _FEEDBACK:
+        have = [i for i in range(n) if f"layers.{i}.{kind}" in present]
+        if have and len(have) != n:
+            first = next(i for i in range(n) if i not in have)
+            _fail(f"missing tensor layers.{first}.{kind} ({kind} is present for other layers)")
+        feedback[kind] = [raw[f"layers.{i}.{kind}"] for i in range(n)] if have else None
+    if version == FORMAT_VERSION_FEEDBACK and not any(v is not None for v in feedback.values()):
+        _fail("format_version '2' without k_feedback or v_feedback tensors (version 1 is the format without)")
     for name in sorted(names, key=_layer_kind_order):
         if raw[name].dtype != torch.float32:
             _fail(f"Invalid dtype of {name}: expected torch.float32, got {raw[name].dtype}")
@@ -365,6 +414,7 @@ def _read(p: Path) -> Rotations:
         granularity=meta["granularity"],
         calibration=calibration,
         k_mean=[raw[f"layers.{i}.k_mean"] for i in range(n)] if has_mean else None,
+        **feedback,
         **ints,
         **per_kind,
     )

@@ -214,6 +214,10 @@ def load_rank_quant(
                 k_mean=None if lq.k_mean is None else lq.k_mean[idx],
                 k_clip=torch.as_tensor(lq.k_clip).reshape(-1)[idx],
                 v_clip=torch.as_tensor(lq.v_clip).reshape(-1)[idx],
+                # error-feedback matrices (artifact format version 2): dropping them would
+                # serve plain rounding, not what `oscar eval` measured
+                k_feedback=None if lq.k_feedback is None else lq.k_feedback[idx],
+                v_feedback=None if lq.v_feedback is None else lq.v_feedback[idx],
             )
         params[i] = lq.expand(len(heads), head_dim, torch.device(device))
     return RankQuant(layout, params, heads, str(path))

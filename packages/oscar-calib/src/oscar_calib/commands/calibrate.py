@@ -95,6 +95,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="output search's error: through o_proj (default) or the empirical Fisher (loss gradient)",
     )
+    p.add_argument(
+        "--feedback",
+        choices=("none", "k", "v", "kv"),
+        default=None,
+        help="rows written with error-feedback (LDLQ) codes under the attention metric (default k; "
+        "stored in the artifact, format version 2; none writes a version-1 artifact)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -133,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
                 "search_seqs",
                 "search_weighting",
                 "power_blocks",
+                "feedback",
             )
             if getattr(args, name) is not None
         },
@@ -182,6 +190,11 @@ def run(args: argparse.Namespace) -> int:
             f"clip ratios: K mean {k_clip:.3f}, V mean {v_clip:.3f} "
             f"(calibration error vs no clipping: K x{ratio.get('k', float('nan')):.2f}, "
             f"V x{ratio.get('v', float('nan')):.2f})"
+        )
+    if rotations.has_feedback:
+        print(
+            f"error-feedback codes for {cal['feedback']['rows'].upper()} rows "
+            f"(format version {rotations.format_version}; damp {cal['feedback']['damp']:g})"
         )
     sys.stdout.flush()
     return 0

@@ -68,6 +68,16 @@ def run(args: argparse.Namespace) -> int:
         f"granularity   {rot.granularity.value} ({g} rotation{'s' if g > 1 else ''} per layer, K and V)",
         f"windows       {rot.sink_tokens} sink + {rot.recent_tokens} recent tokens in BF16",
         f"key mean      {'yes (subtracted before rotation)' if rot.k_mean is not None else 'no'}",
+        "codes         "
+        + (
+            "error feedback for "
+            + " and ".join(
+                n for n, f in (("keys", rot.k_feedback), ("values", rot.v_feedback)) if f is not None
+            )
+            + f" (format version {rot.format_version})"
+            if rot.has_feedback
+            else f"plain rounding (format version {rot.format_version})"
+        ),
     ]
     if cal:
         parts = []

@@ -55,6 +55,60 @@ def _rotate_rows(
 
 
 @triton.jit
+def _pick(c, x0, x1, x2, x3, Q: tl.constexpr):
+    """Column ``c`` (``0 <= c < 4 * Q``) of a row held as four ``[BLOCK_T, Q]`` quarters, as ``[BLOCK_T]``.
+
+    A masked sum: exact (one term is the value, the others are zero)."""
+    j = tl.arange(0, Q)
+    q = c // Q
+    sel = (j == c % Q)[None, :]
+    v = tl.sum(tl.where(sel & (q == 0), x0, 0.0), 1) + tl.sum(tl.where(sel & (q == 1), x1, 0.0), 1)
+    return v + (tl.sum(tl.where(sel & (q == 2), x2, 0.0), 1) + tl.sum(tl.where(sel & (q == 3), x3, 0.0), 1))
+
+
+@triton.jit
+def _feedback_codes(
+    x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Error-feedback codes, exactly as ``oscar_math.quantize_int2_feedback``.
+
+    Coordinates are rounded in order ``c = 0 .. d-1`` (quarter ``c // (d/4)``, lane
+    ``c % (d/4)``); after each, its error ``e_c = x_c − x̂_c`` is added to the targets of the
+    later coordinates times column ``c`` of the strictly lower-triangular ``F`` (entries on and
+    above the diagonal are zero, so adding to every coordinate changes only the later ones).
+    ``fb_ptr`` points at ``F`` of this head, row stride ``stride_fr``, column stride 1.
+    Returns the four quarters' int32 codes."""
+    Q4: tl.constexpr = HEAD_DIM // 4
+    j = tl.arange(0, Q4)
+    t0, t1, t2, t3 = x0, x1, x2, x3
+    k0 = tl.zeros(x0.shape, tl.int32)
+    k1 = tl.zeros(x0.shape, tl.int32)
+    k2 = tl.zeros(x0.shape, tl.int32)
+    k3 = tl.zeros(x0.shape, tl.int32)
+    for c in range(HEAD_DIM):
+        tc = _pick(c, t0, t1, t2, t3, Q4)
+        zc = _pick(c, z0, z1, z2, z3, Q4)
+        ic = _pick(c, i0, i1, i2, i3, Q4)
+        code = tl.minimum(tl.maximum(tl.floor((tc - zc) * ic + 0.5), 0.0), 3.0)
+        err = _pick(c, x0, x1, x2, x3, Q4) - (code * _pick(c, s0, s1, s2, s3, Q4) + zc)
+        q = c // Q4
+        sel = (j == c % Q4)[None, :]
+        kc = code.to(tl.int32)[:, None]
+        k0 = tl.where(sel & (q == 0), kc, k0)
+        k1 = tl.where(sel & (q == 1), kc, k1)
+        k2 = tl.where(sel & (q == 2), kc, k2)
+        k3 = tl.where(sel & (q == 3), kc, k3)
+        col = fb_ptr + j * stride_fr + c  # F[j, c] for the lanes of quarter 0
+        e = err[:, None]
+        t0 = t0 + e * tl.load(col).to(tl.float32)[None, :]
+        t1 = t1 + e * tl.load(col + Q4 * stride_fr).to(tl.float32)[None, :]
+        t2 = t2 + e * tl.load(col + 2 * Q4 * stride_fr).to(tl.float32)[None, :]
+        t3 = t3 + e * tl.load(col + 3 * Q4 * stride_fr).to(tl.float32)[None, :]
+    return k0, k1, k2, k3
+
+
+@triton.jit
 def paged_write_kernel(
     x_ptr,
     stride_xt,
@@ -65,6 +119,9 @@ def paged_write_kernel(
     mean_ptr,
     stride_mh,
     alpha_ptr,
+    fb_ptr,
+    stride_fh,
+    stride_fr,
     slot_ptr,
     pos_ptr,
     seqidx_ptr,
@@ -94,6 +151,7 @@ def paged_write_kernel(
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
     HAS_MEAN: tl.constexpr,
+    HAS_FEEDBACK: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
     WRITE_RING: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -143,6 +201,10 @@ def paged_write_kernel(
         i1 = tl.zeros([BLOCK_T, Q4], tl.float32)
         i2 = tl.zeros([BLOCK_T, Q4], tl.float32)
         i3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s3 = tl.zeros([BLOCK_T, Q4], tl.float32)
         for g in tl.static_range(NG):
             # column masks of group g inside each quarter
             c0 = (j // GROUP) == g
@@ -184,11 +246,22 @@ def paged_write_kernel(
             i1 = tl.where(c1[None, :], inv[:, None], i1)
             i2 = tl.where(c2[None, :], inv[:, None], i2)
             i3 = tl.where(c3[None, :], inv[:, None], i3)
-        # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
-        k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
-        k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
-        k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
-        k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
+            if HAS_FEEDBACK:
+                s0 = tl.where(c0[None, :], sc[:, None], s0)
+                s1 = tl.where(c1[None, :], sc[:, None], s1)
+                s2 = tl.where(c2[None, :], sc[:, None], s2)
+                s3 = tl.where(c3[None, :], sc[:, None], s3)
+        if HAS_FEEDBACK:
+            k0, k1, k2, k3 = _feedback_codes(
+                x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
+                fb_ptr + h * stride_fh, stride_fr, HEAD_DIM,
+            )  # fmt: skip
+        else:
+            # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
+            k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
+            k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
+            k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
+            k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
         packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
         row = page * stride_cp + h * stride_ch + off * stride_ct
         tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from oscar_math import quantize_int2
+from oscar_math.feedback import quantize_int2_feedback
 
 from ..layout import PagedKVCache
 from ..params import ExpandedParams
@@ -34,13 +35,16 @@ def paged_write_ref(
     vr = torch.einsum("nhd,hde->nhe", v, ep.v_rotation)
     page, off = slot // lo.page_size, slot % lo.page_size
     pages, ring = parts != "ring", parts != "pages"
-    for x, a, codes, scale, zero in (
-        (kr, ep.k_clip, cache.k_codes, cache.k_scale, cache.k_zero),
-        (vr, ep.v_clip, cache.v_codes, cache.v_scale, cache.v_zero),
+    for x, a, fb, codes, scale, zero in (
+        (kr, ep.k_clip, ep.k_feedback, cache.k_codes, cache.k_scale, cache.k_zero),
+        (vr, ep.v_clip, ep.v_feedback, cache.v_codes, cache.v_scale, cache.v_zero),
     ):
         if not pages:
             break
-        q = quantize_int2(x, lo.group, clip_ratio=a[:, None])
+        if fb is None:
+            q = quantize_int2(x, lo.group, clip_ratio=a[:, None])
+        else:  # error-feedback codes (oscar_math.feedback), [H, d, d] per KV head
+            q = quantize_int2_feedback(x, lo.group, fb, clip_ratio=a[:, None])
         codes[page, :, off] = q.codes
         scale[page, :, off] = q.scale
         zero[page, :, off] = q.zero
