@@ -134,6 +134,21 @@ def test_shard_params_takes_each_ranks_heads():
     assert shard_params(layer, [3]) is layer
 
 
+def test_shard_params_takes_each_ranks_feedback_and_keeps_shared_values():
+    # format version 2: the error-feedback matrices are per KV head like the rotations; a rank
+    # that kept all heads' matrices (or none) would serve other codes than `oscar eval` measured
+    h, d = 4, 16
+    g = torch.Generator().manual_seed(1)
+    rots = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
+    fb = torch.tril(torch.randn(h, d, d, generator=g), diagonal=-1)
+    mean = torch.randn(d, generator=g)  # one mean shared by every head: not a per-head row
+    params = LayerQuantParams(rots, rots, k_mean=mean, k_feedback=fb, v_feedback=fb.flip(0))
+    part = shard_params(params, shard_kv_heads(h, 4, 2))
+    assert torch.equal(part.k_feedback, fb[2:3]) and torch.equal(part.v_feedback, fb.flip(0)[2:3])
+    assert torch.equal(part.k_mean, mean)
+    part.expand(1, d, torch.device("cpu"))
+
+
 def test_cell_bytes_equal_kernel_page_bytes():
     from oscar_vllm.settings import cell_bytes
 

@@ -146,24 +146,34 @@ def shard_params(params: Any, heads: list[int]) -> Any:
     """The :class:`oscar_kernels.LayerQuantParams` of a rank's KV heads.
 
     ``kv_head`` granularity takes the rank's rows of every per-head tensor; ``layer``
-    granularity (one rotation per layer) applies to every head unchanged.
+    granularity (one rotation per layer) applies to every head unchanged. Every field is
+    sharded by name, and an unknown field is refused: a field added to the parameters
+    (e.g. the error-feedback matrices of format version 2) must never reach a rank unsharded
+    or be dropped, or the rank would serve something other than what ``oscar eval`` measured.
     """
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     if params.granularity == "layer":
         return params
     idx = torch.tensor(heads, dtype=torch.long)
+    # per-head rank of each field: [H, d, d] matrices, [H, d] mean, [H] clip ratios
+    per_head_dims = {
+        "k_rotation": 3,
+        "v_rotation": 3,
+        "k_feedback": 3,
+        "v_feedback": 3,
+        "k_mean": 2,
+        "k_clip": 1,
+        "v_clip": 1,
+    }
+    unknown = [f.name for f in fields(params) if f.name not in per_head_dims]
+    if unknown:
+        raise OscarError(f"oscar-vllm cannot shard the layer parameters {unknown}; upgrade oscar-vllm")
 
-    def take(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] > 1:
-            return t.index_select(0, idx)
+    def take(t: Any, dims: int) -> Any:
+        # a shared value (float, [1] clip, [d, d] matrix) applies to every head unchanged
+        if isinstance(t, torch.Tensor) and t.dim() == dims and t.shape[0] > 1:
+            return t.index_select(0, idx.to(t.device))
         return t
 
-    return replace(
-        params,
-        k_rotation=take(params.k_rotation),
-        v_rotation=take(params.v_rotation),
-        k_mean=take(params.k_mean),
-        k_clip=take(params.k_clip),
-        v_clip=take(params.v_clip),
-    )
+    return replace(params, **{n: take(getattr(params, n), dims) for n, dims in per_head_dims.items()})
