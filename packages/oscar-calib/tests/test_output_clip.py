@@ -18,6 +18,7 @@ from oscar_calib.output_clip import (
     output_metrics,
     search_output_clip,
 )
+from oscar_calib.schemes import SchemeContext, build_scheme
 from oscar_calib.simulate import Windows, mixed_attention
 from oscar_math.errors import OscarError
 
@@ -86,6 +87,55 @@ def test_search_never_worse_than_start_and_picks_from_grid(llama):
         caps, m2, start, sink=8, recent=16, grid=grid, search_keys=False, search_values=False
     )
     assert twice.error_start[0] == pytest.approx(4 * none.error_start[0], rel=1e-5)
+
+
+def test_search_scores_the_served_error_feedback_codes(llama):
+    """With k_feedback/v_feedback in the artifact the objective is the attention-output error of
+    the codes engines serve (oscar2: feedback rounding), not of plain rounding, which differs."""
+    model, tok = llama
+    config = CalibrationConfig(**SMALL, feedback="kv")
+    chunks, _ = calibration_chunks(tok, config)
+    stats = collect_statistics(
+        model, chunks, sink=config.sink, max_samples=config.max_samples, progress=False
+    )
+    start = rotations_from_statistics(stats, config, model="m")
+    assert start.k_feedback is not None and start.v_feedback is not None
+    torch.manual_seed(0)
+    n, s, h_q, h_kv, d, windows, scaling = start.num_layers, 96, 4, 2, 32, Windows(5, 7), 32**-0.5
+    q, k, v = (torch.randn(n, h, s, d) for h in (h_q, h_kv, h_kv))
+    k = k + 2.0 * torch.randn(n, h_kv, 1, d)  # an offset for the key mean to matter
+    pos = torch.arange(12, s, 3)
+    rows = [(q[i][:, pos].transpose(0, 1), pos, k[i].transpose(0, 1), v[i].transpose(0, 1)) for i in range(n)]
+    caps = [[LayerCapture(*r, scaling) for r in rows]]
+    a = torch.randn(n, h_q, d, d)
+    metrics = list(a @ a.transpose(-1, -2) / d)
+
+    def served(rot, scheme: str) -> list[float]:
+        """Σ_rows Σ_h e M_h e of the harness's mixed attention with ``scheme``'s fake-quantised K/V."""
+        sch = build_scheme(scheme, SchemeContext(d, n, h_kv, rot))
+        out = []
+        for i in range(n):
+            k_hat = sch.fake_quantize_keys(i, k[i].transpose(0, 1)).transpose(0, 1)
+            v_hat = sch.fake_quantize_values(i, v[i].transpose(0, 1)).transpose(0, 1)
+            qkv = (q[i][None], k[i][None], v[i][None])
+            mixed = mixed_attention(*qkv, k_hat[None], v_hat[None], scaling, windows)
+            exact = mixed_attention(*qkv, k[i][None], v[i][None], scaling, windows)
+            err = (mixed - exact)[0, pos]  # [R, H_q, d]
+            out.append(float(torch.einsum("rhd,hde,rhe->", err, metrics[i], err)))
+        return out
+
+    kw = dict(sink=windows.sink, recent=windows.recent, grid=(0.5, 0.7, 0.9))
+    none = search_output_clip(caps, metrics, start, **kw, search_keys=False, search_values=False)
+    fb, plain = served(start, "oscar2"), served(start, "oscar2-nofeedback")
+    assert none.error_start == pytest.approx(fb, rel=1e-4)
+    for f, p in zip(fb, plain, strict=True):  # plain rounding would score something else
+        assert abs(f - p) > 1e-2 * f
+    assert none.error_unclipped == pytest.approx(served(start, "oscar2-noclip"), rel=1e-4)
+    # the chosen ratios' objective is the served error of the artifact storing them
+    res = search_output_clip(caps, metrics, start, **kw)
+    chosen = dataclasses.replace(start, k_clip=tuple(res.k_clip), v_clip=tuple(res.v_clip))
+    assert res.error_chosen == pytest.approx(served(chosen, "oscar2"), rel=1e-4)
+    assert sum(res.error_chosen) < sum(res.error_start)
 
 
 def test_calibrate_stores_the_output_search(llama, tmp_path):

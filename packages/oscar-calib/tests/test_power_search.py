@@ -131,6 +131,23 @@ def test_search_on_a_model_never_ends_worse_and_reports_its_objective(llama, sea
         search_clip_powers(model, searched, seqs, windows=windows, k_grid=(0.5, 1.5))
 
 
+def test_kl_objective_serves_the_artifacts_error_feedback_codes(llama, searched):
+    """The KL search scores the oscar2 cache as served: with the artifact's k_feedback codes
+    (calibrate computes them before the search), which score differently from plain rounding."""
+    model, tok = llama
+    assert searched.k_feedback is not None  # the default: error-feedback key codes
+    _, held = split_text(builtin_text())
+    seqs = token_chunks(tok, held, 96, 96, 3)
+    windows = Windows(8, 16)
+    refs = power_search._references(model, seqs)
+    start = apply_clip_powers(searched, (0.7,) * 3, (0.5,) * 3)
+    fb = mean_kl(model, start, refs, windows)
+    plain = mean_kl(model, dataclasses.replace(start, k_feedback=None), refs, windows)
+    assert abs(fb - plain) > 1e-3 * fb
+    res = search_clip_powers(model, searched, seqs, windows=windows, blocks=1, k_grid=(0.7,), v_grid=(0.5,))
+    assert res.kl_start == pytest.approx(fb, rel=1e-6) and res.evaluations == 1
+
+
 def test_calibrate_kl_stores_the_powers_it_chose(llama, searched):
     model, tok = llama
     config = CalibrationConfig(**SMALL, clip_search="kl", power_blocks=2)

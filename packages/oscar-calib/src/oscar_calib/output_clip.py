@@ -16,7 +16,10 @@ the residual stream receives it::
 
 with ``W_h`` the head's slice of ``o_proj``, ``o`` the exact attention output and ``ô``
 the output of the mixed cache (sink and recent windows exact, the rest fake-quantised by
-exactly the codec the engines serve: centre, rotate, INT2 with the ratio, back). Each
+exactly the codec the engines serve: centre, rotate, INT2 with the ratio, back). Where the
+artifact stores error-feedback matrices (format version 2, ``k_feedback``/``v_feedback``)
+the candidates are rounded with them, as served: plain rounding would score a different
+quantiser than the one the ratio is stored for. Each
 head's ratio changes only its own output, so heads are chosen independently. Only the
 stored ratios change: rotations, key mean, format and bits are those of the row search.
 """
@@ -215,8 +218,21 @@ class OutputClipResult:
     error_unclipped: list[float]
 
 
-def _codec(group_size: int, rotation: torch.Tensor, mean: torch.Tensor | None, ratio: float) -> RowCodec:
-    return RowCodec(group_size, rotation=rotation, mean=mean, clip=torch.tensor([float(ratio)]))
+def _codec(
+    group_size: int,
+    rotation: torch.Tensor,
+    mean: torch.Tensor | None,
+    ratio: float,
+    feedback: torch.Tensor | None = None,
+) -> RowCodec:
+    return RowCodec(
+        group_size, rotation=rotation, mean=mean, clip=torch.tensor([float(ratio)]), feedback=feedback
+    )
+
+
+def _group_slice(t: Any, r: int) -> torch.Tensor | None:
+    """Rotation group ``r`` of a per-layer ``[G, ...]`` tensor, as float32 ``[1, ...]`` (None stays None)."""
+    return None if t is None else torch.as_tensor(t).float()[r : r + 1]
 
 
 def _fake(codec: RowCodec, x: torch.Tensor) -> torch.Tensor:
@@ -307,8 +323,9 @@ def search_output_clip(
     Args:
         captures: ``[chunk][layer]`` from :func:`capture_layers`.
         metrics: per layer ``[H_q, d, d]`` from :func:`output_metrics`.
-        rotations: the artifact the row search produced (start ratios, rotations, key mean);
-            with per-layer granularity all heads share one ratio, chosen on their summed error.
+        rotations: the artifact the row search produced (start ratios, rotations, key mean,
+            and any error-feedback matrices, which the candidates are rounded with); with
+            per-layer granularity all heads share one ratio, chosen on their summed error.
         sink, recent: the serving windows.
         grid: candidate ratios; the start ratio is kept unless a candidate scores lower, so
             the chosen ratios never score worse than the start on these sequences.
@@ -333,11 +350,12 @@ def search_output_clip(
             mets = [metrics[i][h * groups : (h + 1) * groups] for _ in captures for h in heads]
             k_rot, v_rot = r_k[r : r + 1], r_v[r : r + 1]
             m_r = None if mean is None else mean[r : r + 1]
+            k_fb, v_fb = _group_slice(lay.k_feedback, r), _group_slice(lay.v_feedback, r)
             kc, vc, e0, e1, en = _search_group(
                 problems,
                 mets,
-                lambda c, rot=k_rot, m_r=m_r: _codec(gs, rot, m_r, c),
-                lambda c, rot=v_rot: _codec(gs, rot, None, c),
+                lambda c, rot=k_rot, m_r=m_r, fb=k_fb: _codec(gs, rot, m_r, c, fb),
+                lambda c, rot=v_rot, fb=v_fb: _codec(gs, rot, None, c, fb),
                 float(k_new[r]),
                 float(v_new[r]),
                 grid,

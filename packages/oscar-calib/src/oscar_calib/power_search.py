@@ -135,6 +135,9 @@ def mean_kl(
     """Mean over sequences of the per-position mean KL(bf16 ‖ ``oscar2`` with ``rotations``).
 
     ``refs``: ``(input_ids [1, T], reference final hidden [T, hidden])`` per sequence.
+    ``oscar2`` rounds with the artifact's error-feedback matrices where it stores them
+    (``calibrate`` computes them before the search), so the candidates are scored with the
+    codes engines serve, not plain rounding.
     """
     info_hd = rotations.head_dim
     scheme = build_scheme(
