@@ -19,9 +19,9 @@ the output of the mixed cache (sink and recent windows exact, the rest fake-quan
 exactly the codec the engines serve: centre, rotate, INT2 with the ratio, back). Where the
 artifact stores error-feedback matrices (format version 2, ``k_feedback``/``v_feedback``)
 the candidates are rounded with them, as served: plain rounding would score a different
-quantiser than the one the ratio is stored for. Each
-head's ratio changes only its own output, so heads are chosen independently. Only the
-stored ratios change: rotations, key mean, format and bits are those of the row search.
+quantiser than the one the ratio is stored for. Each head's ratio changes only its own
+output, so heads are chosen independently. Only the stored ratios change: rotations, key
+mean, feedback matrices, format and bits are those of the row search.
 """
 
 from __future__ import annotations
