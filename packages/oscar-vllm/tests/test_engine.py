@@ -312,16 +312,28 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, osc
     # the hit's first step restores its window slot; its later steps find their windows there
     assert again[0]["restored"] == [0] and not any(s["restored"] for s in again[1:])
     assert not any(s["restored"] for s in on["repeat_steps"][0])  # a miss never restores
-    for key in ("repeat", "cont"):
-        want = off[key] if key == "cont" else off[key][0]
-        got = on[key] if key == "cont" else on[key][1]
-        assert got == want, key
+    # the repeat's hit covers prompt blocks computed in the miss's own chunks: bitwise equal
+    assert on["repeat"][1] == off["repeat"][0]
 
     def maxdiff(x, y):
-        return max(abs(a - b) for a, b in zip(x, y, strict=True))
+        return max((abs(a - b) for a, b in zip(x, y, strict=True)), default=0.0)
 
     rep = maxdiff(on["repeat_logprobs"][1], off["repeat_logprobs"][0])
-    cont = maxdiff(on["cont_logprobs"], off["cont_logprobs"])
+    # the continuation's hit covers KV that the first request computed one token per decode
+    # step; caching off recomputes it in a prefill chunk, and vLLM's GEMMs round differently
+    # there (BF16 differs by ~0.07-0.12 in logprob, below). INT2 rounding - error-feedback codes
+    # above all, where one flipped code moves the codes after it - can turn that into a flipped
+    # greedy token, but only at a near tie: a perturbation of ~0.1 nat can flip the argmax only
+    # between tokens within ~0.1 nat of each other, so both runs' chosen token then has p < 0.6.
+    # Before the first divergence the tokens agree; there the logprobs are compared.
+    n = len(off["cont"])
+    first = next((i for i, (a, b) in enumerate(zip(on["cont"], off["cont"], strict=True)) if a != b), n)
+    print(f"continuation tokens equal up to {first} of {n}")
+    if first < n:
+        tie = (on["cont_logprobs"][first], off["cont_logprobs"][first])
+        print(f"divergence at {first}: chosen-token logprobs on/off {tie[0]:.3f}/{tie[1]:.3f}")
+        assert max(tie) < math.log(0.6), "the continuation diverged where the model was not near a tie"
+    cont = maxdiff(on["cont_logprobs"][:first], off["cont_logprobs"][:first])
     bf16_cont = maxdiff(bf16["cont_logprobs"], bf16_nocache["cont_logprobs"])
     print(f"max |logprob difference| caching on vs off: OSCAR repeat {rep:.2e}, continuation {cont:.2e}; "
           f"BF16 (vLLM's attention) continuation {bf16_cont:.2e}")  # fmt: skip
