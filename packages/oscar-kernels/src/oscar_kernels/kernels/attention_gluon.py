@@ -164,6 +164,58 @@ if gluon is not None:
         return p, alpha, m_new
 
     @gluon.jit
+    def _int2_step(
+        kc,
+        vc,
+        ks,
+        kz,
+        vs,
+        vz,
+        ms,
+        qt0,
+        qt1,
+        qt2,
+        qt3,
+        qsum,
+        k_scale_log2,
+        m_i,
+        l_i,
+        lpz,
+        a0,
+        a1,
+        a2,
+        a3,
+        BLOCK_N: gl.constexpr,
+        Q4: gl.constexpr,
+        NP: gl.constexpr,
+        MMA: gl.constexpr,
+        LA: gl.constexpr,
+        LB: gl.constexpr,
+    ):
+        """One INT2 tile into the online softmax: code words ``kc`` / ``vc`` (:func:`_int2_tile`
+        layouts ``BLK`` / ``BLV``), per-token scale/zero, mask ``ms``; the same body for the
+        register-prefetch and the ``cp.async`` paths. Returns ``m_i, l_i, lpz, a0 … a3``."""
+        st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
+        st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
+        st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
+        st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
+        st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
+        s = st * ks[:, None] + qsum[None, :] * kz[:, None]
+        s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
+        p, alpha, m_i = _softmax_cols(s2, m_i)
+        l_i = l_i * alpha + gl.sum(p, 0)
+        pv = (p * vs[:, None]).to(gl.float16)
+        lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
+        pb = gl.convert_layout(pv, LB)
+        # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
+        # subnormals, so nothing large is ever added and cancelled)
+        a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
+        a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
+        a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
+        a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+        return m_i, l_i, lpz, a0, a1, a2, a3
+
+    @gluon.jit
     def _int2_tile(
         kw_ptr,
         vw_ptr,
@@ -542,24 +594,10 @@ if gluon is not None:
                     vc = vb.index(sc).load(BLV)
                     ks, kz, vs, vz = _scales(sb.index(sc).load(SCL), BLOCK_N, ROWL)
                     ms = (t0 + ls_r) < hi
-                    st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
-                    st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
-                    st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
-                    st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
-                    st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
-                    s = st * ks[:, None] + qsum[None, :] * kz[:, None]
-                    s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
-                    p, alpha, m_i = _softmax_cols(s2, m_i)
-                    l_i = l_i * alpha + gl.sum(p, 0)
-                    pv = (p * vs[:, None]).to(gl.float16)
-                    lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
-                    pb = gl.convert_layout(pv, LB)
-                    # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
-                    # subnormals, so nothing large is ever added and cancelled)
-                    a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
-                    a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
-                    a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
-                    a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                    m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
+                        kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
+                        m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
+                    )  # fmt: skip
                 _acp.wait_group(0)
             else:
                 if PREFETCH:
@@ -587,24 +625,10 @@ if gluon is not None:
                             h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
                             BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                         )  # fmt: skip
-                    st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
-                    st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
-                    st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
-                    st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
-                    st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
-                    s = st * ks[:, None] + qsum[None, :] * kz[:, None]
-                    s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
-                    p, alpha, m_i = _softmax_cols(s2, m_i)
-                    l_i = l_i * alpha + gl.sum(p, 0)
-                    pv = (p * vs[:, None]).to(gl.float16)
-                    lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
-                    pb = gl.convert_layout(pv, LB)
-                    # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
-                    # subnormals, so nothing large is ever added and cancelled)
-                    a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
-                    a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
-                    a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
-                    a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                    m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
+                        kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
+                        m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
+                    )  # fmt: skip
                     if PREFETCH:
                         pg1 = pg2
                         kc = kc_n
