@@ -373,12 +373,19 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": bytes_int2 + bytes_win, "bytes_bf16": bytes_bf16}
     cfgs = tune or [{}]
     best = None
-    for cfg in cfgs:
-        ms = bench_ms(lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
-        log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: {ms * 1e3:.1f} us")
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    ms, cfg = best
+    if tune:  # by graph-replay time: eager calls are host-bound (600-1400 µs for 15-1100 µs of GPU work)
+        row["tune_graph_us"] = {}
+        for cfg in cfgs:
+            gms = bench_graph_ms(
+                lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg)
+            )
+            row["tune_graph_us"][json.dumps(cfg)] = gms * 1e3
+            log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: graph {gms * 1e3:.1f} us")
+            if best is None or gms < best[0]:
+                best = (gms, cfg)
+    cfg = best[1] if best else {}
+    ms = bench_ms(lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
+    log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: eager {ms * 1e3:.1f} us")
     impl, bn, nw, pps = dec_mod.resolve_launch(cache, q, cfg.get("impl", "auto"), cfg.get("block_n"),
                                                cfg.get("num_warps"), cfg.get("programs_per_sm"))  # fmt: skip
     row["int2_cfg"] = dict(impl=impl, block_n=bn, num_warps=nw, programs_per_sm=pps)
@@ -406,7 +413,21 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
             f.write(kern.asm.get("ptx", ""))
     row["int2_kernels_ms"] = bench_ms(kernels)
     row["int2_kernels_graph_ms"] = bench_graph_ms(kernels)
+    row["int2_ring_stages"] = "cp.async" in (kern.asm.get("ptx", "") if kern is not None else "")
+    if tune and cfg:  # the default launch's split + merge too (the bandwidth target is the default's)
+        _, bn0, nw0, pps0 = dec_mod.resolve_launch(cache, q, "auto")
+        ns0 = ok.choose_num_splits(bsz, hkv, ctx, DEV, bn0, pps0)
+        row["default_num_splits"] = ns0
+        row["default_kernels_graph_ms"] = bench_graph_ms(
+            lambda: dec_mod._launch_decode(
+                q_rot, cache, bt, sl, ws, 1 / math.sqrt(d), g, ns0, bn0, nw0, 2, impl=impl
+            )
+        )
     cache = None
+    if "default_kernels_graph_ms" in row:
+        row["default_kernels_graph_bw_frac"] = (
+            row["bytes_int2_path"] / (row["default_kernels_graph_ms"] * 1e-3) / (copy_gbs * 1e9)
+        )
     # BF16 baselines
     k = torch.randn(bsz, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -731,7 +752,7 @@ def main():
     if not a.skip_bench:
         tune = None
         if a.tune:  # Gluon launch configurations swept at 128k (the best is reported)
-            tune = [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 12, 16)]
+            tune = [{}] + [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 12, 16)]
         shapes = [(c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)]
         if a.shapes:
             shapes = [tuple(int(x) for x in sh.split(":")) for sh in a.shapes]
@@ -808,6 +829,12 @@ def print_tables(checks, bench, copy_gbs):
     for r in bench["decode"]:
         if "decode_kernel_diag" in r:
             print("decode kernel (128k x 8):", r["decode_kernel_diag"])
+        if "default_kernels_graph_ms" in r:
+            print(
+                f"default launch {r['ctx']} x {r['batch']}: split+merge graph "
+                f"{r['default_kernels_graph_ms'] * 1e3:.1f} us = "
+                f"{r['default_kernels_graph_bw_frac'] * 100:.1f} % of copy"
+            )
     if "write" not in bench:
         return
     print("\n== write ==")

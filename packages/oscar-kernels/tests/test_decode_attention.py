@@ -106,6 +106,31 @@ def test_split_and_window_program_counts(monkeypatch):
     assert window_programs(64, 256, 64) == 5 and window_programs(40, 40, 32) == 4
 
 
+def test_async_ring_rule(monkeypatch):
+    """The Gluon kernel's ``cp.async`` ring is used where a split is >= ASYNC_MIN_TILES tiles long,
+    at the split counts the op chooses (simulated 132-SM device, Qwen3-8B shape, 32-token
+    tiles, sink 64 + recent 256): the register prefetch for the short splits of 8k x 1 (4 tiles),
+    8k x 8 (8) and 32k x 1 (8), the ring for the long ones (128k x 1: 21 … 128k x 32: 124)."""
+    dec = sys.modules["oscar_kernels.decode_attention"]
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def ring(batch, ctx, block_n=32):
+        ns = dec.choose_num_splits(batch, 8, ctx, cpu, block_n, 12)
+        return dec.async_ring_stages(ctx, 64, 256, ns, block_n)
+
+    got = {(c, b): ring(b, c) for c in (8192, 32768, 131072) for b in (1, 8, 32)}
+    on = {(c, b) for (c, b), st in got.items() if st}
+    assert on == {(8192, 32), (32768, 8), (32768, 32), (131072, 1), (131072, 8), (131072, 32)}, got
+    assert set(got.values()) == {0, dec.ASYNC_STAGES}
+    # the boundary: 16 tiles of 32 tokens per split and not one token fewer
+    assert dec.async_ring_stages(320 + 2 * 512, 64, 256, 2, 32) == dec.ASYNC_STAGES
+    assert dec.async_ring_stages(320 + 2 * 512 - 64, 64, 256, 2, 32) == 0
+    assert dec.async_ring_stages(0, 64, 256, 1, 32) == 0  # no INT2 tokens at all
+    monkeypatch.setattr(dec, "ASYNC_STAGES", 0)  # switched off
+    assert dec.async_ring_stages(1 << 20, 64, 256, 1, 32) == 0
+
+
 def test_gluon_switch(monkeypatch):
     """``OSCAR_GLUON_DECODE=0`` takes the Gluon kernel out of ``impl="auto"`` with a reason;
     off CUDA (or in the interpreter) there is always a reason and ``auto`` resolves to tl."""
@@ -161,14 +186,24 @@ def test_gluon_long_split_value_offset():
 @needs_triton
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="runs the Gluon kernel: needs an NVIDIA GPU")
 @pytest.mark.parametrize(
-    "variant", [0, 1, 2], ids=["windows-64+merge-plain+rotate-rows", "defaults", "cp-async-ring"]
+    "variant",
+    [0, 1, 2, 3, 4],
+    ids=[
+        "windows-64+merge-plain+rotate-rows",
+        "defaults",
+        "cp-async-ring-always",
+        "cp-async-ring-by-rule",
+        "cp-async-ring-narrow-2-stages",
+    ],
 )
 @pytest.mark.parametrize("g", [1, 3, 4, 8])
 def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     """The decode op's launch variants against the reference: window programs of 64 or 32
     tokens, the merge with its rotation loaded before or after its PDL wait, the query
-    rotation in one program per row or per 32 outputs, the INT2 tiles through a 3-stage
-    ``cp.async`` ring (one-page tiles: page 64, sink 32). Random cache, odd lengths, page
+    rotation in one program per row or per 32 outputs, the INT2 tiles through the ``cp.async``
+    ring (one-page tiles: page 64, sink 32) for every split, by the default rule (ring for the
+    66- and 17-tile splits of 1 and 4 splits, register prefetch for the 8-tile splits of 9), or
+    with 2 stages and the compute layouts' narrow copies. Random cache, odd lengths, page
     boundaries, 1 … 9 splits."""
     import importlib
 
@@ -180,8 +215,12 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     gen = torch.Generator().manual_seed(g + 10 * variant)
     lo = CacheLayout(2, 128, page_size=16, sink_tokens=5, recent_tokens=12)
     lens = [0, 3, 17, 18, 32, 33, 95, 257, 1001]
-    if variant == 2:
-        monkeypatch.setattr(dec, "ASYNC_STAGES", 3)
+    if variant >= 2:
+        if variant != 3:
+            monkeypatch.setattr(dec, "ASYNC_MIN_TILES", 0)
+        if variant == 4:
+            monkeypatch.setattr(dec, "ASYNC_STAGES", 2)
+            monkeypatch.setattr(dec, "ASYNC_WIDE", False)
         lo = CacheLayout(2, 128, page_size=64, sink_tokens=32, recent_tokens=40)
         lens = [0, 3, 33, 72, 95, 160, 257, 1001, 2049]
     cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", steps=2)
@@ -190,14 +229,17 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), 2 * g, 128, generator=gen).bfloat16().to(DEVICE)
     ref = decode_attention_ref(q, cache, params.expand(2, 128, cache.device), bt, sl, ws)
+    rings = []
     for splits in (1, 4, 9):
         out = decode_attention(
             q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon"
         )
         assert torch.isfinite(out).all() and out[0].abs().max() == 0
         assert rel(out, ref) < 1e-2, (splits, rel(out, ref))
-        if variant == 2:  # the ring really ran
-            assert "cp.async" in dec.LAST_COMPILED["decode_split"].asm["ptx"]
+        rings.append("cp.async" in dec.LAST_COMPILED["decode_split"].asm["ptx"])
+    # which path really ran: the ring where the variant (or the rule) asks for it
+    want = {0: [False] * 3, 1: [False] * 3, 2: [True] * 3, 3: [True, True, False], 4: [True] * 3}[variant]
+    assert rings == want
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")
@@ -346,6 +388,12 @@ def test_gluon_cp_async_ring_compiles_for_sm90():
     ptx = _gluon_ptx_or_skip(gqa=4, head_dim=128, block_n=32, async_stages=3)
     assert "cp.async" in ptx and "cp.async.wait_group" in ptx
     assert "mma.sync.aligned.m16n8k16" in ptx and "prmt.b32" in ptx
+    # the code words go in 16-byte copies (4 per 32-token tile: keys and values 2 each), 3 sites
+    # (2 prologue stages, 1 in the loop); scale/zero rows in 4-byte ones (alignment unknown)
+    copies = re.findall(
+        r"cp\.async\.(c[ag])\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], (0x\w+)", ptx
+    )
+    assert copies.count(("cg", "0x10")) == 12, copies
 
 
 @needs_triton

@@ -87,8 +87,30 @@ WINDOW_TOKENS: int | None = None
 ROTATE_ROWS_PER_PROGRAM = 32
 
 #: Gluon: ``cp.async`` ring of this many shared-memory stages for the INT2 tiles instead of the
-#: register prefetch (``0``: off, the measured default; an experiment, docs/performance.md)
-ASYNC_STAGES = 0
+#: register prefetch (``0``: never), used by :func:`async_ring_stages`'s rule
+ASYNC_STAGES = 3
+
+#: the ring is used when a split is at least this many INT2 tiles long (its prologue of
+#: ``ASYNC_STAGES - 1`` tiles then pays off; short splits keep the register prefetch: the ring
+#: made the 8k x 1 op 3.7 µs slower, 4-tile splits; docs/performance.md)
+ASYNC_MIN_TILES = 16
+
+#: the ring's copies are 16 bytes per thread (4 code words) instead of the compute layouts' 4-8
+ASYNC_WIDE = True
+
+
+def async_ring_stages(max_len: int, sink: int, recent: int, num_splits: int, block_n: int) -> int:
+    """Stages of the Gluon kernel's ``cp.async`` ring for a launch (``0``: register prefetch).
+
+    Host-known sizes only (``max_len`` = block-table width · page size, as for
+    :func:`choose_num_splits`), so the choice is the same on every step and under graph
+    capture: the longest split's tile count, as the kernel cuts the INT2 range.
+    """
+    if ASYNC_STAGES <= 0:
+        return 0
+    per = -(-max(0, max_len - sink - recent) // max(1, num_splits))
+    tiles = -(-per // block_n)
+    return ASYNC_STAGES if tiles >= ASYNC_MIN_TILES else 0
 
 
 def _num_sms(device: torch.device) -> int:
@@ -369,6 +391,10 @@ def _launch_decode(
 
         # every tile inside one page: tiles start at sink + k·block_n
         one_page = lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0
+        ring = 0
+        if one_page and num_stages >= 2:  # the ring copies one-page tiles
+            max_len = block_table.shape[1] * lo.page_size
+            ring = async_ring_stages(max_len, lo.sink_tokens, lo.recent_tokens, num_splits, block_n)
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -385,7 +411,8 @@ def _launch_decode(
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             ONE_PAGE=one_page,
             PDL=pdl,
-            ASYNC=ASYNC_STAGES if one_page and num_stages >= 2 else 0,
+            ASYNC=ring,
+            ASYNC_WIDE=ASYNC_WIDE,
             num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}),
         )

@@ -320,10 +320,15 @@ if gluon is not None:
         BLK: gl.constexpr,
         BLV: gl.constexpr,
         SCL: gl.constexpr,
+        WIDE: gl.constexpr,
     ):
         """``ASYNC``: request one INT2 tile (one page, as ``ONE_PAGE``) with ``cp.async`` into the
-        shared-memory stage ``kb`` / ``vb`` (code words) and ``sks`` … ``svz`` (k scale, k zero,
-        v scale, v zero), zero-filled past ``hi``; one commit group per tile."""
+        shared-memory stage ``kb`` / ``vb`` (code words, copy layouts ``BLK`` / ``BLV``) and ``sb``
+        (k scale, k zero, v scale, v zero), zero-filled past ``hi``; one commit group per tile.
+
+        ``WIDE``: the scale/zero rows are copied whole once the tile starts before ``hi`` (the
+        tokens past ``hi`` lie in the same page; the caller zeroes their value scale/zero, which
+        may be any bits there), else per pair of tokens."""
         W4: gl.constexpr = Q4 // 4
         off = t0 % page_size
         ct4 = stride_ct // 4
@@ -347,7 +352,10 @@ if gluon is not None:
         ww2 = vz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         rr = gl.zeros([4, BLOCK_N // 2], gl.int32, SCL) + r[:, None]
         base = gl.where(rr == 0, kw2, gl.where(rr == 1, zw2, gl.where(rr == 2, vw2, ww2)))
-        ms = (rr >= 0) & ((t0 + 2 * lw) < hi)[None, :]
+        if WIDE:
+            ms = (rr >= 0) & (t0 < hi)
+        else:
+            ms = (rr >= 0) & ((t0 + 2 * lw) < hi)[None, :]
         _cp_async(sb, base + so[None, :], mask=ms)
         _acp.commit_group()
 
@@ -492,6 +500,7 @@ if gluon is not None:
         ONE_PAGE: gl.constexpr,
         PDL: gl.constexpr,
         ASYNC: gl.constexpr,
+        ASYNC_WIDE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
@@ -567,12 +576,23 @@ if gluon is not None:
                 vb = gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, W4], SL2)
                 sb = gl.allocate_shared_memory(gl.int32, [ASYNC, 4, BLOCK_N // 2], SL2)
                 SCL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
+                if ASYNC_WIDE:
+                    # copies of 16 bytes (4 code words of a token) per thread: 4 LDGSTS per 32-token
+                    # tile for the codes instead of 12 in the compute layouts (8-byte keys, 4-byte values)
+                    CPK: gl.constexpr = gl.BlockedLayout(
+                        [1, 4], [32 // (W4 // 4), W4 // 4], [num_warps, 1], [1, 0]
+                    )
+                    CPV: gl.constexpr = CPK
+                else:
+                    CPK: gl.constexpr = BLK
+                    CPV: gl.constexpr = BLV
                 for st0 in gl.static_range(ASYNC - 1):
                     _int2_issue(
                         kb.index(st0), vb.index(st0), sb.index(st0), kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr,
                         vz_ptr, lo + st0 * BLOCK_N, hi,
                         _page(bt_ptr, bt_row, lo + st0 * BLOCK_N, hi, page_size), page_size, h, stride_cp,
-                        stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, SCL,
+                        stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, CPK, CPV, SCL,
+                        ASYNC_WIDE,
                     )  # fmt: skip
                 pga = _page(bt_ptr, bt_row, lo + (ASYNC - 1) * BLOCK_N, hi, page_size)
                 ls_r = gl.arange(0, BLOCK_N, layout=ROWL)
@@ -584,7 +604,7 @@ if gluon is not None:
                     _int2_issue(
                         kb.index(sn), vb.index(sn), sb.index(sn), kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr,
                         vz_ptr, t0 + (ASYNC - 1) * BLOCK_N, hi, pga, page_size, h, stride_cp, stride_ch,
-                        stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, SCL,
+                        stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, CPK, CPV, SCL, ASYNC_WIDE,
                     )  # fmt: skip
                     pga = pgn
                     _acp.wait_group(ASYNC - 1)  # tile i has landed (this thread's copies)
@@ -594,6 +614,9 @@ if gluon is not None:
                     vc = vb.index(sc).load(BLV)
                     ks, kz, vs, vz = _scales(sb.index(sc).load(SCL), BLOCK_N, ROWL)
                     ms = (t0 + ls_r) < hi
+                    if ASYNC_WIDE:  # scale rows past hi were copied: p = 0 there, but 0·NaN is not 0
+                        vs = gl.where(ms, vs, 0.0)
+                        vz = gl.where(ms, vz, 0.0)
                     m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
                         kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
                         m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
@@ -699,6 +722,7 @@ def compile_decode_gluon(
     one_page: bool = True,
     w_tok: int = WINDOW_TOKENS_PER_PROGRAM,
     async_stages: int = 0,
+    async_wide: bool = True,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -731,6 +755,7 @@ def compile_decode_gluon(
         ONE_PAGE=one_page,
         PDL=arch >= 90,
         ASYNC=async_stages,
+        ASYNC_WIDE=async_wide,
         num_warps=num_warps,
         stride_st=1,
         stride_ct=head_dim // 4,
