@@ -112,14 +112,20 @@ def parts(s, ns):
 #: ring ones force it on for every split length (``ASYNC_MIN_TILES`` 0), ``rule`` is the default
 RING_VARIANTS = {
     "plain": dict(ASYNC_STAGES=0),
-    "ring3_narrow": dict(ASYNC_STAGES=3, ASYNC_MIN_TILES=0, ASYNC_WIDE=False),
-    "ring2": dict(ASYNC_STAGES=2, ASYNC_MIN_TILES=0, ASYNC_WIDE=True),
-    "ring3": dict(ASYNC_STAGES=3, ASYNC_MIN_TILES=0, ASYNC_WIDE=True),
-    "ring4": dict(ASYNC_STAGES=4, ASYNC_MIN_TILES=0, ASYNC_WIDE=True),
+    "ring3_narrow": dict(ASYNC_STAGES=3, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=None),
+    "ring2": dict(ASYNC_STAGES=2, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=0),
+    "ring3": dict(ASYNC_STAGES=3, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=0),
+    "ring4": dict(ASYNC_STAGES=4, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=0),
     "rule": {},
-    "rule+rot16": dict(ROTATE_ROWS_PER_PROGRAM=16),
+    "rule+rot32": dict(ROTATE_ROWS_SMALL=0),
 }
-RING_KNOBS = ("ASYNC_STAGES", "ASYNC_MIN_TILES", "ASYNC_WIDE", "ROTATE_ROWS_PER_PROGRAM")
+RING_KNOBS = (
+    "ASYNC_STAGES",
+    "ASYNC_MIN_TILES",
+    "ASYNC_WIDE_MIN_WAVES",
+    "ROTATE_ROWS_PER_PROGRAM",
+    "ROTATE_ROWS_SMALL",
+)
 
 
 def sweep_ring(ctx: int, bsz: int) -> dict:
@@ -177,6 +183,29 @@ def sweep_ring(ctx: int, bsz: int) -> dict:
     return row
 
 
+def print_ring_summary(res: dict) -> None:
+    """One line per shape: op µs / split+merge bandwidth % of each variant (the reply's tail)."""
+    names = list(RING_VARIANTS) + ["ring3_bn64", "ring3_ns66", "ring3_ns132", "ring3_ns198"]
+    print("ctx B splits tiles sdpa | " + " | ".join(names))
+    for r in res["rows"]:
+        if "error" in r:
+            print(r["ctx"], r["batch"], "ERROR", r["error"][-300:])
+            continue
+        cells = []
+        for n in names:
+            if f"{n}_kernels_us" in r:
+                op = r.get(f"{n}_op_us")
+                ring = "R" if r.get(f"{n}_ring") else "p"
+                cells.append(
+                    f"{op if op is not None else '-'}/{r[f'{n}_kernels_us']}/{100 * r[f'{n}_bw']:.1f}{ring}"
+                )
+            else:
+                cells.append("")
+        print(r["ctx"], r["batch"], r["splits"], r["tiles_per_split"], r["sdpa_us"], "|", " | ".join(cells))
+    regs = {n: r.get(f"{n}_regs") for r in res["rows"][:1] for n in names}
+    print("regs (first shape):", regs)
+
+
 COPY_BPS = 4.27e12  # replaced by the measured copy bandwidth in main()
 
 
@@ -206,6 +235,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             json.dump(res, open(os.path.join(a.out, "decode_ring_sweep.json"), "w"), indent=1)
         print(f"ring sweep {time.time() - t:.0f}s", flush=True)
+        print_ring_summary(res)
         return
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()

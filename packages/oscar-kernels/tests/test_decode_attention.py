@@ -107,28 +107,45 @@ def test_split_and_window_program_counts(monkeypatch):
 
 
 def test_async_ring_rule(monkeypatch):
-    """The Gluon kernel's ``cp.async`` ring is used where a split is >= ASYNC_MIN_TILES tiles long,
-    at the split counts the op chooses (simulated 132-SM device, Qwen3-8B shape, 32-token
-    tiles, sink 64 + recent 256): the register prefetch for the short splits of 8k x 1 (4 tiles),
-    8k x 8 (8) and 32k x 1 (8), the ring for the long ones (128k x 1: 21 … 128k x 32: 124)."""
+    """The Gluon launch rule at the split counts the op chooses (simulated 132-SM device,
+    Qwen3-8B shape, sink 64 + recent 256), as the H200 sweep chose it (docs/performance.md):
+    register prefetch for splits under 16 tiles (8k x 1, 8k x 8, 32k x 1), the ring of 4-8-byte
+    copies for long splits in grids under 2 waves of 12 per SM (8k x 32, 32k x 8, 128k x 1),
+    16-byte copies for more (32k x 32), with 64-token tiles once splits reach 1024 tokens
+    (128k x 8, 128k x 32); 16-output rotation programs at batch 1 only."""
     dec = sys.modules["oscar_kernels.decode_attention"]
     monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
+    lo = CacheLayout(8, 128, page_size=64)
 
-    def ring(batch, ctx, block_n=32):
-        ns = dec.choose_num_splits(batch, 8, ctx, cpu, block_n, 12)
-        return dec.async_ring_stages(ctx, 64, 256, ns, block_n)
+    def mode(batch, ctx):
+        bn = dec.gluon_block_n(batch, lo, ctx, cpu, 12)
+        ns = dec.choose_num_splits(batch, 8, ctx, cpu, bn, 12)
+        st, wide = dec.async_ring_mode(ctx, 64, 256, ns, bn, batch * 8 * ns, 132)
+        return bn, ns, st, wide
 
-    got = {(c, b): ring(b, c) for c in (8192, 32768, 131072) for b in (1, 8, 32)}
-    on = {(c, b) for (c, b), st in got.items() if st}
-    assert on == {(8192, 32), (32768, 8), (32768, 32), (131072, 1), (131072, 8), (131072, 32)}, got
-    assert set(got.values()) == {0, dec.ASYNC_STAGES}
-    # the boundary: 16 tiles of 32 tokens per split and not one token fewer
-    assert dec.async_ring_stages(320 + 2 * 512, 64, 256, 2, 32) == dec.ASYNC_STAGES
-    assert dec.async_ring_stages(320 + 2 * 512 - 64, 64, 256, 2, 32) == 0
-    assert dec.async_ring_stages(0, 64, 256, 1, 32) == 0  # no INT2 tokens at all
+    got = {(c, b): mode(b, c) for c in (8192, 32768, 131072) for b in (1, 8, 32)}
+    assert got == {
+        (8192, 1): (32, 66, 0, False),
+        (8192, 8): (32, 33, 0, False),
+        (8192, 32): (32, 6, 3, False),
+        (32768, 1): (32, 132, 0, False),
+        (32768, 8): (32, 24, 3, False),
+        (32768, 32): (32, 33, 3, True),
+        (131072, 1): (32, 198, 3, False),
+        (131072, 8): (64, 99, 3, True),
+        (131072, 32): (64, 33, 3, True),
+    }, got
+    # the boundary: 16 tiles of 32 tokens per split (the last one partial: 496 tokens) and not
+    # one tile fewer (480 tokens)
+    assert dec.async_ring_mode(320 + 2 * 496, 64, 256, 2, 32, 16, 132)[0] == dec.ASYNC_STAGES
+    assert dec.async_ring_mode(320 + 2 * 480, 64, 256, 2, 32, 16, 132)[0] == 0
+    assert dec.async_ring_mode(0, 64, 256, 1, 32, 8, 132) == (0, False)  # no INT2 tokens at all
+    # pages of 32 tokens: 64-token tiles would cross pages
+    assert dec.gluon_block_n(8, CacheLayout(8, 128, page_size=32), 131072, cpu, 12) == 32
     monkeypatch.setattr(dec, "ASYNC_STAGES", 0)  # switched off
-    assert dec.async_ring_stages(1 << 20, 64, 256, 1, 32) == 0
+    assert dec.async_ring_mode(1 << 20, 64, 256, 1, 32, 1 << 20, 132) == (0, False)
+    assert dec.gluon_block_n(8, lo, 131072, cpu, 12) == 32
 
 
 def test_gluon_switch(monkeypatch):
@@ -187,13 +204,14 @@ def test_gluon_long_split_value_offset():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="runs the Gluon kernel: needs an NVIDIA GPU")
 @pytest.mark.parametrize(
     "variant",
-    [0, 1, 2, 3, 4],
+    [0, 1, 2, 3, 4, 5],
     ids=[
         "windows-64+merge-plain+rotate-rows",
         "defaults",
-        "cp-async-ring-always",
+        "cp-async-ring-wide-always",
         "cp-async-ring-by-rule",
         "cp-async-ring-narrow-2-stages",
+        "cp-async-ring-wide-64-token-tiles",
     ],
 )
 @pytest.mark.parametrize("g", [1, 3, 4, 8])
@@ -218,9 +236,11 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     if variant >= 2:
         if variant != 3:
             monkeypatch.setattr(dec, "ASYNC_MIN_TILES", 0)
+        if variant in (2, 5):  # 16-byte copies however small the grid
+            monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", 0)
         if variant == 4:
             monkeypatch.setattr(dec, "ASYNC_STAGES", 2)
-            monkeypatch.setattr(dec, "ASYNC_WIDE", False)
+            monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", None)
         lo = CacheLayout(2, 128, page_size=64, sink_tokens=32, recent_tokens=40)
         lens = [0, 3, 33, 72, 95, 160, 257, 1001, 2049]
     cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", steps=2)
@@ -231,14 +251,18 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     ref = decode_attention_ref(q, cache, params.expand(2, 128, cache.device), bt, sl, ws)
     rings = []
     for splits in (1, 4, 9):
+        bn = {"block_n": 64} if variant == 5 else {}
         out = decode_attention(
-            q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon"
+            q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon", **bn
         )
         assert torch.isfinite(out).all() and out[0].abs().max() == 0
         assert rel(out, ref) < 1e-2, (splits, rel(out, ref))
-        rings.append("cp.async" in dec.LAST_COMPILED["decode_split"].asm["ptx"])
-    # which path really ran: the ring where the variant (or the rule) asks for it
-    want = {0: [False] * 3, 1: [False] * 3, 2: [True] * 3, 3: [True, True, False], 4: [True] * 3}[variant]
+        ptx = dec.LAST_COMPILED["decode_split"].asm["ptx"]
+        rings.append(("cp.async" in ptx) + ("cp.async.cg.shared.global" in ptx))
+    # which path really ran (0 register prefetch, 1 ring of 4-8-byte copies, 2 of 16-byte copies):
+    # the ring where the variant or the rule asks for it (the rule: 66- and 17-tile splits, a
+    # grid far below 2 waves, so 4-8-byte copies)
+    want = {0: [0] * 3, 1: [0] * 3, 2: [2] * 3, 3: [1, 1, 0], 4: [1] * 3, 5: [2] * 3}[variant]
     assert rings == want
 
 

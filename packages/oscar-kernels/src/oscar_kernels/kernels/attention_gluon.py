@@ -614,9 +614,10 @@ if gluon is not None:
                     vc = vb.index(sc).load(BLV)
                     ks, kz, vs, vz = _scales(sb.index(sc).load(SCL), BLOCK_N, ROWL)
                     ms = (t0 + ls_r) < hi
-                    if ASYNC_WIDE:  # scale rows past hi were copied: p = 0 there, but 0·NaN is not 0
-                        vs = gl.where(ms, vs, 0.0)
-                        vz = gl.where(ms, vz, 0.0)
+                    # scale/zero words past hi may be copied (whole rows, or the pair of the last
+                    # token): p = 0 there, but 0·NaN is not 0
+                    vs = gl.where(ms, vs, 0.0)
+                    vz = gl.where(ms, vz, 0.0)
                     m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
                         kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
                         m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
