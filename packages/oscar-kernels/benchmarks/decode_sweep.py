@@ -257,6 +257,7 @@ def sweep_shape(ctx: int, bsz: int) -> dict:
     args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
     row = {"ctx": ctx, "batch": bsz, "configs": {}, "splits": {}}
     _, bn, _, pps = dec.resolve_launch(s["cache"], s["q"], "gluon")
+    bn = dec.gluon_block_n(bsz, s["cache"].layout, ctx, G.DEV, pps)
     row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, bn, pps)
     defaults = {k: getattr(dec, k) for k in CONFIGS["session2"]}
     try:

@@ -388,6 +388,8 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: eager {ms * 1e3:.1f} us")
     impl, bn, nw, pps = dec_mod.resolve_launch(cache, q, cfg.get("impl", "auto"), cfg.get("block_n"),
                                                cfg.get("num_warps"), cfg.get("programs_per_sm"))  # fmt: skip
+    if impl == "gluon" and cfg.get("block_n") is None:  # the op's own tile-size rule
+        bn = dec_mod.gluon_block_n(bsz, lo, ctx, DEV, pps)
     row["int2_cfg"] = dict(impl=impl, block_n=bn, num_warps=nw, programs_per_sm=pps)
     row["int2_ms"] = ms
     row["int2_graph_ms"] = bench_graph_ms(
@@ -413,9 +415,18 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
             f.write(kern.asm.get("ptx", ""))
     row["int2_kernels_ms"] = bench_ms(kernels)
     row["int2_kernels_graph_ms"] = bench_graph_ms(kernels)
-    row["int2_ring_stages"] = "cp.async" in (kern.asm.get("ptx", "") if kern is not None else "")
+    if kern is not None:  # the split kernel this shape ran: path and static counts
+        ptx = kern.asm.get("ptx", "")
+        row["split_kernel"] = dict(
+            ring="cp.async" in ptx,
+            copies_16B="cp.async.cg.shared.global" in ptx,
+            n_regs=kern.n_regs,
+            n_spills=kern.n_spills,
+            shared_bytes=getattr(kern.metadata, "shared", None),
+        )
     if tune and cfg:  # the default launch's split + merge too (the bandwidth target is the default's)
         _, bn0, nw0, pps0 = dec_mod.resolve_launch(cache, q, "auto")
+        bn0 = dec_mod.gluon_block_n(bsz, lo, ctx, DEV, pps0) if impl == "gluon" else bn0
         ns0 = ok.choose_num_splits(bsz, hkv, ctx, DEV, bn0, pps0)
         row["default_num_splits"] = ns0
         row["default_kernels_graph_ms"] = bench_graph_ms(
@@ -579,9 +590,13 @@ def _ptx_diag(kern):
         "ld.global.b32",
         "ld.global.b16",
         "ld.global.b8",
+        "cp.async.cg.shared.global",
+        "cp.async.ca.shared.global",
     )
     out = {k: ptx.count(k) for k in keys}
-    out.update(n_regs=kern.n_regs, n_spills=kern.n_spills)
+    out.update(
+        n_regs=kern.n_regs, n_spills=kern.n_spills, shared_bytes=getattr(kern.metadata, "shared", None)
+    )
     return out
 
 
@@ -817,6 +832,10 @@ def print_tables(checks, bench, copy_gbs):
         }
         v.setdefault("tl_graph_ms", float("nan"))
         v["cfg"] = "/".join(str(x) for x in r["int2_cfg"].values()) + f"/ns={r['num_splits']}"
+        sk = r.get("split_kernel", {})
+        if sk:
+            path = "ring16B" if sk.get("copies_16B") else "ring" if sk.get("ring") else "plain"
+            v["cfg"] += f"/{path}/{sk.get('n_regs')}r"
         print(
             _row(
                 "{ctx:6d} {batch:3d} {int2_ms:8.1f} {int2_graph_ms:8.1f} {int2_kernels_ms:7.1f} "
@@ -829,6 +848,11 @@ def print_tables(checks, bench, copy_gbs):
     for r in bench["decode"]:
         if "decode_kernel_diag" in r:
             print("decode kernel (128k x 8):", r["decode_kernel_diag"])
+        if "tune_graph_us" in r:
+            print(
+                f"tune {r['ctx']} x {r['batch']} (graph us):",
+                {k: round(x, 1) for k, x in r["tune_graph_us"].items()},
+            )
         if "default_kernels_graph_ms" in r:
             print(
                 f"default launch {r['ctx']} x {r['batch']}: split+merge graph "
