@@ -33,10 +33,13 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
   into A-operand registers), in extra programs of 32 window tokens each per (sequence, KV
   head) (:func:`window_programs`: 10 for the default 64 + 256).
-* ``ASYNC`` (experimental, off by default): the INT2 tiles go through a ``cp.async`` ring of
-  ``ASYNC`` shared-memory stages instead of the register prefetch (ptxas issues the latter's
-  loads late in the iteration); 50.4 vs 48.3 % of copy bandwidth at 128k x 8 on the H200,
-  slower at 8k x 1 (docs/performance.md).
+* ``ASYNC`` (chosen per launch by ``decode_attention.async_ring_mode``: splits of >= 16
+  tiles): the INT2 tiles go through a ``cp.async`` ring of ``ASYNC`` shared-memory stages
+  instead of the register prefetch (ptxas issues the latter's loads late in the iteration);
+  ``ASYNC_WIDE``: 16-byte copies in their own layout (128 registers at 32-token tiles,
+  faster only where the grid fills 16 programs per SM), else the compute layouts' 4-8 bytes
+  (168 registers). 56 % of copy bandwidth at 128k x 8 with 64-token tiles and 16-byte
+  copies vs 48 % with the register prefetch (docs/performance.md).
 * ``PDL`` (sm_90, programmatic dependent launch): the kernel lets the merge launch at once
   and waits for the query-rotation kernel only just before it loads the rotated queries.
 
