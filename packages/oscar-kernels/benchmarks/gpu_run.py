@@ -610,6 +610,8 @@ IMPL_CHECKS = [
     ("impl-gqa16-d128-page8", 128, 1, 16, 8, None, [1, 700, 1234]),
     ("impl-128k-gqa4", 128, 8, 4, 64, None, [131072, 100003]),
     ("impl-128k-gqa8", 128, 4, 8, 64, None, [131072, 65]),
+    # the 128k x 8 benchmark launch (64-token tiles, 16-byte cp.async ring by the op's rule)
+    ("impl-128k-b8-default", 128, 8, 4, 64, None, [131072] * 7 + [100003]),
     # discriminating cases (which part of a kernel is wrong): windows alone, INT2 alone,
     # the value path alone (all scores 0: uniform attention), the key path alone (INT2
     # values = their zero point, so the output depends on the scores but not on value codes)
