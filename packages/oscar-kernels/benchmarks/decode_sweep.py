@@ -4,8 +4,9 @@ Graph-replay times (µs) of ``decode_attention`` at batch 1 and 8 (Qwen3-8B atte
 random cache as in ``gpu_run.py``) for each entry of :data:`CONFIGS` at the default split
 count, per explicit ``num_splits`` with the early/preload knobs on, SDPA BF16 in the same
 run, and at 8k x 1 the parts of one step timed alone: query rotation, split + merge kernels,
-the merge alone, an empty graph node (docs/performance.md). ``--async-ring``: only the A/B of
-the experimental ``cp.async`` ring (``ASYNC_STAGES`` 0 / 3 / 4) at 128k x 8, 128k x 32, 8k x 1.
+the merge alone, an empty graph node (docs/performance.md). ``--ring``: only the A/B of
+the ``cp.async`` ring (:data:`RING_VARIANTS`: off, 2 / 3 / 4 stages, 16- or 4-8-byte copies, by
+rule, with the rotation in 16-output programs) at all nine shapes.
 
 Usage (repo root, GPU machine)::
 
@@ -107,38 +108,102 @@ def parts(s, ns):
     return out
 
 
-def sweep_async(ctx: int, bsz: int) -> dict:
-    """INT2 tiles through a ``cp.async`` ring of ``ASYNC_STAGES`` stages (0: register prefetch):
-    op and split+merge graph µs, and the split+merge bandwidth fraction."""
+#: ``cp.async`` ring variants (``--ring``): module knobs of ``decode_attention`` per variant; the
+#: ring ones force it on for every split length (``ASYNC_MIN_TILES`` 0), ``rule`` is the default
+RING_VARIANTS = {
+    "plain": dict(ASYNC_STAGES=0),
+    "ring3_narrow": dict(ASYNC_STAGES=3, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=None),
+    "ring2": dict(ASYNC_STAGES=2, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=0),
+    "ring3": dict(ASYNC_STAGES=3, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=0),
+    "ring4": dict(ASYNC_STAGES=4, ASYNC_MIN_TILES=0, ASYNC_WIDE_MIN_WAVES=0),
+    "rule": {},
+    "rule+rot32": dict(ROTATE_ROWS_SMALL=0),
+}
+RING_KNOBS = (
+    "ASYNC_STAGES",
+    "ASYNC_MIN_TILES",
+    "ASYNC_WIDE_MIN_WAVES",
+    "ROTATE_ROWS_PER_PROGRAM",
+    "ROTATE_ROWS_SMALL",
+)
+
+
+def sweep_ring(ctx: int, bsz: int) -> dict:
+    """Op and split+merge graph µs (and the split+merge bandwidth fraction) of each entry of
+    :data:`RING_VARIANTS` at the default split count; at 128k also 64-token tiles with the
+    3-stage ring, and at 128k x 8 other split counts; SDPA BF16 of the same shape."""
     s = G._int2_decode_setup(ctx, bsz)
     args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
-    row = {"ctx": ctx, "batch": bsz}
     ns = ok.choose_num_splits(bsz, 8, ctx, G.DEV, 32, 12)
-    for stages in (0, 3, 4):
-        dec.ASYNC_STAGES = stages
-        row[f"async{stages}_op_us"] = us(lambda a=args: ok.decode_attention(*a, impl="gluon"))
-        kus = us(
-            lambda: dec._launch_decode(
-                s["q_rot"],
-                s["cache"],
-                s["bt"],
-                s["sl"],
-                s["ws"],
-                1 / math.sqrt(s["d"]),
-                s["g"],
-                ns,
-                32,
-                1,
-                2,
-                impl="gluon",
+    lo = s["cache"].layout
+    row = {"ctx": ctx, "batch": bsz, "splits": ns}
+    per = math.ceil((ctx - lo.window_tokens) / ns)
+    row["tiles_per_split"] = math.ceil(per / 32)
+    defaults = {k: getattr(dec, k) for k in RING_KNOBS}
+
+    def kernels(ns=ns, bn=32):
+        return dec._launch_decode(
+            s["q_rot"], s["cache"], s["bt"], s["sl"], s["ws"], 1 / math.sqrt(s["d"]), s["g"], ns, bn, 1, 2,
+            impl="gluon",
+        )  # fmt: skip
+
+    def measure(key, ns=ns, bn=32, op=True):
+        if op:
+            row[f"{key}_op_us"] = us(
+                lambda: ok.decode_attention(*args, impl="gluon", num_splits=ns, block_n=bn)
             )
-        )
-        row[f"async{stages}_kernels_us"] = kus
-        row[f"async{stages}_kernels_bw_frac"] = round(s["nbytes"] / (kus * 1e-6) / COPY_BPS, 3)
+        kus = us(lambda: kernels(ns, bn))
+        row[f"{key}_kernels_us"] = kus
+        row[f"{key}_bw"] = round(s["nbytes"] / (kus * 1e-6) / COPY_BPS, 4)
         kern = dec.LAST_COMPILED.get("decode_split")
-        row[f"async{stages}_regs"] = getattr(kern, "n_regs", None)
-    dec.ASYNC_STAGES = 0
+        row[f"{key}_regs"] = getattr(kern, "n_regs", None)
+        row[f"{key}_ring"] = "cp.async" in kern.asm.get("ptx", "")
+
+    try:
+        for name, knobs in RING_VARIANTS.items():
+            set_knobs(defaults)
+            set_knobs(knobs)
+            measure(name, op=True)
+        set_knobs(defaults)
+        if ctx == 131072 and bsz >= 8:
+            set_knobs(RING_VARIANTS["ring3"])
+            measure("ring3_bn64", ns=ok.choose_num_splits(bsz, 8, ctx, G.DEV, 64, 12), bn=64)
+            if bsz == 8:
+                for n2 in (66, 132, 198):
+                    measure(f"ring3_ns{n2}", ns=n2, op=False)
+    finally:
+        set_knobs(defaults)
+    s = None
+    torch.cuda.empty_cache()
+    k = torch.randn(bsz, 8, ctx, 128, device=G.DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qs = torch.randn(bsz, 32, 1, 128, device=G.DEV, dtype=torch.bfloat16)
+    F = torch.nn.functional
+    row["sdpa_us"] = us(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
     return row
+
+
+def print_ring_summary(res: dict) -> None:
+    """One line per shape: op µs / split+merge bandwidth % of each variant (the reply's tail)."""
+    names = list(RING_VARIANTS) + ["ring3_bn64", "ring3_ns66", "ring3_ns132", "ring3_ns198"]
+    print("ctx B splits tiles sdpa | " + " | ".join(names))
+    for r in res["rows"]:
+        if "error" in r:
+            print(r["ctx"], r["batch"], "ERROR", r["error"][-300:])
+            continue
+        cells = []
+        for n in names:
+            if f"{n}_kernels_us" in r:
+                op = r.get(f"{n}_op_us")
+                ring = "R" if r.get(f"{n}_ring") else "p"
+                cells.append(
+                    f"{op if op is not None else '-'}/{r[f'{n}_kernels_us']}/{100 * r[f'{n}_bw']:.1f}{ring}"
+                )
+            else:
+                cells.append("")
+        print(r["ctx"], r["batch"], r["splits"], r["tiles_per_split"], r["sdpa_us"], "|", " | ".join(cells))
+    regs = {n: r.get(f"{n}_regs") for r in res["rows"][:1] for n in names}
+    print("regs (first shape):", regs)
 
 
 COPY_BPS = 4.27e12  # replaced by the measured copy bandwidth in main()
@@ -148,22 +213,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--async-ring", action="store_true", help="the cp.async ring A/B only")
+    ap.add_argument("--ring", action="store_true", help="the cp.async ring variants' A/B only")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    if a.async_ring:
+    if a.ring:
         global COPY_BPS
         COPY_BPS = G.copy_bandwidth_gbs() * 1e9
         res = {"triton": __import__("triton").__version__, "copy_GBps": COPY_BPS / 1e9, "rows": []}
-        for ctx, bsz in ((131072, 8), (131072, 32), (8192, 1)):
+        t = time.time()
+        for ctx, bsz in [(131072, 8), (8192, 1)] + [
+            (c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)
+        ]:
+            if (ctx, bsz) in [(r["ctx"], r["batch"]) for r in res["rows"]]:
+                continue
             try:
-                row = sweep_async(ctx, bsz)
+                row = sweep_ring(ctx, bsz)
             except Exception:  # one broken shape must not cost the device call
                 row = {"ctx": ctx, "batch": bsz, "error": traceback.format_exc()[-2000:]}
             print(json.dumps(row), flush=True)
             res["rows"].append(row)
             torch.cuda.empty_cache()
-            json.dump(res, open(os.path.join(a.out, "decode_async_sweep.json"), "w"), indent=1)
+            json.dump(res, open(os.path.join(a.out, "decode_ring_sweep.json"), "w"), indent=1)
+        print(f"ring sweep {time.time() - t:.0f}s", flush=True)
+        print_ring_summary(res)
         return
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()
@@ -185,6 +257,7 @@ def sweep_shape(ctx: int, bsz: int) -> dict:
     args = (s["q"], s["cache"], s["ep"], s["bt"], s["sl"], s["ws"])
     row = {"ctx": ctx, "batch": bsz, "configs": {}, "splits": {}}
     _, bn, _, pps = dec.resolve_launch(s["cache"], s["q"], "gluon")
+    bn = dec.gluon_block_n(bsz, s["cache"].layout, ctx, G.DEV, pps)
     row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, bn, pps)
     defaults = {k: getattr(dec, k) for k in CONFIGS["session2"]}
     try:

@@ -373,14 +373,23 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     row = {"ctx": ctx, "batch": bsz, "bytes_int2_path": bytes_int2 + bytes_win, "bytes_bf16": bytes_bf16}
     cfgs = tune or [{}]
     best = None
-    for cfg in cfgs:
-        ms = bench_ms(lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
-        log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: {ms * 1e3:.1f} us")
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    ms, cfg = best
+    if tune:  # by graph-replay time: eager calls are host-bound (600-1400 µs for 15-1100 µs of GPU work)
+        row["tune_graph_us"] = {}
+        for cfg in cfgs:
+            gms = bench_graph_ms(
+                lambda cfg=cfg: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg)
+            )
+            row["tune_graph_us"][json.dumps(cfg)] = gms * 1e3
+            log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: graph {gms * 1e3:.1f} us")
+            if best is None or gms < best[0]:
+                best = (gms, cfg)
+    cfg = best[1] if best else {}
+    ms = bench_ms(lambda: ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", **cfg))
+    log(f"  decode int2 ctx={ctx} B={bsz} {cfg}: eager {ms * 1e3:.1f} us")
     impl, bn, nw, pps = dec_mod.resolve_launch(cache, q, cfg.get("impl", "auto"), cfg.get("block_n"),
                                                cfg.get("num_warps"), cfg.get("programs_per_sm"))  # fmt: skip
+    if impl == "gluon" and cfg.get("block_n") is None:  # the op's own tile-size rule
+        bn = dec_mod.gluon_block_n(bsz, lo, ctx, DEV, pps)
     row["int2_cfg"] = dict(impl=impl, block_n=bn, num_warps=nw, programs_per_sm=pps)
     row["int2_ms"] = ms
     row["int2_graph_ms"] = bench_graph_ms(
@@ -406,7 +415,30 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
             f.write(kern.asm.get("ptx", ""))
     row["int2_kernels_ms"] = bench_ms(kernels)
     row["int2_kernels_graph_ms"] = bench_graph_ms(kernels)
+    if kern is not None:  # the split kernel this shape ran: path and static counts
+        ptx = kern.asm.get("ptx", "")
+        row["split_kernel"] = dict(
+            ring="cp.async" in ptx,
+            copies_16B="cp.async.cg.shared.global" in ptx,
+            n_regs=kern.n_regs,
+            n_spills=kern.n_spills,
+            shared_bytes=getattr(kern.metadata, "shared", None),
+        )
+    if tune and cfg:  # the default launch's split + merge too (the bandwidth target is the default's)
+        _, bn0, nw0, pps0 = dec_mod.resolve_launch(cache, q, "auto")
+        bn0 = dec_mod.gluon_block_n(bsz, lo, ctx, DEV, pps0) if impl == "gluon" else bn0
+        ns0 = ok.choose_num_splits(bsz, hkv, ctx, DEV, bn0, pps0)
+        row["default_num_splits"] = ns0
+        row["default_kernels_graph_ms"] = bench_graph_ms(
+            lambda: dec_mod._launch_decode(
+                q_rot, cache, bt, sl, ws, 1 / math.sqrt(d), g, ns0, bn0, nw0, 2, impl=impl
+            )
+        )
     cache = None
+    if "default_kernels_graph_ms" in row:
+        row["default_kernels_graph_bw_frac"] = (
+            row["bytes_int2_path"] / (row["default_kernels_graph_ms"] * 1e-3) / (copy_gbs * 1e9)
+        )
     # BF16 baselines
     k = torch.randn(bsz, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -558,9 +590,13 @@ def _ptx_diag(kern):
         "ld.global.b32",
         "ld.global.b16",
         "ld.global.b8",
+        "cp.async.cg.shared.global",
+        "cp.async.ca.shared.global",
     )
     out = {k: ptx.count(k) for k in keys}
-    out.update(n_regs=kern.n_regs, n_spills=kern.n_spills)
+    out.update(
+        n_regs=kern.n_regs, n_spills=kern.n_spills, shared_bytes=getattr(kern.metadata, "shared", None)
+    )
     return out
 
 
@@ -574,6 +610,8 @@ IMPL_CHECKS = [
     ("impl-gqa16-d128-page8", 128, 1, 16, 8, None, [1, 700, 1234]),
     ("impl-128k-gqa4", 128, 8, 4, 64, None, [131072, 100003]),
     ("impl-128k-gqa8", 128, 4, 8, 64, None, [131072, 65]),
+    # the 128k x 8 benchmark launch (64-token tiles, 16-byte cp.async ring by the op's rule)
+    ("impl-128k-b8-default", 128, 8, 4, 64, None, [131072] * 7 + [100003]),
     # discriminating cases (which part of a kernel is wrong): windows alone, INT2 alone,
     # the value path alone (all scores 0: uniform attention), the key path alone (INT2
     # values = their zero point, so the output depends on the scores but not on value codes)
@@ -731,7 +769,7 @@ def main():
     if not a.skip_bench:
         tune = None
         if a.tune:  # Gluon launch configurations swept at 128k (the best is reported)
-            tune = [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 12, 16)]
+            tune = [{}] + [dict(block_n=bn, programs_per_sm=pps) for bn in (32, 64) for pps in (8, 12, 16)]
         shapes = [(c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)]
         if a.shapes:
             shapes = [tuple(int(x) for x in sh.split(":")) for sh in a.shapes]
@@ -796,6 +834,10 @@ def print_tables(checks, bench, copy_gbs):
         }
         v.setdefault("tl_graph_ms", float("nan"))
         v["cfg"] = "/".join(str(x) for x in r["int2_cfg"].values()) + f"/ns={r['num_splits']}"
+        sk = r.get("split_kernel", {})
+        if sk:
+            path = "ring16B" if sk.get("copies_16B") else "ring" if sk.get("ring") else "plain"
+            v["cfg"] += f"/{path}/{sk.get('n_regs')}r"
         print(
             _row(
                 "{ctx:6d} {batch:3d} {int2_ms:8.1f} {int2_graph_ms:8.1f} {int2_kernels_ms:7.1f} "
@@ -808,6 +850,17 @@ def print_tables(checks, bench, copy_gbs):
     for r in bench["decode"]:
         if "decode_kernel_diag" in r:
             print("decode kernel (128k x 8):", r["decode_kernel_diag"])
+        if "tune_graph_us" in r:
+            print(
+                f"tune {r['ctx']} x {r['batch']} (graph us):",
+                {k: round(x, 1) for k, x in r["tune_graph_us"].items()},
+            )
+        if "default_kernels_graph_ms" in r:
+            print(
+                f"default launch {r['ctx']} x {r['batch']}: split+merge graph "
+                f"{r['default_kernels_graph_ms'] * 1e3:.1f} us = "
+                f"{r['default_kernels_graph_bw_frac'] * 100:.1f} % of copy"
+            )
     if "write" not in bench:
         return
     print("\n== write ==")

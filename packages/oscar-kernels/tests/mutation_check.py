@@ -126,6 +126,20 @@ MUTATIONS = (
         ("tests/test_chunk_invariance.py", "-k", "reference_decode"),
     ),
     Mutation(
+        "decode-16-byte-ring-from-one-wave",
+        "src/oscar_kernels/decode_attention.py",
+        "programs >= ASYNC_WIDE_MIN_WAVES * wave",
+        "programs >= wave",
+        ("tests/test_decode_attention.py", "-k", "async_ring_rule"),
+    ),
+    Mutation(
+        "decode-ring-tiles-rounded-down",
+        "src/oscar_kernels/decode_attention.py",
+        "if -(-per // block_n) < ASYNC_MIN_TILES:",
+        "if per // block_n < ASYNC_MIN_TILES:",
+        ("tests/test_decode_attention.py", "-k", "async_ring_rule"),
+    ),
+    Mutation(
         "reference-write-ring-before-attention",
         "src/oscar_kernels/reference/paged_write.py",
         'pages, ring = parts != "ring", parts != "pages"',

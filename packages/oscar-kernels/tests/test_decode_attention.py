@@ -106,6 +106,48 @@ def test_split_and_window_program_counts(monkeypatch):
     assert window_programs(64, 256, 64) == 5 and window_programs(40, 40, 32) == 4
 
 
+def test_async_ring_rule(monkeypatch):
+    """The Gluon launch rule at the split counts the op chooses (simulated 132-SM device,
+    Qwen3-8B shape, sink 64 + recent 256), as the H200 sweep chose it (docs/performance.md):
+    register prefetch for splits under 16 tiles (8k x 1, 8k x 8, 32k x 1), the ring of 4-8-byte
+    copies for long splits in grids under 2 waves of 12 per SM (8k x 32, 32k x 8, 128k x 1),
+    16-byte copies for more (32k x 32), with 64-token tiles once splits reach 1024 tokens
+    (128k x 8, 128k x 32); 16-output rotation programs at batch 1 only."""
+    dec = sys.modules["oscar_kernels.decode_attention"]
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    lo = CacheLayout(8, 128, page_size=64)
+
+    def mode(batch, ctx):
+        bn = dec.gluon_block_n(batch, lo, ctx, cpu, 12)
+        ns = dec.choose_num_splits(batch, 8, ctx, cpu, bn, 12)
+        st, wide = dec.async_ring_mode(ctx, 64, 256, ns, bn, batch * 8 * ns, 132)
+        return bn, ns, st, wide
+
+    got = {(c, b): mode(b, c) for c in (8192, 32768, 131072) for b in (1, 8, 32)}
+    assert got == {
+        (8192, 1): (32, 66, 0, False),
+        (8192, 8): (32, 33, 0, False),
+        (8192, 32): (32, 6, 3, False),
+        (32768, 1): (32, 132, 0, False),
+        (32768, 8): (32, 24, 3, False),
+        (32768, 32): (32, 33, 3, True),
+        (131072, 1): (32, 198, 3, False),
+        (131072, 8): (64, 99, 3, True),
+        (131072, 32): (64, 33, 3, True),
+    }, got
+    # the boundary: 16 tiles of 32 tokens per split (the last one partial: 496 tokens) and not
+    # one tile fewer (480 tokens)
+    assert dec.async_ring_mode(320 + 2 * 496, 64, 256, 2, 32, 16, 132)[0] == dec.ASYNC_STAGES
+    assert dec.async_ring_mode(320 + 2 * 480, 64, 256, 2, 32, 16, 132)[0] == 0
+    assert dec.async_ring_mode(0, 64, 256, 1, 32, 8, 132) == (0, False)  # no INT2 tokens at all
+    # pages of 32 tokens: 64-token tiles would cross pages
+    assert dec.gluon_block_n(8, CacheLayout(8, 128, page_size=32), 131072, cpu, 12) == 32
+    monkeypatch.setattr(dec, "ASYNC_STAGES", 0)  # switched off
+    assert dec.async_ring_mode(1 << 20, 64, 256, 1, 32, 1 << 20, 132) == (0, False)
+    assert dec.gluon_block_n(8, lo, 131072, cpu, 12) == 32
+
+
 def test_gluon_switch(monkeypatch):
     """``OSCAR_GLUON_DECODE=0`` takes the Gluon kernel out of ``impl="auto"`` with a reason;
     off CUDA (or in the interpreter) there is always a reason and ``auto`` resolves to tl."""
@@ -161,15 +203,27 @@ def test_gluon_long_split_value_offset():
 @needs_triton
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="runs the Gluon kernel: needs an NVIDIA GPU")
 @pytest.mark.parametrize(
-    "variant", [0, 1, 2], ids=["windows-64+merge-plain+rotate-rows", "defaults", "cp-async-ring"]
+    "variant",
+    [0, 1, 2, 3, 4, 5],
+    ids=[
+        "windows-64+merge-plain+rotate-rows",
+        "defaults",
+        "cp-async-ring-wide-always",
+        "cp-async-ring-by-rule",
+        "cp-async-ring-narrow-2-stages",
+        "cp-async-ring-wide-64-token-tiles",
+    ],
 )
 @pytest.mark.parametrize("g", [1, 3, 4, 8])
 def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     """The decode op's launch variants against the reference: window programs of 64 or 32
     tokens, the merge with its rotation loaded before or after its PDL wait, the query
-    rotation in one program per row or per 32 outputs, the INT2 tiles through a 3-stage
-    ``cp.async`` ring (one-page tiles: page 64, sink 32). Random cache, odd lengths, page
-    boundaries, 1 … 9 splits."""
+    rotation in one program per row or per 32 outputs, the INT2 tiles through the ``cp.async``
+    ring (one-page tiles: page 64, sink 32) for every split, by the default rule (ring for the
+    66- and 17-tile splits of 1 and 4 splits, register prefetch for the 8-tile splits of 9),
+    with 2 stages and the compute layouts' narrow copies, or with 64-token tiles (sink 64) and
+    16-byte copies, the 128k x 8 default. Random cache, odd lengths, page boundaries, 1 … 9
+    splits."""
     import importlib
 
     dec = importlib.import_module("oscar_kernels.decode_attention")
@@ -180,9 +234,19 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     gen = torch.Generator().manual_seed(g + 10 * variant)
     lo = CacheLayout(2, 128, page_size=16, sink_tokens=5, recent_tokens=12)
     lens = [0, 3, 17, 18, 32, 33, 95, 257, 1001]
-    if variant == 2:
-        monkeypatch.setattr(dec, "ASYNC_STAGES", 3)
-        lo = CacheLayout(2, 128, page_size=64, sink_tokens=32, recent_tokens=40)
+    if variant >= 2:
+        if variant != 3:
+            monkeypatch.setattr(dec, "ASYNC_MIN_TILES", 0)
+        if variant in (2, 5):  # 16-byte copies however small the grid
+            monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", 0)
+        if variant == 4:
+            monkeypatch.setattr(dec, "ASYNC_STAGES", 2)
+            monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", None)
+        # one-page tiles: page and sink multiples of the tile (64-token tiles: sink 64; with
+        # sink 32 a 64-token launch has no one-page tiles, so no ring: this variant failed so
+        # on the H200, 2026-12-01, before the sink was changed; not re-run since)
+        sink = 64 if variant == 5 else 32
+        lo = CacheLayout(2, 128, page_size=64, sink_tokens=sink, recent_tokens=40)
         lens = [0, 3, 33, 72, 95, 160, 257, 1001, 2049]
     cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", steps=2)
     if (why := gluon_unavailable_reason(cache)) is not None:
@@ -190,14 +254,21 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), 2 * g, 128, generator=gen).bfloat16().to(DEVICE)
     ref = decode_attention_ref(q, cache, params.expand(2, 128, cache.device), bt, sl, ws)
+    rings = []
     for splits in (1, 4, 9):
+        bn = {"block_n": 64} if variant == 5 else {}
         out = decode_attention(
-            q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon"
+            q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon", **bn
         )
         assert torch.isfinite(out).all() and out[0].abs().max() == 0
         assert rel(out, ref) < 1e-2, (splits, rel(out, ref))
-        if variant == 2:  # the ring really ran
-            assert "cp.async" in dec.LAST_COMPILED["decode_split"].asm["ptx"]
+        ptx = dec.LAST_COMPILED["decode_split"].asm["ptx"]
+        rings.append(("cp.async" in ptx) + ("cp.async.cg.shared.global" in ptx))
+    # which path really ran (0 register prefetch, 1 ring of 4-8-byte copies, 2 of 16-byte copies):
+    # the ring where the variant or the rule asks for it (the rule: 66- and 17-tile splits, a
+    # grid far below 2 waves, so 4-8-byte copies)
+    want = {0: [0] * 3, 1: [0] * 3, 2: [2] * 3, 3: [1, 1, 0], 4: [1] * 3, 5: [2] * 3}[variant]
+    assert rings == want
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")
@@ -346,6 +417,12 @@ def test_gluon_cp_async_ring_compiles_for_sm90():
     ptx = _gluon_ptx_or_skip(gqa=4, head_dim=128, block_n=32, async_stages=3)
     assert "cp.async" in ptx and "cp.async.wait_group" in ptx
     assert "mma.sync.aligned.m16n8k16" in ptx and "prmt.b32" in ptx
+    # the code words go in 16-byte copies (4 per 32-token tile: keys and values 2 each), 3 sites
+    # (2 prologue stages, 1 in the loop); scale/zero rows in 4-byte ones (alignment unknown)
+    copies = re.findall(
+        r"cp\.async\.(c[ag])\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], (0x\w+)", ptx
+    )
+    assert copies.count(("cg", "0x10")) == 12, copies
 
 
 @needs_triton

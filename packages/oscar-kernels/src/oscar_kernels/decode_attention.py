@@ -87,8 +87,64 @@ WINDOW_TOKENS: int | None = None
 ROTATE_ROWS_PER_PROGRAM = 32
 
 #: Gluon: ``cp.async`` ring of this many shared-memory stages for the INT2 tiles instead of the
-#: register prefetch (``0``: off, the measured default; an experiment, docs/performance.md)
-ASYNC_STAGES = 0
+#: register prefetch (``0``: never), used by :func:`async_ring_mode`'s rule
+ASYNC_STAGES = 3
+
+#: the ring is used when a split is at least this many INT2 tiles long (its prologue of
+#: ``ASYNC_STAGES - 1`` tiles then pays off; short splits keep the register prefetch: the ring
+#: made the 8k x 1 op 3.6 µs slower, 4-tile splits; docs/performance.md)
+ASYNC_MIN_TILES = 16
+
+#: the ring's code copies are 16 bytes per thread (``ASYNC_WIDE``) where the split programs fill
+#: at least this many waves of 12 per SM (``0``: always; ``None``: never). The 16-byte build
+#: has 128 registers (16 programs per SM, a slower schedule per warp): faster where there are
+#: programs to fill 16 per SM (128k x 8: 278 vs 287 µs), slower where the split rule made one
+#: wave of 12 (32k x 8: 104 vs 84 µs); the 4-8-byte build keeps 168 registers
+ASYNC_WIDE_MIN_WAVES: float | None = 2
+
+#: 64-token tiles (``block_n`` left to the op) where the 16-byte ring is used and the 32-token
+#: launch's splits are at least this many tokens long (128k x 8: 257 vs 278 µs split+merge)
+LONG_SPLIT_TOKENS = 1024
+
+
+def async_ring_mode(
+    max_len: int, sink: int, recent: int, num_splits: int, block_n: int, programs: int, sms: int
+) -> tuple[int, bool]:
+    """``(stages, wide)`` of the Gluon kernel's ``cp.async`` ring for a launch (``stages`` 0:
+    register prefetch; ``wide``: 16-byte code copies).
+
+    Host-known sizes only (``max_len`` = block-table width · page size, as for
+    :func:`choose_num_splits`; ``programs`` = sequences · KV heads · splits), so the choice is
+    the same on every step and under graph capture: the longest split's tile count, as the
+    kernel cuts the INT2 range.
+    """
+    if ASYNC_STAGES <= 0:
+        return 0, False
+    per = -(-max(0, max_len - sink - recent) // max(1, num_splits))
+    if -(-per // block_n) < ASYNC_MIN_TILES:
+        return 0, False
+    wave = _DEFAULTS["gluon"][2] * sms
+    return ASYNC_STAGES, ASYNC_WIDE_MIN_WAVES is not None and programs >= ASYNC_WIDE_MIN_WAVES * wave
+
+
+def gluon_block_n(batch: int, layout, max_len: int, device: torch.device, programs_per_sm: int) -> int:
+    """Tile size of the Gluon kernel when the caller leaves it open: 32 tokens, or 64 where the
+    32-token launch would use the 16-byte ring on splits of >= :data:`LONG_SPLIT_TOKENS`."""
+    bn = _DEFAULTS["gluon"][0]
+    if layout.page_size % 64 or layout.sink_tokens % 64:  # 64-token tiles would cross pages
+        return bn
+    ns = choose_num_splits(batch, layout.num_kv_heads, max_len, device, bn, programs_per_sm)
+    progs = batch * layout.num_kv_heads * ns
+    sink, recent = layout.sink_tokens, layout.recent_tokens
+    stages, wide = async_ring_mode(max_len, sink, recent, ns, bn, progs, _num_sms(device))
+    per = -(-max(0, max_len - sink - recent) // ns)
+    return 64 if stages and wide and per >= LONG_SPLIT_TOKENS else bn
+
+
+#: query rotation in programs of 16 outputs where 32-output programs would not fill the SMs
+#: (batch 1: 128 programs for 132 SMs; 8k x 1 op 18.6 vs 19.9 µs, 32k x 1 28.4 vs 31.1; at
+#: batch 8 16-output programs are 1 µs slower)
+ROTATE_ROWS_SMALL = 16
 
 
 def _num_sms(device: torch.device) -> int:
@@ -265,9 +321,12 @@ def decode_attention(
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     if not use_triton(cache.device, backend):
         return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
+    free_block_n = block_n is None
     impl, block_n, num_warps, programs_per_sm = resolve_launch(
         cache, q, impl, block_n, num_warps, programs_per_sm
     )
+    if impl == "gluon" and free_block_n and num_splits is None:
+        block_n = gluon_block_n(bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm)
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
     q_rot = _rotate_queries_triton(q, ep)
     if num_splits is None:
@@ -303,7 +362,10 @@ def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
         q = q.contiguous()
     rot = ep.k_rotation  # q @ R_K: out[i] = Σ_j q[j]·R[j, i]
     out = _empty(bsz, hq, d, dtype=torch.bfloat16, device=q.device)
-    rows = ROTATE_ROWS_PER_PROGRAM if ROTATE_ROWS_PER_PROGRAM and d % ROTATE_ROWS_PER_PROGRAM == 0 else 0
+    rows = ROTATE_ROWS_PER_PROGRAM
+    if rows and ROTATE_ROWS_SMALL and bsz * hq * d // rows < _num_sms(q.device):
+        rows = ROTATE_ROWS_SMALL
+    rows = rows if rows and d % rows == 0 else 0
     rotate_rows_kernel[(bsz * hq, d // rows if rows else 1)](
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
         hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows,
@@ -369,6 +431,13 @@ def _launch_decode(
 
         # every tile inside one page: tiles start at sink + k·block_n
         one_page = lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0
+        ring, wide = 0, False
+        if one_page and num_stages >= 2:  # the ring copies one-page tiles
+            max_len = block_table.shape[1] * lo.page_size
+            ring, wide = async_ring_mode(
+                max_len, lo.sink_tokens, lo.recent_tokens, num_splits, block_n,
+                bsz * lo.num_kv_heads * num_splits, _num_sms(q_rot.device),
+            )  # fmt: skip
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -385,7 +454,8 @@ def _launch_decode(
             PREFETCH=num_stages >= 2,  # register double buffering of the next tile
             ONE_PAGE=one_page,
             PDL=pdl,
-            ASYNC=ASYNC_STAGES if one_page and num_stages >= 2 else 0,
+            ASYNC=ring,
+            ASYNC_WIDE=wide,
             num_warps=num_warps,
             **({"launch_pdl": True} if pdl else {}),
         )

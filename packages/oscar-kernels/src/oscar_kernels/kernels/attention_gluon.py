@@ -33,10 +33,13 @@ with ``HEAD_DIM % 64 == 0``. What differs is how a tile reaches the tensor cores
 * The BF16 sink/ring windows run in the same layouts (bf16 ``mma``, tiles loaded straight
   into A-operand registers), in extra programs of 32 window tokens each per (sequence, KV
   head) (:func:`window_programs`: 10 for the default 64 + 256).
-* ``ASYNC`` (experimental, off by default): the INT2 tiles go through a ``cp.async`` ring of
-  ``ASYNC`` shared-memory stages instead of the register prefetch (ptxas issues the latter's
-  loads late in the iteration); 50.4 vs 48.3 % of copy bandwidth at 128k x 8 on the H200,
-  slower at 8k x 1 (docs/performance.md).
+* ``ASYNC`` (chosen per launch by ``decode_attention.async_ring_mode``: splits of >= 16
+  tiles): the INT2 tiles go through a ``cp.async`` ring of ``ASYNC`` shared-memory stages
+  instead of the register prefetch (ptxas issues the latter's loads late in the iteration);
+  ``ASYNC_WIDE``: 16-byte copies in their own layout (128 registers at 32-token tiles,
+  faster only where the grid fills 16 programs per SM), else the compute layouts' 4-8 bytes
+  (168 registers). 56 % of copy bandwidth at 128k x 8 with 64-token tiles and 16-byte
+  copies vs 48 % with the register prefetch (docs/performance.md).
 * ``PDL`` (sm_90, programmatic dependent launch): the kernel lets the merge launch at once
   and waits for the query-rotation kernel only just before it loads the rotated queries.
 
@@ -164,6 +167,58 @@ if gluon is not None:
         return p, alpha, m_new
 
     @gluon.jit
+    def _int2_step(
+        kc,
+        vc,
+        ks,
+        kz,
+        vs,
+        vz,
+        ms,
+        qt0,
+        qt1,
+        qt2,
+        qt3,
+        qsum,
+        k_scale_log2,
+        m_i,
+        l_i,
+        lpz,
+        a0,
+        a1,
+        a2,
+        a3,
+        BLOCK_N: gl.constexpr,
+        Q4: gl.constexpr,
+        NP: gl.constexpr,
+        MMA: gl.constexpr,
+        LA: gl.constexpr,
+        LB: gl.constexpr,
+    ):
+        """One INT2 tile into the online softmax: code words ``kc`` / ``vc`` (:func:`_int2_tile`
+        layouts ``BLK`` / ``BLV``), per-token scale/zero, mask ``ms``; the same body for the
+        register-prefetch and the ``cp.async`` paths. Returns ``m_i, l_i, lpz, a0 … a3``."""
+        st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
+        st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
+        st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
+        st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
+        st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
+        s = st * ks[:, None] + qsum[None, :] * kz[:, None]
+        s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
+        p, alpha, m_i = _softmax_cols(s2, m_i)
+        l_i = l_i * alpha + gl.sum(p, 0)
+        pv = (p * vs[:, None]).to(gl.float16)
+        lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
+        pb = gl.convert_layout(pv, LB)
+        # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
+        # subnormals, so nothing large is ever added and cancelled)
+        a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
+        a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
+        a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
+        a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+        return m_i, l_i, lpz, a0, a1, a2, a3
+
+    @gluon.jit
     def _int2_tile(
         kw_ptr,
         vw_ptr,
@@ -268,10 +323,15 @@ if gluon is not None:
         BLK: gl.constexpr,
         BLV: gl.constexpr,
         SCL: gl.constexpr,
+        WIDE: gl.constexpr,
     ):
         """``ASYNC``: request one INT2 tile (one page, as ``ONE_PAGE``) with ``cp.async`` into the
-        shared-memory stage ``kb`` / ``vb`` (code words) and ``sks`` … ``svz`` (k scale, k zero,
-        v scale, v zero), zero-filled past ``hi``; one commit group per tile."""
+        shared-memory stage ``kb`` / ``vb`` (code words, copy layouts ``BLK`` / ``BLV``) and ``sb``
+        (k scale, k zero, v scale, v zero), zero-filled past ``hi``; one commit group per tile.
+
+        ``WIDE``: the scale/zero rows are copied whole once the tile starts before ``hi`` (the
+        tokens past ``hi`` lie in the same page; the caller zeroes their value scale/zero, which
+        may be any bits there), else per pair of tokens."""
         W4: gl.constexpr = Q4 // 4
         off = t0 % page_size
         ct4 = stride_ct // 4
@@ -295,7 +355,10 @@ if gluon is not None:
         ww2 = vz_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         rr = gl.zeros([4, BLOCK_N // 2], gl.int32, SCL) + r[:, None]
         base = gl.where(rr == 0, kw2, gl.where(rr == 1, zw2, gl.where(rr == 2, vw2, ww2)))
-        ms = (rr >= 0) & ((t0 + 2 * lw) < hi)[None, :]
+        if WIDE:
+            ms = (rr >= 0) & (t0 < hi)
+        else:
+            ms = (rr >= 0) & ((t0 + 2 * lw) < hi)[None, :]
         _cp_async(sb, base + so[None, :], mask=ms)
         _acp.commit_group()
 
@@ -440,6 +503,7 @@ if gluon is not None:
         ONE_PAGE: gl.constexpr,
         PDL: gl.constexpr,
         ASYNC: gl.constexpr,
+        ASYNC_WIDE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
@@ -515,12 +579,23 @@ if gluon is not None:
                 vb = gl.allocate_shared_memory(gl.int32, [ASYNC, BLOCK_N, W4], SL2)
                 sb = gl.allocate_shared_memory(gl.int32, [ASYNC, 4, BLOCK_N // 2], SL2)
                 SCL: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
+                if ASYNC_WIDE:
+                    # copies of 16 bytes (4 code words of a token) per thread: 4 LDGSTS per 32-token
+                    # tile for the codes instead of 12 in the compute layouts (8-byte keys, 4-byte values)
+                    CPK: gl.constexpr = gl.BlockedLayout(
+                        [1, 4], [32 // (W4 // 4), W4 // 4], [num_warps, 1], [1, 0]
+                    )
+                    CPV: gl.constexpr = CPK
+                else:
+                    CPK: gl.constexpr = BLK
+                    CPV: gl.constexpr = BLV
                 for st0 in gl.static_range(ASYNC - 1):
                     _int2_issue(
                         kb.index(st0), vb.index(st0), sb.index(st0), kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr,
                         vz_ptr, lo + st0 * BLOCK_N, hi,
                         _page(bt_ptr, bt_row, lo + st0 * BLOCK_N, hi, page_size), page_size, h, stride_cp,
-                        stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, SCL,
+                        stride_ch, stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, CPK, CPV, SCL,
+                        ASYNC_WIDE,
                     )  # fmt: skip
                 pga = _page(bt_ptr, bt_row, lo + (ASYNC - 1) * BLOCK_N, hi, page_size)
                 ls_r = gl.arange(0, BLOCK_N, layout=ROWL)
@@ -532,7 +607,7 @@ if gluon is not None:
                     _int2_issue(
                         kb.index(sn), vb.index(sn), sb.index(sn), kw_ptr, vw_ptr, ks_ptr, kz_ptr, vs_ptr,
                         vz_ptr, t0 + (ASYNC - 1) * BLOCK_N, hi, pga, page_size, h, stride_cp, stride_ch,
-                        stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, BLK, BLV, SCL,
+                        stride_ct, stride_sp, stride_sh, stride_st, BLOCK_N, Q4, CPK, CPV, SCL, ASYNC_WIDE,
                     )  # fmt: skip
                     pga = pgn
                     _acp.wait_group(ASYNC - 1)  # tile i has landed (this thread's copies)
@@ -542,24 +617,14 @@ if gluon is not None:
                     vc = vb.index(sc).load(BLV)
                     ks, kz, vs, vz = _scales(sb.index(sc).load(SCL), BLOCK_N, ROWL)
                     ms = (t0 + ls_r) < hi
-                    st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
-                    st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
-                    st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
-                    st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
-                    st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
-                    s = st * ks[:, None] + qsum[None, :] * kz[:, None]
-                    s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
-                    p, alpha, m_i = _softmax_cols(s2, m_i)
-                    l_i = l_i * alpha + gl.sum(p, 0)
-                    pv = (p * vs[:, None]).to(gl.float16)
-                    lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
-                    pb = gl.convert_layout(pv, LB)
-                    # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
-                    # subnormals, so nothing large is ever added and cancelled)
-                    a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
-                    a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
-                    a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
-                    a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                    # scale/zero words past hi may be copied (whole rows, or the pair of the last
+                    # token): p = 0 there, but 0·NaN is not 0
+                    vs = gl.where(ms, vs, 0.0)
+                    vz = gl.where(ms, vz, 0.0)
+                    m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
+                        kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
+                        m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
+                    )  # fmt: skip
                 _acp.wait_group(0)
             else:
                 if PREFETCH:
@@ -587,24 +652,10 @@ if gluon is not None:
                             h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st,
                             BLOCK_N, Q4, BLK, BLV, ROWL, ONE_PAGE,
                         )  # fmt: skip
-                    st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
-                    st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
-                    st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
-                    st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
-                    st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
-                    s = st * ks[:, None] + qsum[None, :] * kz[:, None]
-                    s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
-                    p, alpha, m_i = _softmax_cols(s2, m_i)
-                    l_i = l_i * alpha + gl.sum(p, 0)
-                    pv = (p * vs[:, None]).to(gl.float16)
-                    lpz = lpz * alpha + gl.sum(p * vz[:, None], 0)
-                    pb = gl.convert_layout(pv, LB)
-                    # the accumulators hold Σ p·s·c·4^j·2^-24 (no offset: the operands are exact
-                    # subnormals, so nothing large is ever added and cancelled)
-                    a0 = mma_v2(_unpack_v(vc, "0x00030003", BLOCK_N, Q4, LA), pb, a0 * alpha[None, :])
-                    a1 = mma_v2(_unpack_v(vc, "0x000C000C", BLOCK_N, Q4, LA), pb, a1 * alpha[None, :])
-                    a2 = mma_v2(_unpack_v(vc, "0x00300030", BLOCK_N, Q4, LA), pb, a2 * alpha[None, :])
-                    a3 = mma_v2(_unpack_v(vc, "0x00C000C0", BLOCK_N, Q4, LA), pb, a3 * alpha[None, :])
+                    m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
+                        kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
+                        m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
+                    )  # fmt: skip
                     if PREFETCH:
                         pg1 = pg2
                         kc = kc_n
@@ -675,6 +726,7 @@ def compile_decode_gluon(
     one_page: bool = True,
     w_tok: int = WINDOW_TOKENS_PER_PROGRAM,
     async_stages: int = 0,
+    async_wide: bool = True,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
@@ -707,6 +759,7 @@ def compile_decode_gluon(
         ONE_PAGE=one_page,
         PDL=arch >= 90,
         ASYNC=async_stages,
+        ASYNC_WIDE=async_wide,
         num_warps=num_warps,
         stride_st=1,
         stride_ct=head_dim // 4,
