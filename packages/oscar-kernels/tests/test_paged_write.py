@@ -208,3 +208,78 @@ def test_feedback_params_are_validated():
         LayerQuantParams(eye, eye, k_feedback=torch.zeros(3, 8, 8)).expand(2, 8, torch.device("cpu"))
     with pytest.raises(OscarError, match="strictly lower triangular"):
         LayerQuantParams(eye, eye, v_feedback=torch.ones(8, 8)).expand(2, 8, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# error-feedback codes with the scale/zero refit (artifact format version 3)
+
+
+def test_reference_write_with_refit_matches_quantize_int2_feedback():
+    from oscar_math.feedback import quantize_int2_feedback
+
+    gen = torch.Generator().manual_seed(6)
+    lo = CacheLayout(2, 32, page_size=8, group_size=16, sink_tokens=3, recent_tokens=5)
+    cache, params, bt, ws, keys, values = fill_cache(lo, [21], gen, "kv_head", feedback="k", refit=1)
+    ep = params.expand(2, 32, cache.device)
+    p = torch.arange(21)
+    pg, off = bt[0].long()[p // 8], p % 8
+    kr = torch.einsum("nhd,hde->nhe", keys[0].float() - ep.k_mean, ep.k_rotation)
+    q = quantize_int2_feedback(kr, 16, ep.k_feedback, ep.k_clip[:, None], ep.k_refit_weight, 1)
+    assert torch.equal(cache.k_codes[pg, :, off], q.codes)
+    assert torch.equal(cache.k_scale[pg, :, off], q.scale)
+    assert torch.equal(cache.k_zero[pg, :, off], q.zero)
+    # the refit is not a no-op: most groups get another scale than the clipped min/max one
+    plain = quantize_int2_feedback(kr, 16, ep.k_feedback, ep.k_clip[:, None])
+    assert (plain.scale != q.scale).float().mean() > 0.3
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "d, h, page, group, sink, recent, granularity, feedback, passes",
+    [
+        (64, 1, 16, None, 5, 12, "layer", "k", 0),
+        (16, 2, 5, 8, 2, 3, "kv_head", "kv", 1),
+        (16, 3, 8, 4, 4, 6, "kv_head", "k", 2),
+        (16, 1, 4, 16, 0, 0, "layer", "v", 1),
+    ],
+)
+def test_triton_refit_write_is_exact_when_the_rotation_is(
+    d, h, page, group, sink, recent, granularity, feedback, passes
+):
+    """Exact rotation: the refit (2x2 solve, bf16 rounding, acceptance test, re-targeting of
+    the later groups, re-round passes) uses the same float32 operations in the same order as
+    ``oscar_math.quantize_int2_feedback(..., refit_weight=...)``, so codes, scales and zeros must
+    be bit-equal, across page boundaries, one to four groups per row and decode steps."""
+    gen = torch.Generator().manual_seed(d * h + 13)
+    lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=recent)
+    lens = [1, sink + recent + 1, 37]
+    state = gen.get_state()
+    kw = {"steps": 1, "exact": True, "feedback": feedback, "refit": passes}
+    a = fill_cache(lo, lens, gen, granularity, backend="triton", **kw)[0]
+    gen.set_state(state)
+    b = fill_cache(lo, lens, gen, granularity, backend="torch", **kw)[0]
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        n_bad = int((x != y).sum())
+        assert n_bad == 0, f"{f}: {n_bad} of {x.numel()} elements differ"
+
+
+def test_refit_params_are_validated():
+    from oscar_kernels import LayerQuantParams
+    from oscar_math import OscarError
+
+    eye, fb = torch.eye(8), torch.tril(torch.ones(8, 8), -1) * 0.1
+    with pytest.raises(OscarError, match="k_refit_weight"):  # a refit needs feedback codes
+        LayerQuantParams(eye, eye, k_refit_weight=torch.ones(8)).expand(2, 8, torch.device("cpu"))
+    with pytest.raises(OscarError, match="shape of k_refit_weight"):
+        LayerQuantParams(eye, eye, k_feedback=fb, k_refit_weight=torch.ones(3, 8)).expand(
+            2, 8, torch.device("cpu")
+        )
+    with pytest.raises(OscarError, match="v_refit_weight"):
+        LayerQuantParams(eye, eye, v_feedback=fb, v_refit_weight=-torch.ones(8)).expand(
+            2, 8, torch.device("cpu")
+        )
+    with pytest.raises(OscarError, match="refit_passes"):
+        LayerQuantParams(eye, eye, k_feedback=fb, k_refit_weight=torch.ones(8), refit_passes=-1).expand(
+            2, 8, torch.device("cpu")
+        )

@@ -107,7 +107,8 @@ def paged_write(
     Args:
         cache: the layer's cache.
         params: the layer's rotations / mean / clip ratios / error-feedback matrices (when
-            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``).
+            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``; with refit
+            weights, its refitted scale/zero too, format version 3).
         key, value: ``[N, H_kv, d]`` un-rotated (after RoPE), any float dtype.
         slot_mapping: ``[N]`` flat INT2 slot ``page * page_size + offset``; ``< 0`` = skip (padding).
         positions: ``[N]`` position of each token in its sequence.
@@ -177,11 +178,12 @@ def _launch(
         block_t = 128 if lo.head_dim <= 128 else 32
     grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
     prec = "ieee" if (precise or interpreting()) else "tf32"
-    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean in (
+    for x, rot, fb, rw, codes, scale, zero, sink, ring, alpha, has_mean in (
         (
             key,
             ep.k_rotation,
             ep.k_feedback,
+            ep.k_refit_weight,
             cache.k_codes,
             cache.k_scale,
             cache.k_zero,
@@ -194,6 +196,7 @@ def _launch(
             value,
             ep.v_rotation,
             ep.v_feedback,
+            ep.v_refit_weight,
             cache.v_codes,
             cache.v_scale,
             cache.v_zero,
@@ -217,6 +220,8 @@ def _launch(
             rot if fb is None else fb,  # a valid pointer either way; read only with HAS_FEEDBACK
             0 if fb is None else fb.stride(0),
             0 if fb is None else fb.stride(1),
+            alpha if rw is None else rw,  # a valid pointer either way; read only with HAS_REFIT
+            0 if rw is None else rw.stride(0),
             slot_mapping,
             positions,
             seq_index,
@@ -247,6 +252,8 @@ def _launch(
             RECENT=lo.recent_tokens,
             HAS_MEAN=has_mean,
             HAS_FEEDBACK=fb is not None,
+            HAS_REFIT=rw is not None,
+            REFIT_PASSES=ep.refit_passes if rw is not None else 0,
             WRITE_PAGES=parts != "ring",
             WRITE_RING=parts != "pages",
             BLOCK_T=block_t,
