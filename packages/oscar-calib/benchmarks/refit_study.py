@@ -1,22 +1,23 @@
 """Long-context study 5 (issue 13): refit each INT2 group's bf16 scale and zero after the
-error-feedback codes (format version 3), at the same memory.
+error-feedback codes, at the same memory — measured worse; emulation only at this commit (the
+format-3 writer that was measured, Triton kernel included, is commit d9ee697).
 
 The fourth study's default writes LDLQ key codes on the clipped min/max grid. Here, with the
 codes fixed, each group's (scale, zero) is refitted by weighted least squares under the same
 logit metric (a 2×2 solve per group, bf16 rounding in the loop, kept only where it lowers the
 weighted error), optionally re-rounded with feedback on the refitted grid and refitted again
 (``refit_passes``). Same cache layout, bits and decode kernels; only the stored codes and
-scale/zero change (:func:`oscar_math.feedback.quantize_int2_feedback`).
+scale/zero change (:func:`oscar_math.feedback.quantize_int2_feedback`, ``refit_weight``).
 
-1. One statistics pass with ``CalibrationConfig``'s defaults (+ ``refit_passes`` = 1: the
-   artifact carries the refit weights); variants derived from it: the previous default (feedback
-   codes, no refit: ``oscar2-norefit``), refit with 0 / 1 / 2 passes, refit with other key clip
-   powers, and plain rounding (ablation).
+1. One statistics pass with ``CalibrationConfig``'s defaults; variants of its artifact: the
+   default (feedback codes, no refit), refit with 0 / 1 / 2 passes (weights ``w`` of
+   :func:`oscar_math.feedback.feedback_factors` of ``R_Kᵀ C_Q R_K``), refit with other key clip
+   powers, the de-shrunk emulations (``--deshrink``) and plain rounding (ablation).
 2. Selection on the calibration split (seed 1234) by mean KL over the selection contexts, then
    held-out (seed 0) and other text with every baseline in the same run — the sequences of the
    third and fourth studies.
-3. ``--served``: the picked artifact through the paged kernels (``PagedLM``: Triton
-   ``paged_write`` with the refit, ``extend_attention``) against its emulation.
+3. ``--served``: the artifact through the paged kernels (``PagedLM``) against its emulation
+   (at d9ee697 the artifact carried the refit weights and the kernels wrote the refit).
 
 ::
 
@@ -47,20 +48,21 @@ from oscar_calib.schemes import KVScheme, RowInt2Scheme, SchemeContext, build_sc
 from oscar_calib.text import split_text, token_chunks  # noqa: E402
 from oscar_math import dequantize_int2  # noqa: E402
 from oscar_math.artifact import load_rotations, save_rotations  # noqa: E402
+from oscar_math.feedback import feedback_factors  # noqa: E402
 
 PREVIOUS = "previous default (feedback, no refit)"
 
 
-def variant(base: Any, name: str, passes: int | None = None, key_power: float | None = None) -> RowInt2Scheme:
-    """``base`` (``oscar2`` of a refit artifact) with other key refit passes / key clip power
-    (stored ``α^p0`` → ``α^p``); values as stored."""
+def variant(
+    base: Any, name: str, weights: list[torch.Tensor], passes: int, key_power: float | None = None
+) -> RowInt2Scheme:
+    """``base`` (``oscar2``: feedback key codes) with the key scale/zero refit (``weights[i]``,
+    ``passes``) and optionally another key clip power (stored ``α^p0`` → ``α^p``); values as stored."""
     p0 = float(base_power[0])
 
     def k(i: int) -> Any:
         c = base.key_codec(i)
-        kw: dict[str, Any] = {}
-        if passes is not None:
-            kw["refit_passes"] = passes
+        kw: dict[str, Any] = {"refit_weight": weights[i], "refit_passes": passes}
         if key_power is not None and c.clip is not None:
             kw["clip"] = c.clip.clamp(min=1e-6) ** (key_power / p0)
         return dataclasses.replace(c, **kw)
@@ -148,31 +150,40 @@ def main() -> int:
     samples = None
     if args.artifact:
         rot = load_rotations(args.artifact)
+        metrics = key_metrics(rot)  # R_Kᵀ C_Q R_K rebuilt from the stored eigenvalues
     else:
         model32 = load_model("smollm2", dtype=torch.float32, device=st.dev)[0]
-        cfg = CalibrationConfig(text=str(st.text_path), refit_passes=1)
+        cfg = CalibrationConfig(text=str(st.text_path))
         chunks, _ = calibration_chunks(tok, cfg)
         stats = collect_statistics(
             model32, chunks, sink=cfg.sink, max_samples=cfg.max_samples, progress=False
         )
         cal = {"tokens": stats.tokens, "seq_len": cfg.seq_len, "text": BUILTIN_SNAPSHOT.name}
         rot = rotations_from_statistics(stats, cfg, model=model_name("smollm2"), calibration=cal)
-        save_rotations(st.out / "smollm2-refit1.safetensors", rot)
+        save_rotations(st.out / "smollm2-default.safetensors", rot)
         samples = stats.samples
+        metrics = [
+            r.transpose(-1, -2).double()
+            @ stats.query_cov[i].result(cfg.granularity).cpu().double()
+            @ r.double()
+            for i, r in enumerate(rot.k_rotation)
+        ]
         del model32
     times["calibrate"] = time.perf_counter() - t
     base_power[0] = float(rot.calibration.get("clip_power", 0.5))
     report["artifact"] = {"format_version": rot.format_version, "calibration": rot.calibration}
     ctx = SchemeContext(rot.head_dim, rot.num_layers, rot.num_kv_heads, rot)
     hd = rot.head_dim
+    damp = float(rot.calibration.get("feedback", {}).get("damp", 0.01))
+    weights = [feedback_factors(m, damp)[1] for m in metrics]
 
     kappas: dict[str, list[torch.Tensor]] = {}
     if samples is not None and args.deshrink:
         t = time.perf_counter()
         report["shrink_slope"] = {}
         for name, sch in (
-            (PREVIOUS, build_scheme("oscar2-norefit", ctx)),
-            ("refit P1", build_scheme("oscar2", ctx)),
+            (PREVIOUS, build_scheme("oscar2", ctx)),
+            ("refit P1", variant(build_scheme("oscar2", ctx), "refit P1", weights, 1)),
         ):
             kappas[name], report["shrink_slope"][name] = shrink_factors(sch, rot, samples)
             print(
@@ -182,20 +193,20 @@ def main() -> int:
         times["shrink"] = time.perf_counter() - t
 
     def oscar_schemes() -> dict[str, Any]:
-        base = build_scheme("oscar2", ctx)
+        base = build_scheme("oscar2", ctx)  # the artifact as served: feedback key codes
         s: dict[str, Any] = {
-            PREVIOUS: build_scheme("oscar2-norefit", ctx),
+            PREVIOUS: base,
             "plain rounding (oscar2-nofeedback)": build_scheme("oscar2-nofeedback", ctx),
         }
         for p in args.passes:
-            s[f"refit P{p}"] = base if p == rot.refit_passes else variant(base, f"refit P{p}", passes=p)
+            s[f"refit P{p}"] = variant(base, f"refit P{p}", weights, p)
         for kp in args.key_powers:
-            s[f"refit P1 pK{kp}"] = variant(base, f"refit P1 pK{kp}", passes=1, key_power=kp)
+            s[f"refit P1 pK{kp}"] = variant(base, f"refit P1 pK{kp}", weights, 1, key_power=kp)
         if kappas:
-            s["previous default + deshrink (emulation)"] = Deshrink(
-                "prev+deshrink", s[PREVIOUS], kappas[PREVIOUS]
+            s["previous default + deshrink (emulation)"] = Deshrink("prev+deshrink", base, kappas[PREVIOUS])
+            s["refit P1 + deshrink (emulation)"] = Deshrink(
+                "refit+deshrink", variant(base, "refit P1", weights, 1), kappas["refit P1"]
             )
-            s["refit P1 + deshrink (emulation)"] = Deshrink("refit+deshrink", base, kappas["refit P1"])
         return s
 
     cal_text, held_text = split_text(st.text)

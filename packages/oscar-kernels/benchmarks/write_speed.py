@@ -1,11 +1,12 @@
-"""Write-path cost of the INT2 key/value codes: plain rounding, error feedback (format version 2)
-and feedback + the scale/zero refit (format version 3, 0-2 re-round passes).
+"""Write-path cost of the INT2 key/value codes: plain rounding against error feedback (format
+version 2: a ``d``-step loop per row inside ``paged_write``). Commit d9ee697 of this script also
+timed the scale/zero refit of study 5 (measured worse, not kept; docs/results.md).
 
 One ``paged_write`` call (K and V, Triton) of ``N`` prefill tokens of one layer at a model's KV
 shape (default Qwen3-8B: 8 KV heads, head dim 128), timed with CUDA events
 (``triton.testing.do_bench``, median). Reports ms per call and µs per token per layer; the
-plain write of the same run is the baseline. Feedback / refit apply to keys and values alike
-here (``--rows k`` for keys only, the default artifact's case).
+plain write of the same run is the baseline. ``--rows k`` (default): feedback on keys only, the
+default artifact's case; ``kv``: keys and values.
 
 ::
 
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oscar_kernels as ok  # noqa: E402
-from oscar_math.feedback import feedback_factors  # noqa: E402
+from oscar_math.feedback import feedback_matrix  # noqa: E402
 
 
 def metric(d: int, h: int, gen: torch.Generator) -> torch.Tensor:
@@ -41,7 +42,6 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
     ap.add_argument("--block-t", type=int, nargs="+", default=[128, 32], help="tokens per program")
     ap.add_argument("--rows", default="k", choices=["k", "kv"])
-    ap.add_argument("--passes", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,8 +57,8 @@ def main() -> int:
 
     h, d = args.heads, args.head_dim
     gen = torch.Generator().manual_seed(0)
-    fk, wk = feedback_factors(metric(d, h, gen))
-    fv, wv = feedback_factors(metric(d, h, gen))
+    fk = feedback_matrix(metric(d, h, gen))
+    fv = feedback_matrix(metric(d, h, gen))
     q = torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0]
     rows = []
     report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "argv": sys.argv}
@@ -75,18 +75,8 @@ def main() -> int:
             lens = torch.tensor([4096 + n + 512], dtype=torch.int32, device=dev)
             ws = torch.zeros(1, dtype=torch.int32, device=dev)
             variants = {"plain": {}, "feedback": {"k_feedback": fk}}
-            for p in args.passes:
-                variants[f"feedback + refit P{p}"] = {
-                    "k_feedback": fk,
-                    "k_refit_weight": wk,
-                    "refit_passes": p,
-                }
             if args.rows == "kv":
-                for kw in variants.values():
-                    if "k_feedback" in kw:
-                        kw["v_feedback"] = fv
-                    if "k_refit_weight" in kw:
-                        kw["v_refit_weight"] = wv
+                variants["feedback"]["v_feedback"] = fv
             base = None
             for (name, kw), bt in ((nk, b) for nk in variants.items() for b in args.block_t):
                 params = ok.LayerQuantParams(q, q, k_clip=0.9, v_clip=0.9, **kw).expand(h, d, dev)

@@ -61,30 +61,17 @@ def random_feedback(*shape: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_params(
-    hkv: int,
-    d: int,
-    granularity: str,
-    gen: torch.Generator,
-    exact: bool = False,
-    feedback: str = "",
-    refit: int | None = None,
+    hkv: int, d: int, granularity: str, gen: torch.Generator, exact: bool = False, feedback: str = ""
 ):
     """Random rotations, key mean and clip ratios; ``exact``: rotations and mean for which
     rotating dyadic keys is exact arithmetic (so any summation order gives the same bits).
-    ``feedback``: ``"k"``, ``"v"`` or ``"kv"`` adds random error-feedback matrices;
-    ``refit`` (passes, with ``feedback``): random positive refit weights for each of them
-    (format version 3)."""
+    ``feedback``: ``"k"``, ``"v"`` or ``"kv"`` adds random error-feedback matrices."""
     from oscar_kernels import LayerQuantParams
 
     shape = (d, d) if granularity == "layer" else (hkv, d, d)
     rot = signed_hadamard if exact else rand_orth
     rk, rv = rot(*shape, gen=gen), rot(*shape, gen=gen)
     mean = dyadic(hkv, d, gen=gen, scale=16, span=8) if exact else 0.5 * torch.randn(hkv, d, generator=gen)
-    wshape = shape[:-1]
-
-    def weight() -> torch.Tensor:
-        return 0.2 + torch.rand(wshape, generator=gen) * 2
-
     return LayerQuantParams(
         rk,
         rv,
@@ -93,9 +80,6 @@ def make_params(
         v_clip=0.9,
         k_feedback=random_feedback(*shape, gen=gen) if "k" in feedback else None,
         v_feedback=random_feedback(*shape, gen=gen) if "v" in feedback else None,
-        k_refit_weight=weight() if ("k" in feedback and refit is not None) else None,
-        v_refit_weight=weight() if ("v" in feedback and refit is not None) else None,
-        refit_passes=0 if refit is None else refit,
     )
 
 
@@ -112,7 +96,6 @@ def fill_cache(
     exact=False,
     pending=None,
     feedback="",
-    refit=None,
 ):
     """Allocate a cache and write random tokens for sequences of ``lens`` (scattered pages).
 
@@ -121,8 +104,8 @@ def fill_cache(
     same for every sequence (``[]`` = one prefill-only write). ``pad`` padding tokens
     (slot -1, huge values, position 0 of sequence 0) are mixed into every write: they
     must change nothing. ``exact``: :func:`make_params` ``exact`` rotations and dyadic
-    keys/values, so the rotation is exact arithmetic on every device. ``feedback``, ``refit``:
-    see :func:`make_params`.
+    keys/values, so the rotation is exact arithmetic on every device. ``feedback``: see
+    :func:`make_params`.
     Returns ``(cache, params, block_table, window_slots, keys, values)``.
     """
     from oscar_kernels import allocate_cache, paged_write
@@ -140,7 +123,7 @@ def fill_cache(
     cache = allocate_cache(layout, num_pages, len(lens) + 1, DEVICE)
     for t in (cache.k_codes, cache.v_codes):  # garbage, not zeros, where nothing was written
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
-    params = make_params(layout.num_kv_heads, layout.head_dim, granularity, gen, exact, feedback, refit)
+    params = make_params(layout.num_kv_heads, layout.head_dim, granularity, gen, exact, feedback)
     h, d = layout.num_kv_heads, layout.head_dim
     if exact:
         keys = [(dyadic(n, h, d, gen=gen) + 0.5).bfloat16().to(DEVICE) for n in lens]

@@ -28,7 +28,7 @@ from oscar_math.artifact import Granularity, Rotations
 from oscar_math.clipping import clip_error, search_clip_ratio
 from oscar_math.eigen import eigenbasis
 from oscar_math.errors import check
-from oscar_math.feedback import feedback_factors
+from oscar_math.feedback import feedback_matrix
 from oscar_math.hadamard import is_hadamard_order
 from oscar_math.rotation import HadamardMode, compose_rotation
 
@@ -57,8 +57,6 @@ FEEDBACK_MODES = ("none", "k", "v", "kv")
 #: directions queries do not read, so clipping buys less; docs/results.md, fourth study)
 KEY_CLIP_POWER_PLAIN = 0.7
 KEY_CLIP_POWER_FEEDBACK = 0.5
-#: re-round + refit passes of the scale/zero refit written by default (None: no refit)
-DEFAULT_REFIT_PASSES: int | None = None
 
 
 def tool_version() -> str:
@@ -135,11 +133,6 @@ class CalibrationConfig:
             group's ``o_proj`` slices). Same scale, zero, clip and bits; the artifact stores the
             feedback matrices (format version 2) so every write path computes the same codes.
         feedback_damp: relative diagonal loading of the metric before its factorisation.
-        refit_passes: ``None`` (no refit) or an integer >= 0: after each group's feedback codes
-            its bf16 scale and zero are refitted by weighted least squares under the same
-            metric, and re-rounded + refitted this many more times (format version 3: the
-            artifact stores the weights ``k_refit_weight`` / ``v_refit_weight`` of the rows with
-            feedback). Same cache layout and bits; only the written codes/scale/zero change.
     """
 
     tokens: int = 16384
@@ -167,7 +160,6 @@ class CalibrationConfig:
     max_samples: int = 2048
     feedback: str = "k"
     feedback_damp: float = 0.01
-    refit_passes: int | None = DEFAULT_REFIT_PASSES
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -243,13 +235,6 @@ class CalibrationConfig:
         )
         for name in ("key_centering", "clip", "bit_reversal"):
             check(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
-        rp = self.refit_passes
-        check(
-            rp is None or (isinstance(rp, int) and not isinstance(rp, bool) and rp >= 0),
-            "refit_passes",
-            "None or an integer >= 0",
-            rp,
-        )
 
     def resolved_group_size(self, head_dim: int) -> int:
         """``group_size`` checked against a model's head dim (default: the head dim)."""
@@ -347,8 +332,6 @@ def rotations_from_statistics(
             "k_mean",
             "k_feedback",
             "v_feedback",
-            "k_refit_weight",
-            "v_refit_weight",
         )
     }
     if "v" in config.feedback:
@@ -400,21 +383,13 @@ def rotations_from_statistics(
         out["k_mean"].append(mean)
         if "k" in config.feedback:
             m_k = R_k.transpose(-1, -2) @ c_q.double() @ R_k
-            f_k, w_k = feedback_factors(m_k, config.feedback_damp)
-            out["k_feedback"].append(f_k)
-            if config.refit_passes is not None:
-                out["k_refit_weight"].append(w_k)
+            out["k_feedback"].append(feedback_matrix(m_k, config.feedback_damp))
         if "v" in config.feedback:
             m_v = _group_metric(stats.output_metrics[i], info.num_kv_heads, g)
-            f_v, w_v = feedback_factors(R_v.transpose(-1, -2) @ m_v @ R_v, config.feedback_damp)
-            out["v_feedback"].append(f_v)
-            if config.refit_passes is not None:
-                out["v_refit_weight"].append(w_v)
+            out["v_feedback"].append(feedback_matrix(R_v.transpose(-1, -2) @ m_v @ R_v, config.feedback_damp))
     meta = dict(calibration or {})
     if config.feedback != "none":
         meta["feedback"] = {"rows": config.feedback, "damp": float(config.feedback_damp)}
-        if config.refit_passes is not None:
-            meta["feedback"]["refit_passes"] = config.refit_passes
     meta["clip_power"] = float(config.clip_power) if config.clip else 1.0
     if config.clip and config.value_clip_power is not None:
         meta["value_clip_power"] = float(config.value_clip_power)
@@ -427,8 +402,6 @@ def rotations_from_statistics(
     k_mean = out.pop("k_mean") if config.key_centering else None
     out.pop("k_mean", None)
     k_feedback, v_feedback = out.pop("k_feedback") or None, out.pop("v_feedback") or None
-    k_refit, v_refit = out.pop("k_refit_weight") or None, out.pop("v_refit_weight") or None
-    has_refit = k_refit is not None or v_refit is not None
     return Rotations(
         model=model,
         num_layers=info.num_layers,
@@ -441,9 +414,6 @@ def rotations_from_statistics(
         k_mean=k_mean,
         k_feedback=k_feedback,
         v_feedback=v_feedback,
-        k_refit_weight=k_refit,
-        v_refit_weight=v_refit,
-        refit_passes=int(config.refit_passes) if has_refit else 0,
         calibration=meta,
         **out,
     )

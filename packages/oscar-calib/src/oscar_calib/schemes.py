@@ -33,8 +33,6 @@ Built-in schemes register through the same pluggy hook as third-party ones
 ``oscar2-norot``          ``oscar2`` with identity rotations (centering and clipping kept)
 ``oscar2-nofeedback``     ``oscar2`` with plain rounding where the artifact stores error-feedback
                           matrices (format version 2; :mod:`oscar_math.feedback`)
-``oscar2-norefit``        ``oscar2`` with feedback codes but without the scale/zero refit of
-                          format version 3 (the clipped min/max scale/zero of version 2)
 ``hadamard2-center``      ``hadamard2`` with the calibrated key mean subtracted
 ``oscar2-kernels``        ``oscar2`` served through the paged INT2 kernels (needs
                           ``oscar-calib[kernels]``; see :mod:`oscar_calib.paged`)
@@ -106,9 +104,10 @@ class RowCodec:
         feedback: ``[G, d, d]`` strictly lower-triangular error-feedback matrices
             (:mod:`oscar_math.feedback`): codes are rounded in order with each error fed
             forward; None: plain rounding.
-        refit_weight: ``[G, d]`` positive weights (format version 3): after the feedback codes,
-            each group's scale/zero is refitted by weighted least squares; None: no refit.
-        refit_passes: re-round + refit passes of the refit.
+        refit_weight: *emulation only* (not in the artifact; measured worse, docs/results.md,
+            fifth study): ``[G, d]`` weights of the least-squares scale/zero refit after the
+            feedback codes (:func:`oscar_math.feedback.quantize_int2_feedback`); None: no refit.
+        refit_passes: re-round + refit passes of that refit.
     """
 
     group_size: int
@@ -437,7 +436,6 @@ def _oscar_factory(
     rotate: bool = True,
     bit_reversal: bool = True,
     feedback: bool = True,
-    refit: bool = True,
 ) -> Callable[[SchemeContext], KVScheme]:
     def make(ctx: SchemeContext) -> KVScheme:
         rot = _require_rotations(ctx, name)
@@ -460,11 +458,6 @@ def _oscar_factory(
                     feedback=_layer_tensor(rot, i, f"{kind}_feedback")
                     if feedback and rotate and bit_reversal
                     else None,
-                    # the scale/zero refit (format version 3) follows the feedback codes
-                    refit_weight=_layer_tensor(rot, i, f"{kind}_refit_weight")
-                    if feedback and refit and rotate and bit_reversal
-                    else None,
-                    refit_passes=int(getattr(rot, "refit_passes", 0)),
                 )
 
             return build
@@ -543,11 +536,6 @@ def _specs() -> list[Any]:
             "oscar2-nofeedback",
             "oscar2 with plain rounding instead of the artifact's error-feedback codes (ablation)",
             _oscar_factory("oscar2-nofeedback", "oscar2 with plain rounding", feedback=False),
-        ),
-        SchemeSpec(
-            "oscar2-norefit",
-            "oscar2 with the artifact's feedback codes but the clipped min/max scale/zero (ablation)",
-            _oscar_factory("oscar2-norefit", "oscar2 without the scale/zero refit", refit=False),
         ),
         SchemeSpec(
             "oscar2-norot",

@@ -107,8 +107,7 @@ def paged_write(
     Args:
         cache: the layer's cache.
         params: the layer's rotations / mean / clip ratios / error-feedback matrices (when
-            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``; with refit
-            weights, its refitted scale/zero too, format version 3).
+            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``).
         key, value: ``[N, H_kv, d]`` un-rotated (after RoPE), any float dtype.
         slot_mapping: ``[N]`` flat INT2 slot ``page * page_size + offset``; ``< 0`` = skip (padding).
         positions: ``[N]`` position of each token in its sequence.
@@ -117,7 +116,11 @@ def paged_write(
         window_slots: ``[B]`` row of the window pools owned by each sequence.
         backend: ``auto`` | ``triton`` | ``torch``.
         precise: Triton only: full-fp32 (``ieee``) rotation instead of tf32.
-        block_t, num_warps: Triton tokens per program (default 128 for d <= 128, else 32) and warps.
+        block_t, num_warps: Triton tokens per program and warps. Default: 128 for d <= 128, else
+            32; and 32 for a tensor written with error-feedback codes, whose d-step loop keeps more
+            per-row state live (H200, Qwen3-8B shape, 8192 tokens, K with feedback + V plain:
+            2.98 ms with both at 32, 6.35 ms with both at 128; benchmarks/write_speed.py,
+            docs/kernels.md).
         check_bounds: check that slots, sequence indices, positions and window rows of the
             written tokens are in range (one host synchronisation; ``None`` =
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
@@ -174,16 +177,13 @@ def _launch(
 
     lo = cache.layout
     n = key.shape[0]
-    if block_t is None:
-        block_t = 128 if lo.head_dim <= 128 else 32
-    grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
+    default_bt = 128 if lo.head_dim <= 128 else 32
     prec = "ieee" if (precise or interpreting()) else "tf32"
-    for x, rot, fb, rw, codes, scale, zero, sink, ring, alpha, has_mean in (
+    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean in (
         (
             key,
             ep.k_rotation,
             ep.k_feedback,
-            ep.k_refit_weight,
             cache.k_codes,
             cache.k_scale,
             cache.k_zero,
@@ -196,7 +196,6 @@ def _launch(
             value,
             ep.v_rotation,
             ep.v_feedback,
-            ep.v_refit_weight,
             cache.v_codes,
             cache.v_scale,
             cache.v_zero,
@@ -207,6 +206,9 @@ def _launch(
         ),
     ):
         kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
+        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring)
+        bt = block_t if block_t is not None else (32 if fb is not None else default_bt)
+        grid = (triton.cdiv(n, bt), lo.num_kv_heads)
         LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
             x,
             x.stride(0),
@@ -220,8 +222,6 @@ def _launch(
             rot if fb is None else fb,  # a valid pointer either way; read only with HAS_FEEDBACK
             0 if fb is None else fb.stride(0),
             0 if fb is None else fb.stride(1),
-            alpha if rw is None else rw,  # a valid pointer either way; read only with HAS_REFIT
-            0 if rw is None else rw.stride(0),
             slot_mapping,
             positions,
             seq_index,
@@ -252,11 +252,9 @@ def _launch(
             RECENT=lo.recent_tokens,
             HAS_MEAN=has_mean,
             HAS_FEEDBACK=fb is not None,
-            HAS_REFIT=rw is not None,
-            REFIT_PASSES=ep.refit_passes if rw is not None else 0,
             WRITE_PAGES=parts != "ring",
             WRITE_RING=parts != "pages",
-            BLOCK_T=block_t,
+            BLOCK_T=bt,
             DOT_PRECISION=prec,
             **kwargs,
         )

@@ -29,9 +29,6 @@ class ExpandedParams:
         k_clip, v_clip: ``[H_kv]`` ratios in ``(0, 1]``.
         k_feedback, v_feedback: ``[H_kv, d, d]`` strictly lower-triangular error-feedback
             matrices in the rotated basis, or None (plain rounding).
-        k_refit_weight, v_refit_weight: ``[H_kv, d]`` positive weights of the scale/zero refit
-            (format version 3), or None (scale/zero of plain rounding).
-        refit_passes: re-round + refit passes after the first refit.
     """
 
     k_rotation: torch.Tensor
@@ -42,9 +39,6 @@ class ExpandedParams:
     has_mean: bool
     k_feedback: torch.Tensor | None = None
     v_feedback: torch.Tensor | None = None
-    k_refit_weight: torch.Tensor | None = None
-    v_refit_weight: torch.Tensor | None = None
-    refit_passes: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,11 +54,6 @@ class LayerQuantParams:
             strictly lower-triangular error-feedback matrices (``oscar_math.feedback``, format
             version 2 of the artifact): the codes are rounded coordinate by coordinate with each
             error fed forward. Scale, zero and the cache layout are unchanged.
-        k_refit_weight, v_refit_weight: ``None``, ``[d]`` or ``[H_kv, d]`` positive weights
-            (format version 3; need the matching feedback matrix): after its codes, each group's
-            scale and zero are refitted by weighted least squares
-            (``oscar_math.quantize_int2_feedback(..., refit_weight=...)``). Same cache layout.
-        refit_passes: re-round + refit passes after the first refit (an integer >= 0).
     """
 
     k_rotation: torch.Tensor
@@ -74,9 +63,6 @@ class LayerQuantParams:
     v_clip: float | torch.Tensor = 1.0
     k_feedback: torch.Tensor | None = None
     v_feedback: torch.Tensor | None = None
-    k_refit_weight: torch.Tensor | None = None
-    v_refit_weight: torch.Tensor | None = None
-    refit_passes: int = 0
 
     @classmethod
     def from_rotations(cls, rotations: Any, layer: int) -> LayerQuantParams:
@@ -106,9 +92,6 @@ class LayerQuantParams:
             v_clip=lay.v_clip,
             k_feedback=one(getattr(lay, "k_feedback", None)),
             v_feedback=one(getattr(lay, "v_feedback", None)),
-            k_refit_weight=one(getattr(lay, "k_refit_weight", None)),
-            v_refit_weight=one(getattr(lay, "v_refit_weight", None)),
-            refit_passes=int(getattr(rotations, "refit_passes", 0)),
         )
 
     @property
@@ -169,37 +152,8 @@ class LayerQuantParams:
                 "nonzero entries on/above the diagonal",
             )
             fbs.append(f.expand(h, d, d).contiguous())
-        rws = []
-        for name, fb in (("k_refit_weight", fbs[0]), ("v_refit_weight", fbs[1])):
-            rw = getattr(self, name)
-            if rw is None:
-                rws.append(None)
-                continue
-            # the refit follows feedback codes: weights without the matrix are an error, not a no-op
-            check(fb is not None, name, f"None without {name[0]}_feedback", "a tensor")
-            check(
-                isinstance(rw, torch.Tensor) and rw.shape in ((d,), (h, d)),
-                f"shape of {name}",
-                f"({d},) or ({h}, {d})",
-                tuple(rw.shape) if isinstance(rw, torch.Tensor) else type(rw),
-            )
-            rw = rw.to(device=device, dtype=torch.float32)
-            check(bool(torch.isfinite(rw).all() and (rw > 0).all()), name, "finite values > 0", "others")
-            rws.append(rw.expand(h, d).contiguous())
-        p = self.refit_passes
-        check(isinstance(p, int) and not isinstance(p, bool) and p >= 0, "refit_passes", "an integer >= 0", p)
         return ExpandedParams(
-            rots[0],
-            rots[1],
-            mean,
-            clips[0],
-            clips[1],
-            self.k_mean is not None,
-            fbs[0],
-            fbs[1],
-            rws[0],
-            rws[1],
-            p,
+            rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None, fbs[0], fbs[1]
         )
 
 

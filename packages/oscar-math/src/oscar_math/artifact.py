@@ -25,7 +25,6 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "FORMAT_VERSION_FEEDBACK",
-    "FORMAT_VERSION_REFIT",
     "FORMAT_VERSIONS",
     "ORTHOGONALITY_TOL",
     "Granularity",
@@ -43,12 +42,8 @@ FORMAT_VERSION = "1"
 #: ``format_version`` of a file with ``k_feedback`` / ``v_feedback``: the codes depend on them, so a
 #: reader that knows only version 1 must refuse the file rather than serve plain rounding.
 FORMAT_VERSION_FEEDBACK = "2"
-#: ``format_version`` of a file with ``k_refit_weight`` / ``v_refit_weight``: the scale and zero
-#: are refitted after the feedback codes (metadata ``refit_passes``), so a reader of version 2
-#: must refuse it rather than store the clipped min/max scale/zero.
-FORMAT_VERSION_REFIT = "3"
 #: every version this code reads.
-FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_FEEDBACK, FORMAT_VERSION_REFIT)
+FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_FEEDBACK)
 #: largest accepted ``max |RᵀR − I|`` of a stored rotation (float32 storage gives ~1e-6).
 ORTHOGONALITY_TOL = 1e-3
 
@@ -59,8 +54,6 @@ _KINDS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip"
 _OPTIONAL = ("k_mean",)
 #: optional error-feedback matrices (format version 2), each all layers or none.
 _FEEDBACK = ("k_feedback", "v_feedback")
-#: optional refit weights (format version 3), each all layers or none, each with its feedback.
-_REFIT = ("k_refit_weight", "v_refit_weight")
 
 
 class Granularity(str, Enum):
@@ -81,8 +74,6 @@ class LayerRotations:
         k_mean: ``[G, d]`` float32 key mean in the original basis, or ``None``.
         k_feedback, v_feedback: ``[G, d, d]`` float32 strictly lower-triangular error-feedback
             matrices (:mod:`oscar_math.feedback`), or ``None`` (plain rounding).
-        k_refit_weight, v_refit_weight: ``[G, d]`` float32 positive weights of the scale/zero
-            refit (format version 3), or ``None``.
     """
 
     k_rotation: torch.Tensor
@@ -94,8 +85,6 @@ class LayerRotations:
     k_mean: torch.Tensor | None
     k_feedback: torch.Tensor | None = None
     v_feedback: torch.Tensor | None = None
-    k_refit_weight: torch.Tensor | None = None
-    v_refit_weight: torch.Tensor | None = None
 
 
 def _fail(msg: str) -> None:
@@ -123,9 +112,6 @@ class Rotations:
         k_mean: ``num_layers × [G, d]`` or ``None``.
         k_feedback, v_feedback: ``num_layers × [G, d, d]`` strictly lower triangular, or
             ``None``; either one present makes the file format version 2.
-        k_refit_weight, v_refit_weight: ``num_layers × [G, d]`` positive, or ``None``; each needs
-            its feedback matrices; either one present makes the file format version 3.
-        refit_passes: re-round + refit passes of the refit (metadata of version 3; 0 otherwise).
         calibration: JSON-serialisable provenance (token count, text source, seed, tool version).
     """
 
@@ -147,9 +133,6 @@ class Rotations:
     calibration: dict[str, Any] = field(default_factory=dict)
     k_feedback: tuple[torch.Tensor, ...] | None = None
     v_feedback: tuple[torch.Tensor, ...] | None = None
-    k_refit_weight: tuple[torch.Tensor, ...] | None = None
-    v_refit_weight: tuple[torch.Tensor, ...] | None = None
-    refit_passes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -187,18 +170,8 @@ class Rotations:
             "k_mean": (g, d),
             "k_feedback": (g, d, d),
             "v_feedback": (g, d, d),
-            "k_refit_weight": (g, d),
-            "v_refit_weight": (g, d),
         }
-        p = self.refit_passes
-        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-            _fail(f"Invalid refit_passes: expected an integer >= 0, got {p!r}")
-        for kind in _REFIT:
-            if getattr(self, kind) is not None and getattr(self, kind[0] + "_feedback") is None:
-                _fail(f"Invalid {kind}: the refit follows feedback codes, but {kind[0]}_feedback is absent")
-        if p and not any(getattr(self, k) is not None for k in _REFIT):
-            _fail(f"Invalid refit_passes: {p} without k_refit_weight or v_refit_weight")
-        for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK, *_REFIT):
+        for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK):
             seq = getattr(self, kind)
             if seq is None and kind not in _KINDS:
                 continue
@@ -235,8 +208,6 @@ class Rotations:
                         f"Invalid {name}: expected a strictly lower-triangular matrix "
                         "(zero diagonal and above)"
                     )
-                if kind.endswith("_refit_weight") and not bool((t > 0).all()):
-                    _fail(f"Invalid {name}: expected positive weights")
                 if kind.endswith("_clip") and not bool(((t > 0) & (t <= 1)).all()):
                     _fail(f"Invalid {name}: expected clip ratios in (0, 1], got {t.tolist()}")
                 out.append(t)
@@ -261,14 +232,7 @@ class Rotations:
             k_mean=None if self.k_mean is None else self.k_mean[i],
             k_feedback=None if self.k_feedback is None else self.k_feedback[i],
             v_feedback=None if self.v_feedback is None else self.v_feedback[i],
-            k_refit_weight=None if self.k_refit_weight is None else self.k_refit_weight[i],
-            v_refit_weight=None if self.v_refit_weight is None else self.v_refit_weight[i],
         )
-
-    @property
-    def has_refit(self) -> bool:
-        """Whether the scale/zero are refitted after the feedback codes (format version 3)."""
-        return self.k_refit_weight is not None or self.v_refit_weight is not None
 
     @property
     def has_feedback(self) -> bool:
@@ -277,9 +241,7 @@ class Rotations:
 
     @property
     def format_version(self) -> str:
-        """``"3"`` with refit weights, ``"2"`` with error-feedback matrices only, else ``"1"``."""
-        if self.has_refit:
-            return FORMAT_VERSION_REFIT
+        """``"2"`` with error-feedback matrices, else ``"1"``."""
         return FORMAT_VERSION_FEEDBACK if self.has_feedback else FORMAT_VERSION
 
     def metadata(self) -> dict[str, str]:
@@ -288,15 +250,13 @@ class Rotations:
         meta.update({k: str(getattr(self, k)) for k in _INT_KEYS})
         meta["granularity"] = self.granularity.value
         meta["calibration"] = json.dumps(self.calibration, sort_keys=True)
-        if self.has_refit:
-            meta["refit_passes"] = str(self.refit_passes)
         return meta
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The file's tensors by name, ``layers.{i}.{kind}``."""
         out: dict[str, torch.Tensor] = {}
         for i in range(self.num_layers):
-            for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK, *_REFIT):
+            for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK):
                 seq = getattr(self, kind)
                 if seq is not None:
                     out[f"layers.{i}.{kind}"] = seq[i]
@@ -369,7 +329,7 @@ def save_rotations(path: str | os.PathLike, rot: Rotations) -> Path:
 def _layer_kind_order(name: str) -> tuple[int, int, str]:
     parts = name.split(".")
     if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
-        kinds = (*_KINDS, *_OPTIONAL, *_FEEDBACK, *_REFIT)
+        kinds = (*_KINDS, *_OPTIONAL, *_FEEDBACK)
         return (int(parts[1]), kinds.index(parts[2]) if parts[2] in kinds else 99, name)
     return (1 << 30, 0, name)
 
@@ -420,10 +380,8 @@ def _read(p: Path) -> Rotations:
         _fail(f"Invalid num_layers: expected an integer >= 1, got {n}")
     required = [f"layers.{i}.{k}" for i in range(n) for k in _KINDS]
     optional = [f"layers.{i}.{k}" for i in range(n) for k in _OPTIONAL]
-    if version in (FORMAT_VERSION_FEEDBACK, FORMAT_VERSION_REFIT):
+    if version == FORMAT_VERSION_FEEDBACK:
         optional += [f"layers.{i}.{k}" for i in range(n) for k in _FEEDBACK]
-    if version == FORMAT_VERSION_REFIT:
-        optional += [f"layers.{i}.{k}" for i in range(n) for k in _REFIT]
     present = set(names)
     missing = [x for x in required if x not in present]
     if missing:
@@ -439,24 +397,14 @@ def _read(p: Path) -> Rotations:
         first = next(x for x in means if x not in present)
         _fail(f"missing tensor {first} (k_mean is present for other layers)")
     feedback: dict[str, list[torch.Tensor] | None] = {}
-    for kind in (*_FEEDBACK, *_REFIT):
+    for kind in _FEEDBACK:
         have = [i for i in range(n) if f"layers.{i}.{kind}" in present]
         if have and len(have) != n:
             first = next(i for i in range(n) if i not in have)
             _fail(f"missing tensor layers.{first}.{kind} ({kind} is present for other layers)")
         feedback[kind] = [raw[f"layers.{i}.{kind}"] for i in range(n)] if have else None
-    if version == FORMAT_VERSION_FEEDBACK and not any(feedback[k] is not None for k in _FEEDBACK):
+    if version == FORMAT_VERSION_FEEDBACK and not any(v is not None for v in feedback.values()):
         _fail("format_version '2' without k_feedback or v_feedback tensors (version 1 is the format without)")
-    refit_passes = 0
-    if version == FORMAT_VERSION_REFIT:
-        if not any(feedback[k] is not None for k in _REFIT):
-            _fail("format_version '3' without k_refit_weight or v_refit_weight tensors")
-        if "refit_passes" not in meta:
-            _fail("missing metadata key 'refit_passes' (format version 3)")
-        try:
-            refit_passes = int(meta["refit_passes"])
-        except ValueError:
-            _fail(f"Invalid metadata refit_passes: expected an integer, got {meta['refit_passes']!r}")
     for name in sorted(names, key=_layer_kind_order):
         if raw[name].dtype != torch.float32:
             _fail(f"Invalid dtype of {name}: expected torch.float32, got {raw[name].dtype}")
@@ -467,7 +415,6 @@ def _read(p: Path) -> Rotations:
         calibration=calibration,
         k_mean=[raw[f"layers.{i}.k_mean"] for i in range(n)] if has_mean else None,
         **feedback,
-        refit_passes=refit_passes,
         **ints,
         **per_kind,
     )

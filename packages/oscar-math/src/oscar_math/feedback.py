@@ -95,7 +95,7 @@ def feedback_factors(metric: torch.Tensor, damp: float = 0.01) -> tuple[torch.Te
     factor, ``M + δ·mean(diag M)·I = (I + F)ᵀ diag(D) (I + F)``, as ``w = D / mean(D)``.
 
     ``w`` (``[..., d]`` float32, > 0) is what the scale/zero refit weighs the rounding
-    residuals with (format version 3, ``k_refit_weight``); only its ratios matter.
+    residuals with (``quantize_int2_feedback(..., refit_weight=w)``); only its ratios matter.
     """
     f = feedback_matrix(metric, damp)
     m = metric.double()
@@ -129,7 +129,9 @@ def quantize_int2_feedback(
         refit_weight: ``[..., d]`` positive weights ``w`` of :func:`feedback_factors`
             (broadcastable like ``feedback``); None = scale/zero as for plain rounding. When
             given (with ``feedback``), each group's scale and zero are refitted after its codes
-            by weighted least squares under the metric (:func:`_refit_group`, format version 3).
+            by weighted least squares under the metric (:func:`_refit_group`). *Research option,
+            not part of the artifact format*: it lowers ``eᵀ M e`` but shrinks the rows and
+            raised the end-to-end KL by 60-70 % (docs/results.md, fifth long-context study).
         refit_passes: with ``refit_weight``: how many times each group is re-rounded with
             feedback on its refitted grid and refitted again (0 = one rounding, one refit).
     Returns:
@@ -193,8 +195,8 @@ def _round_group(
 
     With ``w``: also accumulate, in coordinate order, the weighted sums the refit needs and the
     vector ``u = Σ_{i in group} F[:, i] c_i`` (``v = Σ_{i in group} F[:, i]`` likewise, per head)
-    used to re-target the later coordinates. Every float op is spelled out in the order the
-    Triton kernel does it (no fused multiply-add there), so both give the same bits."""
+    used to re-target the later coordinates. Every float op is spelled out in a fixed order (a
+    Triton version of this loop, bit-exact against it, is in commit d9ee697's ``paged_write``)."""
     d = x.shape[-1]
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), torch.zeros_like(s))
     zeros = torch.zeros_like(s)

@@ -102,14 +102,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="rows written with error-feedback (LDLQ) codes under the attention metric (default k; "
         "stored in the artifact, format version 2; none writes a version-1 artifact)",
     )
-    p.add_argument(
-        "--refit-passes",
-        default=None,
-        metavar="N|none",
-        help="after the feedback codes, refit each group's scale/zero by weighted least squares and "
-        "re-round + refit N more times (stored: format version 3; default from CalibrationConfig); "
-        "none: the clipped min/max scale/zero (format version 2)",
-    )
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -122,19 +114,6 @@ def run(args: argparse.Namespace) -> int:
     from . import check_context, check_output_file
 
     out = check_output_file("--out", args.out)  # before the expensive pass, not after it
-    refit: dict[str, int | None] = {}
-    if args.refit_passes is not None:
-        if args.refit_passes == "none":
-            refit["refit_passes"] = None
-        else:
-            from oscar_math import OscarError
-
-            try:
-                refit["refit_passes"] = int(args.refit_passes)
-            except ValueError:
-                raise OscarError(
-                    f"Invalid --refit-passes: expected an integer >= 0 or 'none', got {args.refit_passes!r}"
-                ) from None
     # the default chunk length never asks for more than the tokens (nor, below, the model's context)
     default_len = CalibrationConfig.seq_len
     # (too few tokens for one chunk past the sink still fail, on --tokens)
@@ -165,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
             )
             if getattr(args, name) is not None
         },
-        **refit,
     )
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, device=args.device)
@@ -216,9 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if rotations.has_feedback:
         print(
             f"error-feedback codes for {cal['feedback']['rows'].upper()} rows "
-            f"(format version {rotations.format_version}; damp {cal['feedback']['damp']:g}"
-            + (f"; scale/zero refit, {rotations.refit_passes} re-round passes" if rotations.has_refit else "")
-            + ")"
+            f"(format version {rotations.format_version}; damp {cal['feedback']['damp']:g})"
         )
     sys.stdout.flush()
     return 0

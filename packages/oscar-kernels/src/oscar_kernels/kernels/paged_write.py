@@ -109,128 +109,6 @@ def _feedback_codes(
 
 
 @triton.jit
-def _pick_vec(c, v0, v1, v2, v3, Q: tl.constexpr):
-    """Entry ``c`` of a ``[4 * Q]`` vector held as four ``[Q]`` quarters (a masked sum: exact)."""
-    j = tl.arange(0, Q)
-    q = c // Q
-    sel = j == c % Q
-    v = tl.sum(tl.where(sel & (q == 0), v0, 0.0), 0) + tl.sum(tl.where(sel & (q == 1), v1, 0.0), 0)
-    return v + (tl.sum(tl.where(sel & (q == 2), v2, 0.0), 0) + tl.sum(tl.where(sel & (q == 3), v3, 0.0), 0))
-
-
-@triton.jit
-def _refit_codes(
-    x0, x1, x2, x3, z0, z1, z2, z3, s0, s1, s2, s3, fb_ptr, stride_fr, w_ptr, scale_ptr, zero_ptr, mrow,
-    valid, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PASSES: tl.constexpr,
-):  # fmt: skip
-    """Error-feedback codes with the scale/zero refit of format version 3, exactly as
-    ``oscar_math.quantize_int2_feedback(..., refit_weight=w, refit_passes=PASSES)``.
-
-    Groups in order; each is feedback-rounded (``1 + PASSES`` times, every pass from the targets
-    at the group's start, on the previous pass's refitted grid) while the five weighted sums of
-    the 2×2 least-squares system and ``u = Σ F[:, i] c_i``, ``v = Σ F[:, i]`` over the group's
-    columns are accumulated in coordinate order; then the group's (scale, zero) is refitted
-    (bf16 in the loop, kept only if it lowers the weighted error) and the later targets shifted
-    by ``−(Δs·u + Δz·v)``. ``z*`` / ``s*``: the plain grid's zero / scale per element (quarters);
-    ``w_ptr``: this head's ``[d]`` weights. Stores every group's scale/zero; returns the codes."""
-    Q4: tl.constexpr = HEAD_DIM // 4
-    NG: tl.constexpr = HEAD_DIM // GROUP
-    j = tl.arange(0, Q4)
-    t0, t1, t2, t3 = x0, x1, x2, x3
-    k0 = tl.zeros(x0.shape, tl.int32)
-    k1 = tl.zeros(x0.shape, tl.int32)
-    k2 = tl.zeros(x0.shape, tl.int32)
-    k3 = tl.zeros(x0.shape, tl.int32)
-    for g in tl.static_range(NG):
-        s = _pick(g * GROUP, s0, s1, s2, s3, Q4)
-        z = _pick(g * GROUP, z0, z1, z2, z3, Q4)
-        st0, st1, st2, st3 = t0, t1, t2, t3
-        for _p in tl.static_range(1 + PASSES):
-            t0, t1, t2, t3 = st0, st1, st2, st3
-            inv = tl.where(s > 0, tl.math.div_rn(1.0, tl.where(s > 0, s, 1.0)), 0.0)
-            u0 = tl.zeros(x0.shape, tl.float32)
-            u1 = tl.zeros(x0.shape, tl.float32)
-            u2 = tl.zeros(x0.shape, tl.float32)
-            u3 = tl.zeros(x0.shape, tl.float32)
-            v0 = tl.zeros([Q4], tl.float32)
-            v1 = tl.zeros([Q4], tl.float32)
-            v2 = tl.zeros([Q4], tl.float32)
-            v3 = tl.zeros([Q4], tl.float32)
-            spp = tl.zeros(s.shape, tl.float32)
-            spq = tl.zeros(s.shape, tl.float32)
-            sqq = tl.zeros(s.shape, tl.float32)
-            spb = tl.zeros(s.shape, tl.float32)
-            sqb = tl.zeros(s.shape, tl.float32)
-            for c in range(g * GROUP, (g + 1) * GROUP):
-                tc = _pick(c, t0, t1, t2, t3, Q4)
-                code = tl.minimum(tl.maximum(tl.floor((tc - z) * inv + 0.5), 0.0), 3.0)
-                xhat = code * s + z
-                pj = code + _pick(c, u0, u1, u2, u3, Q4)
-                qj = 1.0 + _pick_vec(c, v0, v1, v2, v3, Q4)
-                bj = ((tc - xhat) + s * pj) + z * qj
-                wj = tl.load(w_ptr + c).to(tl.float32)
-                spp = spp + (wj * pj) * pj
-                spq = spq + (wj * pj) * qj
-                sqq = sqq + (wj * qj) * qj
-                spb = spb + (wj * pj) * bj
-                sqb = sqb + (wj * qj) * bj
-                q = c // Q4
-                sel = (j == c % Q4)[None, :]
-                kc = code.to(tl.int32)[:, None]
-                k0 = tl.where(sel & (q == 0), kc, k0)
-                k1 = tl.where(sel & (q == 1), kc, k1)
-                k2 = tl.where(sel & (q == 2), kc, k2)
-                k3 = tl.where(sel & (q == 3), kc, k3)
-                err = (_pick(c, x0, x1, x2, x3, Q4) - xhat)[:, None]
-                cc = code[:, None]
-                col = fb_ptr + j * stride_fr + c  # F[j, c] for the lanes of quarter 0
-                f0 = tl.load(col).to(tl.float32)
-                f1 = tl.load(col + Q4 * stride_fr).to(tl.float32)
-                f2 = tl.load(col + 2 * Q4 * stride_fr).to(tl.float32)
-                f3 = tl.load(col + 3 * Q4 * stride_fr).to(tl.float32)
-                t0 = t0 + err * f0[None, :]
-                t1 = t1 + err * f1[None, :]
-                t2 = t2 + err * f2[None, :]
-                t3 = t3 + err * f3[None, :]
-                u0 = u0 + cc * f0[None, :]
-                u1 = u1 + cc * f1[None, :]
-                u2 = u2 + cc * f2[None, :]
-                u3 = u3 + cc * f3[None, :]
-                v0 = v0 + f0
-                v1 = v1 + f1
-                v2 = v2 + f2
-                v3 = v3 + f3
-            # 2x2 weighted least squares in (s, z), as oscar_math.feedback._refit_group
-            det = spp * sqq - spq * spq
-            ok_det = det > 0
-            s_ls = tl.math.div_rn(sqq * spb - spq * sqb, tl.where(ok_det, det, 1.0))
-            s_new = round_bf16(s_ls)
-            z_new = round_bf16(tl.math.div_rn(sqb - s_new * spq, tl.where(sqq > 0, sqq, 1.0)))
-            ds = s_new - s
-            dz = z_new - z
-            gain = (ds * (spb - s * spp - z * spq) + dz * (sqb - s * spq - z * sqq)) * 2.0
-            quad = ds * ds * spp + (ds * dz * spq) * 2.0 + dz * dz * sqq
-            fin = (s_new == s_new) & (tl.abs(s_new) < float("inf")) & (z_new == z_new)
-            fin = fin & (tl.abs(z_new) < float("inf"))
-            ok = ok_det & (sqq > 0) & (s_new > 0) & fin & (quad < gain)
-            s_out = tl.where(ok, s_new, s)
-            z_out = tl.where(ok, z_new, z)
-            if (g + 1) * GROUP < HEAD_DIM:
-                b = (g + 1) * GROUP
-                dso = (s_out - s)[:, None]
-                dzo = (z_out - z)[:, None]
-                t0 = tl.where((j >= b)[None, :], t0 - (dso * u0 + dzo * v0[None, :]), t0)
-                t1 = tl.where((j + Q4 >= b)[None, :], t1 - (dso * u1 + dzo * v1[None, :]), t1)
-                t2 = tl.where((j + 2 * Q4 >= b)[None, :], t2 - (dso * u2 + dzo * v2[None, :]), t2)
-                t3 = tl.where((j + 3 * Q4 >= b)[None, :], t3 - (dso * u3 + dzo * v3[None, :]), t3)
-            s = s_out
-            z = z_out
-        tl.store(scale_ptr + mrow + g, s.to(tl.bfloat16), mask=valid)
-        tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
-    return k0, k1, k2, k3
-
-
-@triton.jit
 def paged_write_kernel(
     x_ptr,
     stride_xt,
@@ -244,8 +122,6 @@ def paged_write_kernel(
     fb_ptr,
     stride_fh,
     stride_fr,
-    rw_ptr,
-    stride_wh,
     slot_ptr,
     pos_ptr,
     seqidx_ptr,
@@ -276,8 +152,6 @@ def paged_write_kernel(
     RECENT: tl.constexpr,
     HAS_MEAN: tl.constexpr,
     HAS_FEEDBACK: tl.constexpr,
-    HAS_REFIT: tl.constexpr,
-    REFIT_PASSES: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
     WRITE_RING: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -362,9 +236,8 @@ def paged_write_kernel(
             z = round_bf16(lo)
             sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
             inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
-            if not HAS_REFIT:  # with the refit, the final pair is stored by _refit_codes
-                tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
-                tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
+            tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
+            tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
             z0 = tl.where(c0[None, :], z[:, None], z0)
             z1 = tl.where(c1[None, :], z[:, None], z1)
             z2 = tl.where(c2[None, :], z[:, None], z2)
@@ -378,12 +251,7 @@ def paged_write_kernel(
                 s1 = tl.where(c1[None, :], sc[:, None], s1)
                 s2 = tl.where(c2[None, :], sc[:, None], s2)
                 s3 = tl.where(c3[None, :], sc[:, None], s3)
-        if HAS_REFIT:
-            k0, k1, k2, k3 = _refit_codes(
-                x0, x1, x2, x3, z0, z1, z2, z3, s0, s1, s2, s3, fb_ptr + h * stride_fh, stride_fr,
-                rw_ptr + h * stride_wh, scale_ptr, zero_ptr, mrow, valid, HEAD_DIM, GROUP, REFIT_PASSES,
-            )  # fmt: skip
-        elif HAS_FEEDBACK:
+        if HAS_FEEDBACK:
             k0, k1, k2, k3 = _feedback_codes(
                 x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
                 fb_ptr + h * stride_fh, stride_fr, HEAD_DIM,
