@@ -27,7 +27,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
-from long_context_study3 import BUILTIN_SNAPSHOT, OTHER_SNAPSHOT, snapshot  # noqa: E402
+from study_common import BUILTIN_SNAPSHOT, start_study  # noqa: E402
 
 from oscar_calib.calibrate import (  # noqa: E402
     KEY_CLIP_POWER_PLAIN,
@@ -181,16 +180,9 @@ def main() -> int:
         "--confirm", nargs="*", default=None, help="OSCAR variants on held-out / other text (default: all)"
     )
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="fbstudy-"))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    windows = Windows(64, 256)
-    times: dict[str, float] = {}
-    report: dict[str, Any] = {"argv": sys.argv, "python": sys.version.split()[0], "torch": torch.__version__}
-    report["device"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    text, text_path, sha = snapshot(BUILTIN_SNAPSHOT, tmp)
-    report["texts"] = {"builtin_snapshot": sha}
+    st = start_study(args.out, "fbstudy")
+    out, dev, windows, report, times = st.out, st.dev, st.windows, st.report, st.times
+    text, text_path = st.text, st.text_path
 
     def dump() -> None:
         (out / "feedback_study.json").write_text(json.dumps(report, indent=1))
@@ -355,8 +347,7 @@ def main() -> int:
     times["heldout"] = time.perf_counter() - t
     if args.other_contexts:
         t = time.perf_counter()
-        other, _, osha = snapshot(OTHER_SNAPSHOT, tmp)
-        report["texts"]["other_snapshot"] = osha
+        other = st.other
         report["other"] = {}
         for c, n in zip(args.other_contexts, args.other_seqs, strict=True):
             schemes = full(True)

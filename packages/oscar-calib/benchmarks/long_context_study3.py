@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import hashlib
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
+from study_common import BUILTIN_SNAPSHOT, OTHER_SNAPSHOT, snapshot, start_study  # noqa: E402,F401
 
 from oscar_calib.calibrate import (  # noqa: E402
     CalibrationConfig,
@@ -52,22 +51,10 @@ from oscar_calib.capture import collect_statistics  # noqa: E402
 from oscar_calib.models import load_model, model_name, tiny_random_model  # noqa: E402
 from oscar_calib.power_search import apply_clip_powers  # noqa: E402
 from oscar_calib.schemes import SchemeContext, build_scheme  # noqa: E402
-from oscar_calib.simulate import Windows  # noqa: E402
 from oscar_calib.text import builtin_text, split_text, token_chunks  # noqa: E402
 from oscar_math.artifact import save_rotations  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-BUILTIN_SNAPSHOT = HERE / "data" / "pydoc-topics-py311.txt.gz"
-OTHER_SNAPSHOT = HERE / "data" / "stdlib-docstrings-py311.txt.gz"
 ABLATIONS = ("oscar2-noclip", "oscar2-nocenter", "oscar2-norot", "oscar2-calclip")
-
-
-def snapshot(path: Path, tmp: Path) -> tuple[str, Path, str]:
-    """``(text, path of the unpacked .txt, sha256[:16])`` of a shipped gzip snapshot."""
-    raw = gzip.decompress(path.read_bytes())
-    out = tmp / path.name.removesuffix(".gz")
-    out.write_bytes(raw)
-    return raw.decode("utf-8"), out, hashlib.sha256(raw).hexdigest()[:16]
 
 
 def mean_kl_of(res: dict[str, Any], name: str) -> float:
@@ -92,26 +79,14 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="smoke test: a tiny random llama on CPU")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="study3-"))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    windows = Windows(64, 256)
-    times: dict[str, float] = {}
-    report: dict[str, Any] = {"argv": sys.argv, "python": sys.version.split()[0], "torch": torch.__version__}
-    report["device"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-
-    text, text_path, sha = snapshot(BUILTIN_SNAPSHOT, tmp)
-    other, _, other_sha = snapshot(OTHER_SNAPSHOT, tmp)
+    st = start_study(args.out, "study3")
+    out, dev, windows, report, times = st.out, st.dev, st.windows, st.report, st.times
+    text, text_path, other = st.text, st.text_path, st.other
     here_text = builtin_text()
-    report["texts"] = {
-        "builtin_snapshot": {"chars": len(text), "sha256_16": sha},
-        "other_snapshot": {"chars": len(other), "sha256_16": other_sha},
-        "this_python_pydoc_topics": {
-            "chars": len(here_text),
-            "sha256_16": hashlib.sha256(here_text.encode()).hexdigest()[:16],
-            "equals_snapshot": here_text == text,
-        },
+    report["texts"]["this_python_pydoc_topics"] = {
+        "chars": len(here_text),
+        "sha256_16": hashlib.sha256(here_text.encode()).hexdigest()[:16],
+        "equals_snapshot": here_text == text,
     }
     print("texts", json.dumps(report["texts"]), flush=True)
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
-from long_context_study3 import ABLATIONS, BUILTIN_SNAPSHOT, OTHER_SNAPSHOT, snapshot  # noqa: E402
+from long_context_study3 import ABLATIONS  # noqa: E402
+from study_common import BUILTIN_SNAPSHOT, start_study  # noqa: E402
 
 from oscar_calib.calibrate import CalibrationConfig, calibration_chunks, rotations_from_statistics  # noqa: E402
 from oscar_calib.capture import collect_statistics  # noqa: E402
 from oscar_calib.models import load_model, model_name, tiny_random_model  # noqa: E402
 from oscar_calib.rope_mean import RopeMeanScheme, prerope_key_means, rope_inv_freq  # noqa: E402
 from oscar_calib.schemes import SchemeContext, build_scheme  # noqa: E402
-from oscar_calib.simulate import Windows  # noqa: E402
 from oscar_calib.text import split_text, token_chunks  # noqa: E402
 from oscar_math.artifact import save_rotations  # noqa: E402
 
@@ -58,17 +57,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="study3b-"))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    windows = Windows(64, 256)
-    times: dict[str, float] = {}
-    report: dict[str, Any] = {"argv": sys.argv, "python": sys.version.split()[0], "torch": torch.__version__}
-    report["device"] = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    text, text_path, sha = snapshot(BUILTIN_SNAPSHOT, tmp)
-    other, _, other_sha = snapshot(OTHER_SNAPSHOT, tmp)
-    report["texts"] = {"builtin_snapshot": sha, "other_snapshot": other_sha}
+    st = start_study(args.out, "study3b")
+    out, dev, windows, report, times = st.out, st.dev, st.windows, st.report, st.times
+    text, text_path, other = st.text, st.text_path, st.other
 
     t = time.perf_counter()
     if args.tiny:

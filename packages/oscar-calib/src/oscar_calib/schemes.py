@@ -104,6 +104,10 @@ class RowCodec:
         feedback: ``[G, d, d]`` strictly lower-triangular error-feedback matrices
             (:mod:`oscar_math.feedback`): codes are rounded in order with each error fed
             forward; None: plain rounding.
+        refit_weight: *emulation only* (not in the artifact; measured worse, docs/results.md,
+            fifth study): ``[G, d]`` weights of the least-squares scale/zero refit after the
+            feedback codes (:func:`oscar_math.feedback.quantize_int2_feedback`); None: no refit.
+        refit_passes: re-round + refit passes of that refit.
     """
 
     group_size: int
@@ -111,6 +115,8 @@ class RowCodec:
     mean: torch.Tensor | None = None
     clip: torch.Tensor | None = None
     feedback: torch.Tensor | None = None
+    refit_weight: torch.Tensor | None = None
+    refit_passes: int = 0
 
     def to_rotated(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H, d]`` → centred, rotated ``[..., H, d]`` float32."""
@@ -145,7 +151,15 @@ class RowCodec:
         ratio = self.clip_ratio(x.shape[-2], x.device)
         if self.feedback is not None:
             fb = _per_head(self.feedback, x.shape[-2])
-            return quantize_int2_feedback(self.to_rotated(x), self.group_size, fb, ratio)
+            rw = _per_head(self.refit_weight, x.shape[-2])
+            return quantize_int2_feedback(
+                self.to_rotated(x),
+                self.group_size,
+                fb,
+                ratio,
+                refit_weight=rw,
+                refit_passes=self.refit_passes,
+            )
         return quantize_int2(self.to_rotated(x), self.group_size, ratio)
 
     def decode(self, q: Int2Quantized, dtype: torch.dtype) -> torch.Tensor:

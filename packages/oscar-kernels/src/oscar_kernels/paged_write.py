@@ -116,7 +116,11 @@ def paged_write(
         window_slots: ``[B]`` row of the window pools owned by each sequence.
         backend: ``auto`` | ``triton`` | ``torch``.
         precise: Triton only: full-fp32 (``ieee``) rotation instead of tf32.
-        block_t, num_warps: Triton tokens per program (default 128 for d <= 128, else 32) and warps.
+        block_t, num_warps: Triton tokens per program and warps. Default: 128 for d <= 128, else
+            32; and 32 for a tensor written with error-feedback codes, whose d-step loop keeps more
+            per-row state live (H200, Qwen3-8B shape, 8192 tokens, K with feedback + V plain:
+            2.98 ms with both at 32, 6.35 ms with both at 128; benchmarks/write_speed.py,
+            docs/kernels.md).
         check_bounds: check that slots, sequence indices, positions and window rows of the
             written tokens are in range (one host synchronisation; ``None`` =
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
@@ -173,9 +177,7 @@ def _launch(
 
     lo = cache.layout
     n = key.shape[0]
-    if block_t is None:
-        block_t = 128 if lo.head_dim <= 128 else 32
-    grid = (triton.cdiv(n, block_t), lo.num_kv_heads)
+    default_bt = 128 if lo.head_dim <= 128 else 32
     prec = "ieee" if (precise or interpreting()) else "tf32"
     for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean in (
         (
@@ -204,6 +206,9 @@ def _launch(
         ),
     ):
         kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
+        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring)
+        bt = block_t if block_t is not None else (32 if fb is not None else default_bt)
+        grid = (triton.cdiv(n, bt), lo.num_kv_heads)
         LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
             x,
             x.stride(0),
@@ -249,7 +254,7 @@ def _launch(
             HAS_FEEDBACK=fb is not None,
             WRITE_PAGES=parts != "ring",
             WRITE_RING=parts != "pages",
-            BLOCK_T=block_t,
+            BLOCK_T=bt,
             DOT_PRECISION=prec,
             **kwargs,
         )
