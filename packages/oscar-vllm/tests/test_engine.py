@@ -26,6 +26,9 @@ NEW_TOKENS = 16
 # where a miss's 64-token chunk starts
 PROBE_LEN = 890
 PPL_LEN = 1024
+# evicted records: a fresh 900-token prompt would hit 768 tokens when repeated; with the window
+# records of positions >= 640 evicted it can hit 640 only (the records of (384, 640) are intact)
+EVICT_LEN, EVICT_FROM = 900, 640
 # SmolLM2-135M: 30 decoder layers, 3 KV heads of dim 64
 NUM_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 SOME_EXCLUDED = (0, 5, NUM_LAYERS - 1)  # first, one inside, last
@@ -72,7 +75,8 @@ def texts(model_dir):
     seq = token_chunks(tok, held, PPL_LEN, PPL_LEN, seed=0)[0].tolist()
     ids = tok(held, add_special_tokens=False)["input_ids"]
     prompts = [ids[5000 + 1000 * i : 5000 + 1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
-    return {"prompts": prompts, "ppl": seq, "tokenizer": tok}
+    evict = ids[12000 : 12000 + EVICT_LEN]
+    return {"prompts": prompts, "ppl": seq, "tokenizer": tok, "evict": evict}
 
 
 def _engine(model_dir: str, **extra):
@@ -227,7 +231,8 @@ def oscar(model_dir, artifact, texts, bf16, tmp_path_factory):  # bf16 first
 
 @pytest.fixture(scope="module")
 def oscar_cached(model_dir, artifact, texts, oscar, tmp_path_factory):  # after oscar: one engine at a time
-    """OSCAR with prefix caching on (vLLM's default): exact hits through the window groups."""
+    """OSCAR with prefix caching on (vLLM's default) and the default window records, which on
+    the V1 model runner (vLLM's CPU build) are "held": exact hits through the window groups."""
     import oscar_vllm
 
     os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
@@ -235,6 +240,60 @@ def oscar_cached(model_dir, artifact, texts, oscar, tmp_path_factory):  # after 
         return _answers(model_dir, texts, _run_prefix, **oscar_vllm.llm_kwargs(artifact))
     finally:
         del os.environ["OSCAR_VLLM_STEP_LOG"]
+
+
+@pytest.fixture(scope="module")
+def oscar_transient(model_dir, artifact, texts, oscar_cached, tmp_path_factory):
+    """OSCAR with prefix caching on and transient window records (freed once written), forced on
+    the V1 runner (where the record stamps guard the restores), with an in-process engine core so
+    the test can evict records from vLLM's prefix cache."""
+    import oscar_vllm
+
+    os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        kw = oscar_vllm.llm_kwargs(artifact, window_records="transient")
+        return _answers(model_dir, texts, _run_transient, **kw)
+    finally:
+        del os.environ["OSCAR_VLLM_STEP_LOG"], os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+
+
+def _poison_blocks(worker, block_ids: list[int]) -> None:
+    """Fill blocks with NaN in every KV tensor of the worker (what a reuse could leave there)."""
+    for t in worker.model_runner.kv_caches:
+        for b in block_ids:
+            t[b].view(torch.uint8).fill_(0xFF)  # bf16 0xFFFF: NaN
+
+
+def _run_transient(llm, texts) -> dict:
+    """The prefix-cache probes, then evicted records: a prompt whose last window records were
+    evicted from vLLM's prefix cache (and poisoned) must hit less, with the outputs of a miss."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    out = _run_prefix(llm, texts)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    cache = pool.cached_block_hash_to_block._cache  # insertion order: a request's blocks by position
+    before = set(cache)
+    evict_prompt = texts["evict"]
+    miss = llm.generate([{"prompt_token_ids": evict_prompt}], greedy, use_tqdm=False)[0]
+    new = [k for k in cache if k not in before and get_group_id(k) != 0]
+    blocks = []
+    for k in new[EVICT_FROM // 16 :]:  # the window records of positions >= EVICT_FROM
+        v = cache[k]
+        blocks += [v.block_id] if hasattr(v, "block_id") else [b.block_id for b in v.values()]
+    pool.evict_blocks(set(blocks))
+    llm.collective_rpc(_poison_blocks, args=(blocks,))
+    hit = llm.generate([{"prompt_token_ids": evict_prompt}], greedy, use_tqdm=False)[0]
+    out["evict"] = {
+        "records": len(new),
+        "evicted": len(blocks),
+        "cached": (miss.num_cached_tokens or 0, hit.num_cached_tokens or 0),
+        "tokens": (list(miss.outputs[0].token_ids), list(hit.outputs[0].token_ids)),
+        "logprobs": (_logprobs(miss), _logprobs(hit)),
+    }
+    return out
 
 
 def test_kv_capacity_is_at_least_5x_bf16(bf16, oscar):
@@ -356,6 +415,41 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, osc
     # ceil((256 - 1 + 64) / 16) + 1 = 21 blocks per request next to 16 INT2 blocks (28.0
     # concurrent requests of 2,048 tokens; 18.5 with 10 window groups of 128-token blocks)
     assert on["kv_tokens"] >= 2.4 * bf16["kv_tokens"]
+
+
+def test_transient_records_give_5x_bf16_capacity_with_exact_hits(bf16, oscar, oscar_cached, oscar_transient):
+    """Transient window records (freed once written): vLLM counts one window block per running
+    request, so its KV capacity with prefix caching on is >= 5x BF16's; hits stay exact."""
+    tr, held, off = oscar_transient, oscar_cached, oscar
+    ratio = tr["kv_tokens"] / bf16["kv_tokens"]
+    print(f"\nvLLM's KV cache size at {KV_BYTES >> 20} MiB, 2,048-token requests: BF16 {bf16['kv_tokens']}, "
+          f"OSCAR caching off {off['kv_tokens']}, on with held records {held['kv_tokens']}, "
+          f"on with transient records {tr['kv_tokens']} ({ratio:.2f}x BF16); cached tokens "
+          f"{tr['repeat_cached']} (repeat), {tr['cont_cached']} (continuation)")  # fmt: skip
+    # 16 INT2 blocks + 1 open window block per 2k request: 1037 / 17 = 61.0 requests (5.36x)
+    assert ratio >= 5.0
+    assert tr["blocks"] == off["blocks"]  # the same pool: only what vLLM counts per request changed
+    # the same hits as held records, and the outputs of caching off (the repeat bitwise)
+    assert tr["repeat_cached"] == held["repeat_cached"] and tr["cont_cached"] == held["cont_cached"]
+    assert tr["repeat"][1] == off["repeat"][0] and tr["repeat_logprobs"][1] == off["repeat_logprobs"][0]
+    _, again = tr["repeat_steps"]
+    assert again[0]["restored"] == [0] and not any(s["restored"] for s in again[1:])
+    # the continuation: the same tokens and logprobs as with held records (the same KV and rows)
+    assert tr["cont"] == held["cont"] and tr["cont_logprobs"] == held["cont_logprobs"]
+
+
+def test_evicted_records_give_a_shorter_hit_not_wrong_outputs(oscar_transient):
+    ev = oscar_transient["evict"]
+    print(f"\nevicted records: {ev['evicted']} of {ev['records']} window records evicted and poisoned; "
+          f"cached tokens {ev['cached']}")  # fmt: skip
+    assert ev["records"] == EVICT_LEN // 16 and ev["evicted"] == (EVICT_LEN - EVICT_FROM) // 16
+    # without the eviction the repeat would hit 768 (the probe above: 890 tokens hit 768); the INT2
+    # pages of 768 are still cached, but a hit needs the records of the 255 tokens before it
+    assert ev["cached"] == (0, EVICT_FROM)
+    # the hit's chunks start where the miss's 64-token chunks start: bitwise the miss's outputs
+    # (restoring a poisoned record would give NaN logprobs or other tokens)
+    assert ev["tokens"][1] == ev["tokens"][0]
+    assert ev["logprobs"][1] == ev["logprobs"][0]
 
 
 def test_same_chunks_give_the_same_outputs_in_other_window_slots_and_blocks(oscar):
