@@ -134,36 +134,47 @@ def _run_core(llm, texts) -> dict:
 
 
 def _run_all(llm, texts) -> dict:
-    """Everything the BF16 and OSCAR engines are asked (_run_core + prefix-cache probes)."""
+    """Everything the OSCAR engine without caching is asked (_run_core + prefix-cache probes)."""
     return {**_run_core(llm, texts), **_run_prefix(llm, texts)}
 
 
-def _run_prefix(llm, texts) -> dict:
+def _run_bf16(llm, texts) -> dict:
+    """The BF16 engine (caching on): _run_all, and the prefix-cache probes once more with vLLM's
+    prefix cache reset before each request, i.e. what the engine computes with caching off (one
+    engine start fewer than a second BF16 engine)."""
+    return {**_run_all(llm, texts), "nocache": _run_prefix(llm, texts, reset=True)}
+
+
+def _run_prefix(llm, texts, reset: bool = False) -> dict:
     """The prefix-cache probes: the longest prompt twice, then its continuation (prompt + the
-    generated tokens); each request alone, so a hit's chunks are the miss's last chunks."""
+    generated tokens); each request alone, so a hit's chunks are the miss's last chunks.
+    ``reset``: reset vLLM's prefix cache before each request (no hits: caching off)."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
     long_prompt = texts["prompts"][-1][:PROBE_LEN]
 
+    def generate(ids, params):
+        if reset:
+            assert llm.reset_prefix_cache()
+        return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+
     def other() -> None:
-        # another long prompt in between: with caching on, each row's window slot is its batch
-        # row, so without this the repeat would find the first run's (identical) rows still in
-        # slot 0 and a broken restore could go unnoticed
-        llm.generate(
-            [{"prompt_token_ids": texts["prompts"][-2]}], SamplingParams(max_tokens=1), use_tqdm=False
-        )
+        # another request in between takes a window slot and other blocks (caching off: the
+        # repeat then runs in another slot and other blocks; caching on: the repeat's slot does
+        # not hold its windows and must be restored from the records)
+        generate(texts["prompts"][1], SamplingParams(max_tokens=1))
 
     n0 = len(_steps())
-    first = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
+    first = generate(long_prompt, greedy)
     n1 = len(_steps())
     other()
     n2 = len(_steps())
-    again = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
+    again = generate(long_prompt, greedy)
     n3 = len(_steps())
     other()
     cont_ids = long_prompt + list(first.outputs[0].token_ids)
-    cont = llm.generate([{"prompt_token_ids": cont_ids}], greedy, use_tqdm=False)[0]
+    cont = generate(cont_ids, greedy)
     steps = _steps()
     return {
         "repeat": (list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)),
@@ -206,13 +217,16 @@ def _answers(model_dir: str, texts, run, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def bf16(model_dir, texts):
-    return _answers(model_dir, texts, _run_all)  # prefix caching on (vLLM's default)
+    return _answers(model_dir, texts, _run_bf16)  # prefix caching on (vLLM's default)
 
 
 @pytest.fixture(scope="module")
-def bf16_nocache(model_dir, texts, bf16):
-    """BF16 with caching off, prefix-cache probes only: what caching does to vLLM's own outputs."""
-    return _answers(model_dir, texts, _run_prefix, enable_prefix_caching=False)
+def bf16_nocache(bf16):
+    """BF16 without hits (prefix cache reset before each request), prefix-cache probes only: what
+    caching does to vLLM's own outputs."""
+    nocache = bf16["nocache"]
+    assert nocache["repeat_cached"] == (0, 0) and nocache["cont_cached"] == 0
+    return nocache
 
 
 @pytest.fixture(scope="module")
