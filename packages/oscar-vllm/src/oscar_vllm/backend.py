@@ -415,7 +415,7 @@ class OscarAttentionImpl(AttentionImpl):
         """Run the step's record-stamp check once (first layer; host lists, one copy per step)."""
         stamps = md.stamps
         assert stamps is not None and self._plan is not None
-        if md.step_no == getattr(stamps, "_done", -1):
+        if md.step_no == stamps.last_step:  # another layer of this step ran it
             return
         lo, plan = self.layout, self._plan
         stamps.configure(plan.block_size, lo.page_size, lo.sink_tokens, lo.recent_tokens, plan.sink_parts)

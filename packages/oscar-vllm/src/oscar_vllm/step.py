@@ -750,7 +750,7 @@ class RecordStamps:
         self.geometry: tuple[int, ...] | None = None
         self._stamp: dict[int, tuple[int, int, int]] = {}
         self._where: dict[tuple[int, int, int], int] = {}
-        self._done = -1
+        self.last_step = -1  # the step whose check ran (the other layers of that step skip it)
         self.checked = 0  # records checked so far (diagnostics, tests)
 
     def configure(self, window_block: int, int2_block: int, sink: int, recent: int, sink_parts: int) -> None:
@@ -791,9 +791,9 @@ class RecordStamps:
         ``int2_tables[r]``: row ``r``'s INT2 block ids; ``window_tables[g][r]``: its window
         blocks of record page ``g``; ``prefix`` / ``seq``: tokens before / after the step.
         Raises :class:`OscarError` for a restore whose records are not intact."""
-        if step_no == self._done:
+        if step_no == self.last_step:
             return
-        self._done = step_no
+        self.last_step = step_no
         wb, ib = self.wb, self.ib
         for r in restore_rows:
             for j in self.needed(prefix[r]):
