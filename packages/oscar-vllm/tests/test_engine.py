@@ -1,7 +1,9 @@
 """End to end through vLLM's ``LLM`` on CPU: SmolLM2-135M, an artifact from ``oscar calibrate``.
 
-One BF16 engine and one OSCAR engine (module-scoped: engine start is ~40-90 s on 2 cores),
-same memory setting. Skipped with the reason when vLLM or the model is unavailable.
+Engines are module-scoped fixtures (engine start is ~40-90 s on 2 cores), one alive at a time, all
+at the same memory setting: BF16, OSCAR with caching off, with held and with transient window
+records, with layers excluded; each is asked everything its tests need once. Skipped with the
+reason when vLLM or the model is unavailable.
 """
 
 from __future__ import annotations
