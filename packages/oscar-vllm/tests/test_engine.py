@@ -28,11 +28,11 @@ NEW_TOKENS = 16
 # where a miss's 64-token chunk starts
 PROBE_LEN = 890
 PPL_LEN = 1024
-# evicted records: a fresh 900-token prompt would hit 768 tokens when repeated; with the window
-# records of positions [512, 640) evicted, hits of 768 and 640 lack records of the 255 tokens before
-# them and the hit is 512 (the records of (256, 512) are intact); a manager that asked for fewer
-# records (e.g. the last 128 tokens') would accept 768 and restore poisoned rows
-EVICT_LEN, EVICT_FROM, EVICT_TO = 900, 512, 640
+# evicted records: a fresh 400-token prompt would hit 384 tokens when repeated; with the window
+# records of positions [128, 256) evicted, hits of 384 and 256 lack records of the 255 tokens before
+# them and the hit is 128 (the records of [0, 128) are intact); a manager that asked for fewer
+# records (e.g. the last 128 tokens') would accept 384 and restore rows it does not have
+EVICT_LEN, EVICT_FROM, EVICT_TO = 400, 128, 256
 # SmolLM2-135M: 30 decoder layers, 3 KV heads of dim 64
 NUM_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 SOME_EXCLUDED = (0, 5, NUM_LAYERS - 1)  # first, one inside, last
@@ -462,8 +462,8 @@ def test_evicted_records_give_a_shorter_hit_not_wrong_outputs(oscar_transient):
           f"cached tokens {ev['cached']}")  # fmt: skip
     # records of every full 16-token block written (the prompt's and some generated tokens')
     assert ev["records"] >= EVICT_LEN // 16 and ev["evicted"] == (EVICT_TO - EVICT_FROM) // 16
-    # without the eviction the repeat would hit 768 (the probe above: 890 tokens hit 768); the INT2
-    # pages of 768 are still cached, but a hit needs the records of the 255 tokens before it
+    # without the eviction the repeat would hit 384; the INT2 pages of 384 are still cached, but a
+    # hit needs the records of the 255 tokens before it
     assert ev["cached"] == (0, EVICT_FROM)
     # the hit's chunks start where the miss's 64-token chunks start: bitwise the miss's outputs
     # (restoring a poisoned record would give NaN logprobs or other tokens)

@@ -805,7 +805,7 @@ class RecordStamps:
                         raise OscarError(
                             f"OSCAR: the window records of a request with {prefix[r]} computed tokens were "
                             "freed and reused before it restored from them (its window slot was lost on "
-                            "vLLM's V1 model runner); serve with "
+                            "vLLM's V1 model runner, or a hit was accepted without its records); serve with "
                             'additional_config {"oscar": {"window_records": "held"}} or the V2 model runner '
                             "(docs/vllm.md, 'Prefix caching')"
                         )
