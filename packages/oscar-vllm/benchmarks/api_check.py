@@ -223,8 +223,43 @@ def check_window_groups() -> str:
     return f"{pages}: 1 sliding-window group of 16-token blocks + the INT2 group ({mod_name})"
 
 
+def check_transient_records() -> str:
+    """What transient window records rely on (records.py; docs/vllm.md, "Transient records")."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        SingleTypeKVCacheManager,
+        SlidingWindowManager,
+        get_manager_for_kv_cache_spec,
+    )
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from oscar_vllm import compat, records
+
+    # public registration, built-ins first (registered lazily only while the registry is empty)
+    _has_params(KVCacheSpecRegistry.register, "kvcache_spec_cls", "manager_class", "uniform_type_base_spec")
+    _has_params(KVCacheSpecRegistry.check_kv_cache_spec_registry, "kv_cache_spec")
+    _source_has(KVCacheSpecRegistry._ensure_registered, "if _REGISTRY_KVCACHESPEC_LIST:")
+    records.register()
+    win = compat.window_spec(16, 3, 64, torch.bfloat16, 256, 120, transient=True)
+    assert KVCacheSpecRegistry.get_manager_class(win) is records.OscarWindowManager
+    # the manager hooks: frees on the processed-token basis, caches up to the scheduler block only
+    _has_params(SingleTypeKVCacheManager.remove_skipped_blocks, "request_id", "processed_computed_tokens")
+    _source_has(KVCacheManager.allocate_slots, "total_computed_tokens - request.num_in_flight_tokens")
+    _has_params(SingleTypeKVCacheManager.cache_blocks, "request", "num_tokens", "retention_interval")
+    _has_params(SingleTypeKVCacheManager._remove_blocks_in_range, "request_id", "first_block", "last_block")
+    for name in ("req_to_blocks", "num_cached_block"):
+        _source_has(SingleTypeKVCacheManager.__init__, f"self.{name}")
+    _source_has(SingleTypeKVCacheManager.pop_blocks_for_free, "self.req_to_blocks.pop(request_id")
+    # admission cap and sizer come from the spec's own methods
+    _source_has(get_manager_for_kv_cache_spec, "kv_cache_spec.max_admission_blocks_per_request(")
+    assert issubclass(records.OscarWindowManager, SlidingWindowManager)
+    return f"OscarWindowSpec -> OscarWindowManager; {win.max_memory_usage_bytes(None)} B counted per request"
+
+
 CHECKS = (check_version, check_registry, check_backend_api, check_specs, check_grouping,
-          check_config_and_engine, check_attention_layer, check_window_groups)  # fmt: skip
+          check_config_and_engine, check_attention_layer, check_window_groups,
+          check_transient_records)  # fmt: skip
 
 
 def main() -> int:

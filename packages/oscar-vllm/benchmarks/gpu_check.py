@@ -43,7 +43,9 @@ from oscar_vllm.step import StepBuffers, WindowSlots, attend_step, build_step, r
 
 
 @dataclass
-class Case:
+class Geometry:
+    """What every case shares: the attention shape and the cache layout."""
+
     name: str
     h_kv: int
     gqa: int
@@ -52,6 +54,22 @@ class Case:
     group: int
     sink: int
     recent: int
+
+    def layout(self) -> CacheLayout:
+        return CacheLayout(self.h_kv, self.d, self.page, self.group, self.sink, self.recent)
+
+
+def _garbage_pages(
+    lo: CacheLayout, total: list[int], spare: int, g: torch.Generator
+) -> tuple[int, torch.Tensor]:
+    """``(num_blocks, page buffer)`` for sequences of ``total`` tokens plus ``spare`` blocks, filled with
+    random bytes (vLLM hands out uninitialised blocks)."""
+    num_blocks = sum(-(-t // lo.page_size) for t in total) + spare
+    return num_blocks, torch.randint(0, 256, (num_blocks, page_bytes(lo)), dtype=torch.uint8, generator=g)
+
+
+@dataclass
+class Case(Geometry):
     prompts: tuple[int, ...]
     decode_steps: int
     chunk: int  # max tokens per step (vLLM's max_num_batched_tokens)
@@ -121,10 +139,9 @@ def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:
     heads = shard_kv_heads(case.h_kv * tp, tp, rank)
     full = _rotations(case.h_kv * tp, case.d, case.granularity, g)
     params = shard_params(full, heads)
-    lo = CacheLayout(case.h_kv, case.d, case.page, case.group, case.sink, case.recent)
+    lo = case.layout()
     total = [p + case.decode_steps for p in case.prompts]
-    num_blocks = sum(-(-t // case.page) for t in total) + 7
-    buf = torch.randint(0, 256, (num_blocks, page_bytes(lo)), dtype=torch.uint8, generator=g)  # garbage
+    num_blocks, buf = _garbage_pages(lo, total, 7, g)
     max_seqs = len(case.prompts) + 2
     dev_cache = cache_from_page_buffer(lo, buf.to(device), max_seqs)
     ref_cache = cache_from_page_buffer(lo, buf.clone(), max_seqs)
@@ -215,15 +232,7 @@ def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:
 
 
 @dataclass
-class GraphCase:
-    name: str
-    h_kv: int
-    gqa: int
-    d: int
-    page: int
-    group: int
-    sink: int
-    recent: int
+class GraphCase(Geometry):
     contexts: tuple[int, ...]  # tokens each request holds before its decode steps
     pad_to: int  # the graph's batch (vLLM's capture size): real rows + zero-token padding rows
     steps: int
@@ -279,11 +288,10 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
     g = torch.Generator().manual_seed(seed)
     cuda = device.type == "cuda"
     params = _rotations(case.h_kv, case.d, "kv_head", g)
-    lo = CacheLayout(case.h_kv, case.d, case.page, case.group, case.sink, case.recent)
+    lo = case.layout()
     n_req = len(case.contexts)
     total = [c + case.steps + case.chunk + 2 for c in case.contexts] + [case.chunk + 2]
-    num_blocks = sum(-(-t // case.page) for t in total) + 3
-    buf = torch.randint(0, 256, (num_blocks, page_bytes(lo)), dtype=torch.uint8, generator=g)
+    num_blocks, buf = _garbage_pages(lo, total, 3, g)
     max_seqs = n_req + 2
     cache_g = cache_from_page_buffer(lo, buf.to(device), max_seqs)
     cache_e = cache_from_page_buffer(lo, buf.clone().to(device), max_seqs)

@@ -1,7 +1,9 @@
 """End to end through vLLM's ``LLM`` on CPU: SmolLM2-135M, an artifact from ``oscar calibrate``.
 
-One BF16 engine and one OSCAR engine (module-scoped: engine start is ~40-90 s on 2 cores),
-same memory setting. Skipped with the reason when vLLM or the model is unavailable.
+Engines are module-scoped fixtures (engine start is ~40-90 s on 2 cores), one alive at a time, all
+at the same memory setting: BF16, OSCAR with caching off, with held and with transient window
+records, with layers excluded; each is asked everything its tests need once. Skipped with the
+reason when vLLM or the model is unavailable.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ NEW_TOKENS = 16
 # where a miss's 64-token chunk starts
 PROBE_LEN = 890
 PPL_LEN = 1024
+# evicted records: a fresh 400-token prompt would hit 384 tokens when repeated; with the window
+# records of positions [128, 256) evicted, hits of 384 and 256 lack records of the 255 tokens before
+# them and the hit is 128 (the records of [0, 128) are intact); a manager that asked for fewer
+# records (e.g. the last 128 tokens') would accept 384 and restore rows it does not have
+EVICT_LEN, EVICT_FROM, EVICT_TO = 400, 128, 256
 # SmolLM2-135M: 30 decoder layers, 3 KV heads of dim 64
 NUM_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 SOME_EXCLUDED = (0, 5, NUM_LAYERS - 1)  # first, one inside, last
@@ -72,7 +79,8 @@ def texts(model_dir):
     seq = token_chunks(tok, held, PPL_LEN, PPL_LEN, seed=0)[0].tolist()
     ids = tok(held, add_special_tokens=False)["input_ids"]
     prompts = [ids[5000 + 1000 * i : 5000 + 1000 * i + n] for i, n in enumerate(PROMPT_LENS)]
-    return {"prompts": prompts, "ppl": seq, "tokenizer": tok}
+    evict = ids[12000 : 12000 + EVICT_LEN]
+    return {"prompts": prompts, "ppl": seq, "tokenizer": tok, "evict": evict}
 
 
 def _engine(model_dir: str, **extra):
@@ -130,36 +138,47 @@ def _run_core(llm, texts) -> dict:
 
 
 def _run_all(llm, texts) -> dict:
-    """Everything the BF16 and OSCAR engines are asked (_run_core + prefix-cache probes)."""
+    """Everything the OSCAR engine without caching is asked (_run_core + prefix-cache probes)."""
     return {**_run_core(llm, texts), **_run_prefix(llm, texts)}
 
 
-def _run_prefix(llm, texts) -> dict:
+def _run_bf16(llm, texts) -> dict:
+    """The BF16 engine (caching on): _run_all, and the prefix-cache probes once more with vLLM's
+    prefix cache reset before each request, i.e. what the engine computes with caching off (one
+    engine start fewer than a second BF16 engine)."""
+    return {**_run_all(llm, texts), "nocache": _run_prefix(llm, texts, reset=True)}
+
+
+def _run_prefix(llm, texts, reset: bool = False) -> dict:
     """The prefix-cache probes: the longest prompt twice, then its continuation (prompt + the
-    generated tokens); each request alone, so a hit's chunks are the miss's last chunks."""
+    generated tokens); each request alone, so a hit's chunks are the miss's last chunks.
+    ``reset``: reset vLLM's prefix cache before each request (no hits: caching off)."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
     long_prompt = texts["prompts"][-1][:PROBE_LEN]
 
+    def generate(ids, params):
+        if reset:
+            assert llm.reset_prefix_cache()
+        return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+
     def other() -> None:
-        # another long prompt in between: with caching on, each row's window slot is its batch
-        # row, so without this the repeat would find the first run's (identical) rows still in
-        # slot 0 and a broken restore could go unnoticed
-        llm.generate(
-            [{"prompt_token_ids": texts["prompts"][-2]}], SamplingParams(max_tokens=1), use_tqdm=False
-        )
+        # another request in between takes a window slot and other blocks (caching off: the
+        # repeat then runs in another slot and other blocks; caching on: the repeat's slot does
+        # not hold its windows and must be restored from the records)
+        generate(texts["prompts"][1], SamplingParams(max_tokens=1))
 
     n0 = len(_steps())
-    first = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
+    first = generate(long_prompt, greedy)
     n1 = len(_steps())
     other()
     n2 = len(_steps())
-    again = llm.generate([{"prompt_token_ids": long_prompt}], greedy, use_tqdm=False)[0]
+    again = generate(long_prompt, greedy)
     n3 = len(_steps())
     other()
     cont_ids = long_prompt + list(first.outputs[0].token_ids)
-    cont = llm.generate([{"prompt_token_ids": cont_ids}], greedy, use_tqdm=False)[0]
+    cont = generate(cont_ids, greedy)
     steps = _steps()
     return {
         "repeat": (list(first.outputs[0].token_ids), list(again.outputs[0].token_ids)),
@@ -202,13 +221,16 @@ def _answers(model_dir: str, texts, run, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def bf16(model_dir, texts):
-    return _answers(model_dir, texts, _run_all)  # prefix caching on (vLLM's default)
+    return _answers(model_dir, texts, _run_bf16)  # prefix caching on (vLLM's default)
 
 
 @pytest.fixture(scope="module")
-def bf16_nocache(model_dir, texts, bf16):
-    """BF16 with caching off, prefix-cache probes only: what caching does to vLLM's own outputs."""
-    return _answers(model_dir, texts, _run_prefix, enable_prefix_caching=False)
+def bf16_nocache(bf16):
+    """BF16 without hits (prefix cache reset before each request), prefix-cache probes only: what
+    caching does to vLLM's own outputs."""
+    nocache = bf16["nocache"]
+    assert nocache["repeat_cached"] == (0, 0) and nocache["cont_cached"] == 0
+    return nocache
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +249,8 @@ def oscar(model_dir, artifact, texts, bf16, tmp_path_factory):  # bf16 first
 
 @pytest.fixture(scope="module")
 def oscar_cached(model_dir, artifact, texts, oscar, tmp_path_factory):  # after oscar: one engine at a time
-    """OSCAR with prefix caching on (vLLM's default): exact hits through the window groups."""
+    """OSCAR with prefix caching on (vLLM's default) and the default window records, which on
+    the V1 model runner (vLLM's CPU build) are "held": exact hits through the window groups."""
     import oscar_vllm
 
     os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
@@ -235,6 +258,60 @@ def oscar_cached(model_dir, artifact, texts, oscar, tmp_path_factory):  # after 
         return _answers(model_dir, texts, _run_prefix, **oscar_vllm.llm_kwargs(artifact))
     finally:
         del os.environ["OSCAR_VLLM_STEP_LOG"]
+
+
+@pytest.fixture(scope="module")
+def oscar_transient(model_dir, artifact, texts, oscar_cached, tmp_path_factory):
+    """OSCAR with prefix caching on and transient window records (freed once written), forced on
+    the V1 runner (where the record stamps guard the restores), with an in-process engine core so
+    the test can evict records from vLLM's prefix cache."""
+    import oscar_vllm
+
+    os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        kw = oscar_vllm.llm_kwargs(artifact, window_records="transient")
+        return _answers(model_dir, texts, _run_transient, **kw)
+    finally:
+        del os.environ["OSCAR_VLLM_STEP_LOG"], os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+
+
+def _run_transient(llm, texts) -> dict:
+    """The prefix-cache probes, then evicted records: a prompt whose last window records were
+    evicted from vLLM's prefix cache (and poisoned) must hit less, with the outputs of a miss."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    out = _run_prefix(llm, texts)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    cache = pool.cached_block_hash_to_block._cache  # insertion order: a request's blocks by position
+    before = set(cache)
+    evict_prompt = texts["evict"]
+    miss = llm.generate([{"prompt_token_ids": evict_prompt}], greedy, use_tqdm=False)[0]
+    new = [k for k in cache if k not in before and get_group_id(k) != 0]
+    blocks = []
+    for k in new[EVICT_FROM // 16 : EVICT_TO // 16]:  # the window records of [EVICT_FROM, EVICT_TO)
+        v = cache[k]
+        blocks += [v.block_id] if hasattr(v, "block_id") else [b.block_id for b in v.values()]
+    pool.evict_blocks(set(blocks))
+
+    def poison(worker, block_ids: list[int]) -> None:  # nested: pickled by value to the worker
+        """NaN in those blocks of every KV tensor (what a reuse could leave there)."""
+        for t in worker.model_runner.kv_caches:
+            for b in block_ids:
+                t[b].view(torch.uint8).fill_(0xFF)  # bf16 0xFFFF: NaN
+
+    llm.collective_rpc(poison, args=(blocks,))
+    hit = llm.generate([{"prompt_token_ids": evict_prompt}], greedy, use_tqdm=False)[0]
+    out["evict"] = {
+        "records": len(new),
+        "evicted": len(blocks),
+        "cached": (miss.num_cached_tokens or 0, hit.num_cached_tokens or 0),
+        "tokens": (list(miss.outputs[0].token_ids), list(hit.outputs[0].token_ids)),
+        "logprobs": (_logprobs(miss), _logprobs(hit)),
+    }
+    return out
 
 
 def test_kv_capacity_is_at_least_5x_bf16(bf16, oscar):
@@ -356,6 +433,42 @@ def test_prefix_caching_gives_the_outputs_of_caching_off(bf16, bf16_nocache, osc
     # ceil((256 - 1 + 64) / 16) + 1 = 21 blocks per request next to 16 INT2 blocks (28.0
     # concurrent requests of 2,048 tokens; 18.5 with 10 window groups of 128-token blocks)
     assert on["kv_tokens"] >= 2.4 * bf16["kv_tokens"]
+
+
+def test_transient_records_give_5x_bf16_capacity_with_exact_hits(bf16, oscar, oscar_cached, oscar_transient):
+    """Transient window records (freed once written): vLLM counts one window block per running
+    request, so its KV capacity with prefix caching on is >= 5x BF16's; hits stay exact."""
+    tr, held, off = oscar_transient, oscar_cached, oscar
+    ratio = tr["kv_tokens"] / bf16["kv_tokens"]
+    print(f"\nvLLM's KV cache size at {KV_BYTES >> 20} MiB, 2,048-token requests: BF16 {bf16['kv_tokens']}, "
+          f"OSCAR caching off {off['kv_tokens']}, on with held records {held['kv_tokens']}, "
+          f"on with transient records {tr['kv_tokens']} ({ratio:.2f}x BF16); cached tokens "
+          f"{tr['repeat_cached']} (repeat), {tr['cont_cached']} (continuation)")  # fmt: skip
+    # 16 INT2 blocks + 1 open window block per 2k request: 1037 / 17 = 61.0 requests (5.36x)
+    assert ratio >= 5.0
+    assert tr["blocks"] == off["blocks"]  # the same pool: only what vLLM counts per request changed
+    # the same hits as held records, and the outputs of caching off (the repeat bitwise)
+    assert tr["repeat_cached"] == held["repeat_cached"] and tr["cont_cached"] == held["cont_cached"]
+    assert tr["repeat"][1] == off["repeat"][0] and tr["repeat_logprobs"][1] == off["repeat_logprobs"][0]
+    _, again = tr["repeat_steps"]
+    assert again[0]["restored"] == [0] and not any(s["restored"] for s in again[1:])
+    # the continuation: the same tokens and logprobs as with held records (the same KV and rows)
+    assert tr["cont"] == held["cont"] and tr["cont_logprobs"] == held["cont_logprobs"]
+
+
+def test_evicted_records_give_a_shorter_hit_not_wrong_outputs(oscar_transient):
+    ev = oscar_transient["evict"]
+    print(f"\nevicted records: {ev['evicted']} of {ev['records']} window records evicted and poisoned; "
+          f"cached tokens {ev['cached']}")  # fmt: skip
+    # records of every full 16-token block written (the prompt's and some generated tokens')
+    assert ev["records"] >= EVICT_LEN // 16 and ev["evicted"] == (EVICT_TO - EVICT_FROM) // 16
+    # without the eviction the repeat would hit 384; the INT2 pages of 384 are still cached, but a
+    # hit needs the records of the 255 tokens before it
+    assert ev["cached"] == (0, EVICT_FROM)
+    # the hit's chunks start where the miss's 64-token chunks start: bitwise the miss's outputs
+    # (restoring a poisoned record would give NaN logprobs or other tokens)
+    assert ev["tokens"][1] == ev["tokens"][0]
+    assert ev["logprobs"][1] == ev["logprobs"][0]
 
 
 def test_same_chunks_give_the_same_outputs_in_other_window_slots_and_blocks(oscar):

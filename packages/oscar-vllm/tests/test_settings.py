@@ -200,3 +200,26 @@ def test_exact_prefix_caching_where_every_layer_is_int2_and_the_hybrid_manager_i
     cc = SimpleNamespace(prefix_cache_retention_interval=1024)
     compat._dense_window_checkpoints(cc)
     assert cc.prefix_cache_retention_interval == 1024
+
+
+def test_window_records_mode_follows_the_model_runner_unless_chosen():
+    from types import SimpleNamespace
+
+    def cfg(v2, records=None, caching=True):
+        extra = {} if records is None else {"window_records": records}
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(backend=SimpleNamespace(name="OSCAR")),
+            cache_config=SimpleNamespace(enable_prefix_caching=caching),
+            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+            additional_config={"oscar": {"rotations": "r.safetensors", **extra}},
+            use_v2_model_runner=v2,
+        )
+
+    # auto: transient where a running request's window slot is its persistent V2 row, held on V1
+    assert compat.window_records_mode(cfg(v2=True)) == "transient"
+    assert compat.window_records_mode(cfg(v2=False)) == "held"
+    assert compat.window_records_mode(cfg(v2=True, records="held")) == "held"
+    assert compat.window_records_mode(cfg(v2=False, records="transient")) == "transient"
+    assert compat.window_records_mode(cfg(v2=True, caching=False)) is None
+    with pytest.raises(OscarError, match="window_records"):
+        settings_from({"oscar": {"rotations": "r", "window_records": "sometimes"}})

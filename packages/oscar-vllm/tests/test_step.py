@@ -134,8 +134,9 @@ def test_outputs_depend_on_a_requests_own_chunks_only(monkeypatch):
     print(f"\nrequest 0, prompt as 20+20+4 vs 22+22 tokens: max |diff| {diff:.2e}")
 
 
-def test_gpu_check_script_reduced_on_cpu(monkeypatch):
-    """The script the coordinator runs on the H200, in its reduced form through the Triton interpreter."""
+def _gpu_check_module(monkeypatch, name: str):
+    """``benchmarks/gpu_check.py`` imported as module ``name``; the Triton interpreter on CPU
+    (skips, with the reason, without Triton or when the interpreter was not set before import)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("Triton is not installed (pip install 'oscar-kernels[triton]')")
     if not torch.cuda.is_available():
@@ -143,10 +144,16 @@ def test_gpu_check_script_reduced_on_cpu(monkeypatch):
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("TRITON_INTERPRET must be set before Triton is imported")
     path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("oscar_vllm_gpu_check", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_script_reduced_on_cpu(monkeypatch):
+    """The script the coordinator runs on the H200, in its reduced form through the Triton interpreter."""
+    mod = _gpu_check_module(monkeypatch, "oscar_vllm_gpu_check")
     res = mod.run_case(mod.REDUCED[0], torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     assert res["pass"], res
     assert res["steps"] >= 5 and res["attn_rel_err"] < 1e-2
@@ -170,17 +177,7 @@ def test_gpu_check_graph_case_reduced_on_cpu(monkeypatch):
     the replay), a mixed batch with padding rows and tokens. Planted: metadata handed over in
     fresh tensors instead of the buffers (what a replay would not see) fails it; so do token
     tensors that stop at the last real token (a replay would process stale padding entries)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (pip install 'oscar-kernels[triton]')")
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("TRITON_INTERPRET must be set before Triton is imported")
-    path = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("oscar_vllm_gpu_check_graph", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    mod = _gpu_check_module(monkeypatch, "oscar_vllm_gpu_check_graph")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
     assert res["pass"], res

@@ -54,6 +54,7 @@ from oscar_math.errors import OscarError
 from . import compat
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
 from .step import (
+    RecordStamps,
     SlotTracker,
     StepBuffers,
     StepMetadata,
@@ -185,6 +186,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         # slot that holds its windows, and anything else restores from the window pages
         self.cached = compat.exact_prefix_caching(vllm_config)
         self.tracker = SlotTracker(self.max_seqs)
+        # transient window records (records.py): the restores are checked against record stamps
+        self.stamps = RecordStamps() if compat.window_records_mode(vllm_config) == "transient" else None
+        self._step_no = 0
         self.block_size = int(getattr(kv_cache_spec, "block_size", vllm_config.cache_config.block_size))
         # CUDA graphs replay the addresses seen at capture: every step's metadata is copied into
         # these persistent tensors (CUDA only; the CPU platform has no graphs)
@@ -233,7 +237,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             self.slots,
             num_tokens=int(cm.num_actual_tokens),
         )
-        md = replace(md, restore=tuple(restore))
+        self._step_no += 1
+        md = replace(md, restore=tuple(restore), stamps=self.stamps, step_no=self._step_no)
         if self.buffers is not None:
             md = self.buffers.hold(md)
         path = os.environ.get(STEP_LOG_ENV)
@@ -305,6 +310,7 @@ class OscarAttentionImpl(AttentionImpl):
         self.rotations = _artifact_for(cfg)
         self.excluded = frozenset(settings_from(getattr(cfg, "additional_config", None)).exclude_layers)
         self.cached = compat.exact_prefix_caching(cfg)  # window rows also kept in window pages
+        self.transient = compat.window_records_mode(cfg) == "transient"  # records.py
         self.window_names: list[str] = []
         self._pages: WindowPages | None = None
         self._plan: WindowPlan | None = None
@@ -387,6 +393,10 @@ class OscarAttentionImpl(AttentionImpl):
             compat.in_flight_tokens(self._cfg),
         )
         self._plan = plan
+        if self.transient:
+            from . import records
+
+            records.register(self._cfg)
         # a window block of plan.block_size tokens in a page of exactly the INT2 page's bytes
         spec = compat.window_spec(
             plan.block_size,
@@ -395,10 +405,28 @@ class OscarAttentionImpl(AttentionImpl):
             self._kv_dtype(),
             max(lo.recent_tokens, 2),
             cell * bs // plan.block_size,
+            transient=self.transient,
         )
         self.window_names = [f"{name}{WINDOW_SUFFIX}{g}" for g in range(plan.groups)]
         for n in self.window_names:
             compat.add_window_layer(self._cfg, n, OscarWindowLayer(spec))
+
+    def _check_records(self, md: StepMetadata, tables: torch.Tensor) -> None:
+        """Run the step's record-stamp check once (first layer; host lists, one copy per step)."""
+        stamps = md.stamps
+        assert stamps is not None and self._plan is not None
+        if md.step_no == stamps.last_step:  # another layer of this step ran it
+            return
+        lo, plan = self.layout, self._plan
+        stamps.configure(plan.block_size, lo.page_size, lo.sink_tokens, lo.recent_tokens, plan.sink_parts)
+        stamps.step(
+            md.step_no,
+            md.block_table.cpu().tolist(),
+            tables.cpu().tolist(),
+            md.prefix_lens.cpu().tolist(),
+            md.seq_lens.cpu().tolist(),
+            [row for row, _, _ in md.restore],
+        )
 
     def _kv_dtype(self) -> torch.dtype:
         dt = self._cfg.model_config.dtype
@@ -468,6 +496,8 @@ class OscarAttentionImpl(AttentionImpl):
             tables = torch.stack(
                 [m.block_table[:b] for m in compat.window_metadata(self.window_names)]
             )  # [groups, B, max_blocks]
+            if md.stamps is not None:  # transient records: refuse a restore from records that are gone
+                self._check_records(md, tables)
             # only rows whose slot does not already hold their windows (the builder's SlotTracker)
             for row, slot, prefix in md.restore:
                 restore_windows(cache, slot, self._pages, tables[:, row], prefix)

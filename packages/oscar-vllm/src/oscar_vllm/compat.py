@@ -32,6 +32,8 @@ __all__ = [
     "check_prefix_caching",
     "exact_prefix_caching",
     "window_spec",
+    "window_records_mode",
+    "uses_v2_runner",
     "in_flight_tokens",
     "cudagraph_support",
     "add_window_layer",
@@ -188,6 +190,10 @@ def guard_prefix_caching() -> None:
             vllm_config.cache_config.enable_prefix_caching = False
         elif exact_prefix_caching(vllm_config):
             _dense_window_checkpoints(vllm_config.cache_config)
+            if window_records_mode(vllm_config) == "transient":
+                from . import records
+
+                records.register(vllm_config)  # the scheduler in this process builds the manager
         return original(self, vllm_config)
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
@@ -239,16 +245,54 @@ def exact_prefix_caching(vllm_config: Any) -> bool:
         return False
 
 
+def uses_v2_runner(vllm_config: Any) -> bool:
+    """Whether vLLM runs the V2 model runner (persistent ``req_idx`` rows) in this configuration."""
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except Exception:  # property missing or refusing this config: the V1 runner
+        return False
+
+
+def window_records_mode(vllm_config: Any) -> str | None:
+    """``"transient"`` or ``"held"`` window records with exact prefix caching, else ``None``.
+
+    ``additional_config["oscar"]["window_records"]``; ``auto`` (the default) is ``transient`` with
+    vLLM's V2 model runner, where a running request's window slot is its persistent row and is
+    never lost, and ``held`` with the V1 runner, whose content-keyed slots can be taken from a
+    request while it is skipped (docs/vllm.md, "Prefix caching").
+    """
+    from .settings import settings_from
+
+    if not exact_prefix_caching(vllm_config):
+        return None
+    mode = settings_from(getattr(vllm_config, "additional_config", None)).window_records
+    if mode == "auto":
+        return "transient" if uses_v2_runner(vllm_config) else "held"
+    return mode
+
+
 def window_spec(
-    block_size: int, num_kv_heads: int, head_size: int, dtype: Any, window: int, cell: int
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: Any,
+    window: int,
+    cell: int,
+    transient: bool = False,
 ) -> Any:
     """Spec of one window page: vLLM's ``SlidingWindowSpec`` (its manager shares blocks through the
     prefix cache, accepts a hit only if the last ``window`` tokens' blocks are cached, and frees
     blocks that leave the window), sized exactly as one INT2 page (``cell`` bytes per head and
-    token) so that vLLM needs no page-size unification."""
+    token) so that vLLM needs no page-size unification. ``transient``: OSCAR's subclass, whose
+    manager frees a running request's records once written (:mod:`oscar_vllm.records`)."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    return SlidingWindowSpec(
+    cls = SlidingWindowSpec
+    if transient:
+        from .records import OscarWindowSpec
+
+        cls = OscarWindowSpec
+    return cls(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_size=head_size,

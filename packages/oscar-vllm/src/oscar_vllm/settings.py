@@ -13,6 +13,14 @@ Keys of ``additional_config["oscar"]``:
   is served in INT2. Artifacts always cover every layer (``oscar_math.artifact``
   requires ``layers.{i}.*`` for each ``i < num_layers``), so this list is the one way to
   keep layers in BF16.
+* ``window_records`` (``"auto"``, ``"transient"`` or ``"held"``; default ``"auto"``): how long
+  vLLM keeps the BF16 window records of a *running* request with prefix caching on
+  (docs/vllm.md, "Prefix caching"). ``transient``: freed right after the step that wrote
+  them (they stay cached, evictable, for later hits; ~5.4x BF16 capacity at 2k).
+  ``held``: vLLM's sliding-window manager holds the last ``recent`` tokens' records for every
+  running request (2.5x at 2k), so a request that loses its window slot can always restore.
+  ``auto``: ``transient`` with vLLM's V2 model runner (a request's slot is its persistent row
+  and is never lost), ``held`` with the V1 runner (slots follow content there).
 
 Everything here is plain Python (no vLLM import) so it is unit-tested without vLLM.
 """
@@ -40,6 +48,8 @@ __all__ = [
 ]
 
 ENV_ROTATIONS = "OSCAR_ROTATIONS"
+#: values of ``additional_config["oscar"]["window_records"]``
+WINDOW_RECORDS = ("auto", "transient", "held")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class OscarSettings:
 
     rotations: str
     exclude_layers: tuple[int, ...] = ()
+    window_records: str = "auto"
 
 
 def settings_from(additional_config: Any) -> OscarSettings:
@@ -56,10 +67,17 @@ def settings_from(additional_config: Any) -> OscarSettings:
     section = extra.get("oscar", {})
     if not isinstance(section, dict):
         raise OscarError(f'additional_config["oscar"] must be a JSON object, got {type(section).__name__}')
-    unknown = sorted(set(section) - {"rotations", "exclude_layers"})
+    unknown = sorted(set(section) - {"rotations", "exclude_layers", "window_records"})
     if unknown:
         raise OscarError(
-            f'additional_config["oscar"] has unknown keys {unknown} (known: rotations, exclude_layers)'
+            f'additional_config["oscar"] has unknown keys {unknown} '
+            "(known: rotations, exclude_layers, window_records)"
+        )
+    records = section.get("window_records", "auto")
+    if records not in WINDOW_RECORDS:
+        raise OscarError(
+            f'additional_config["oscar"]["window_records"] must be one of {list(WINDOW_RECORDS)}, '
+            f"got {records!r}"
         )
     path = section.get("rotations") or os.environ.get(ENV_ROTATIONS, "")
     if not path:
@@ -68,7 +86,11 @@ def settings_from(additional_config: Any) -> OscarSettings:
             '--additional-config \'{"oscar": {"rotations": "FILE"}}\' (or set OSCAR_ROTATIONS=FILE); '
             "make one with 'oscar calibrate MODEL --out FILE'"
         )
-    return OscarSettings(rotations=str(path), exclude_layers=_exclude_list(section.get("exclude_layers", [])))
+    return OscarSettings(
+        rotations=str(path),
+        exclude_layers=_exclude_list(section.get("exclude_layers", [])),
+        window_records=records,
+    )
 
 
 _EXCLUDE = 'additional_config["oscar"]["exclude_layers"]'
