@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
-from study_common import BUILTIN_SNAPSHOT, start_study  # noqa: E402
+from study_common import BUILTIN_SNAPSHOT, add_split_args, start_study  # noqa: E402
 
 from oscar_calib.calibrate import (  # noqa: E402
     KEY_CLIP_POWER_PLAIN,
@@ -159,12 +159,7 @@ def main() -> int:
         help="key clip powers (stored ratio = searched ** p) tried with feedback keys in the selection",
     )
     ap.add_argument("--no-ropemean", action="store_true")
-    ap.add_argument("--select-contexts", type=int, nargs="*", default=[2048, 8192])
-    ap.add_argument("--select-seqs", type=int, nargs="*", default=[4, 2])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
-    ap.add_argument("--other-contexts", type=int, nargs="*", default=[2048, 8192])
-    ap.add_argument("--other-seqs", type=int, nargs="*", default=[4, 2])
+    add_split_args(ap)
     ap.add_argument("--errors", action="store_true", help="per-layer logit/output errors (1 seq/context)")
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES))
     ap.add_argument("--only", nargs="*", default=None, help="OSCAR variants to score (default: all)")

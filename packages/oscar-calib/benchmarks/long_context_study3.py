@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
-from study_common import BUILTIN_SNAPSHOT, OTHER_SNAPSHOT, snapshot, start_study  # noqa: E402,F401
+from study_common import BUILTIN_SNAPSHOT, OTHER_SNAPSHOT, add_split_args, snapshot, start_study  # noqa: E402,F401
 
 from oscar_calib.calibrate import (  # noqa: E402
     CalibrationConfig,
@@ -69,12 +69,7 @@ def main() -> int:
     ap.add_argument("--powers", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9])
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--search-context", type=int, default=8192)
-    ap.add_argument("--select-contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--select-seqs", type=int, nargs="+", default=[4, 2])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
-    ap.add_argument("--other-contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--other-seqs", type=int, nargs="+", default=[4, 2])
+    add_split_args(ap, allow_empty=False)
     ap.add_argument("--budget-s", type=float, default=400.0, help="wall budget; the KL search is cut to fit")
     ap.add_argument("--tiny", action="store_true", help="smoke test: a tiny random llama on CPU")
     args = ap.parse_args()

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from long_context_run import BASELINES, score, table  # noqa: E402
 from long_context_study3 import ABLATIONS  # noqa: E402
-from study_common import BUILTIN_SNAPSHOT, start_study  # noqa: E402
+from study_common import BUILTIN_SNAPSHOT, add_split_args, start_study  # noqa: E402
 
 from oscar_calib.calibrate import CalibrationConfig, calibration_chunks, rotations_from_statistics  # noqa: E402
 from oscar_calib.capture import collect_statistics  # noqa: E402
@@ -48,12 +48,7 @@ def main() -> int:
     ap.add_argument(
         "--ropemean", nargs="+", default=["1024:16384", "8192:16384"], help="calibrations to centre by RoPE"
     )
-    ap.add_argument("--select-contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--select-seqs", type=int, nargs="+", default=[4, 2])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
-    ap.add_argument("--other-contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--other-seqs", type=int, nargs="+", default=[4, 2])
+    add_split_args(ap, allow_empty=False)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from feedback_study import key_metrics, served  # noqa: E402
 from long_context_run import BASELINES, score, table  # noqa: E402
-from study_common import BUILTIN_SNAPSHOT, start_study  # noqa: E402
+from study_common import BUILTIN_SNAPSHOT, add_split_args, start_study  # noqa: E402
 
 from oscar_calib.calibrate import CalibrationConfig, calibration_chunks, rotations_from_statistics  # noqa: E402
 from oscar_calib.capture import collect_statistics  # noqa: E402
@@ -127,12 +127,7 @@ def main() -> int:
     ap.add_argument("--out", default="refit-study")
     ap.add_argument("--passes", type=int, nargs="*", default=[0, 1, 2])
     ap.add_argument("--key-powers", type=float, nargs="*", default=[0.35, 0.7], help="with refit, 1 pass")
-    ap.add_argument("--select-contexts", type=int, nargs="*", default=[2048, 8192])
-    ap.add_argument("--select-seqs", type=int, nargs="*", default=[4, 2])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
-    ap.add_argument("--other-contexts", type=int, nargs="*", default=[2048, 8192])
-    ap.add_argument("--other-seqs", type=int, nargs="*", default=[4, 2])
+    add_split_args(ap)
     ap.add_argument("--baselines", nargs="*", default=list(BASELINES))
     ap.add_argument("--served", type=int, nargs="*", default=[])
     ap.add_argument("--deshrink", action="store_true", help="also the de-shrunk emulation variants")

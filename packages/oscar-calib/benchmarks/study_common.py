@@ -10,6 +10,7 @@ from a bare ``PYTHONPATH`` on the GPU machine.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -74,3 +75,16 @@ def start_study(out: str | Path, prefix: str) -> Study:
         "other_snapshot": {"chars": len(other), "sha256_16": other_sha},
     }
     return Study(o, tmp, dev, Windows(64, 256), text, text_path, other, report)
+
+
+def add_split_args(ap: argparse.ArgumentParser, allow_empty: bool = True) -> None:
+    """The studies' shared split options: selection on the calibration split, held-out and
+    other text, each a list of contexts with a sequence count per context
+    (``allow_empty``: an empty list skips that split)."""
+    n = "*" if allow_empty else "+"
+    ap.add_argument("--select-contexts", type=int, nargs=n, default=[2048, 8192])
+    ap.add_argument("--select-seqs", type=int, nargs=n, default=[4, 2])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--num-seqs", type=int, nargs="+", default=[4, 4, 2])
+    ap.add_argument("--other-contexts", type=int, nargs=n, default=[2048, 8192])
+    ap.add_argument("--other-seqs", type=int, nargs=n, default=[4, 2])

@@ -39,6 +39,19 @@ __all__ = [
 ]
 
 
+def _damped_factor(metric: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(m, c, flip)``: the symmetrised ``metric`` (float64), the Cholesky factor ``c`` of
+    ``M + δ·mean(diag M)·I`` with indices reversed (so that reversing ``c`` back gives the
+    upper-triangular ``B`` of ``M = B Bᵀ``), and the reversal index."""
+    m = metric.double()
+    m = (m + m.transpose(-1, -2)) / 2
+    d = m.shape[-1]
+    diag_mean = torch.diagonal(m, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
+    m_damped = m + damp * diag_mean[..., None, None] * torch.eye(d, dtype=m.dtype, device=m.device)
+    flip = torch.arange(d - 1, -1, -1, device=m.device)
+    return m, torch.linalg.cholesky(m_damped[..., flip, :][..., :, flip]), flip
+
+
 def feedback_matrix(metric: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """Feedback matrix ``F = L − I`` of ``M + δ·mean(diag M)·I = Lᵀ D L``.
 
@@ -58,14 +71,8 @@ def feedback_matrix(metric: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     )
     check(bool(torch.isfinite(metric).all()), "metric", "finite values", "NaN/Inf")
     check(damp > 0, "damp", "> 0", damp)
-    m = metric.double()
-    m = (m + m.transpose(-1, -2)) / 2
-    d = m.shape[-1]
-    diag_mean = torch.diagonal(m, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
-    m = m + damp * diag_mean[..., None, None] * torch.eye(d, dtype=m.dtype, device=m.device)
     # M = B Bᵀ with B upper triangular: Cholesky of the index-reversed matrix, reversed back
-    flip = torch.arange(d - 1, -1, -1, device=m.device)
-    c = torch.linalg.cholesky(m[..., flip, :][..., :, flip])
+    _, c, flip = _damped_factor(metric, damp)
     b = c[..., flip, :][..., :, flip]  # upper triangular, M = B Bᵀ
     lower = (b / torch.diagonal(b, dim1=-2, dim2=-1)[..., None, :]).transpose(
         -1, -2
@@ -79,15 +86,9 @@ def feedback_gain(metric: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     Idealised (uniform rounding noise, no clamping); the measured ratio is in the tests
     and docs/results.md.
     """
-    m = metric.double()
-    m = (m + m.transpose(-1, -2)) / 2
-    d = m.shape[-1]
-    tr = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)
-    m = m + damp * (tr / d)[..., None, None] * torch.eye(d, dtype=m.dtype, device=m.device)
-    flip = torch.arange(d - 1, -1, -1, device=m.device)
-    c = torch.linalg.cholesky(m[..., flip, :][..., :, flip])
+    m, c, _ = _damped_factor(metric, damp)
     dj = torch.diagonal(c, dim1=-2, dim2=-1).square()
-    return dj.sum(-1) / tr
+    return dj.sum(-1) / torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)
 
 
 def feedback_factors(metric: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +99,7 @@ def feedback_factors(metric: torch.Tensor, damp: float = 0.01) -> tuple[torch.Te
     residuals with (``quantize_int2_feedback(..., refit_weight=w)``); only its ratios matter.
     """
     f = feedback_matrix(metric, damp)
-    m = metric.double()
-    m = (m + m.transpose(-1, -2)) / 2
-    d = m.shape[-1]
-    diag_mean = torch.diagonal(m, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
-    m = m + damp * diag_mean[..., None, None] * torch.eye(d, dtype=m.dtype, device=m.device)
-    flip = torch.arange(d - 1, -1, -1, device=m.device)
-    c = torch.linalg.cholesky(m[..., flip, :][..., :, flip])
+    _, c, flip = _damped_factor(metric, damp)
     dj = torch.diagonal(c, dim1=-2, dim2=-1).square()[..., flip]  # D_j in the original order
     return f, (dj / dj.mean(-1, keepdim=True)).float()
 
