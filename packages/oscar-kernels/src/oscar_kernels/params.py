@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from oscar_math import check
+from oscar_math.rope_center import compact_rope_mean
 
 __all__ = ["LayerQuantParams", "ExpandedParams", "as_expanded"]
 
@@ -29,6 +30,12 @@ class ExpandedParams:
         k_clip, v_clip: ``[H_kv]`` ratios in ``(0, 1]``.
         k_feedback, v_feedback: ``[H_kv, d, d]`` strictly lower-triangular error-feedback
             matrices in the rotated basis, or None (plain rounding).
+        k_rope_mean: ``[H_kv, d]`` dense pre-RoPE key mean of the INT2 rows
+            (:mod:`oscar_math.rope_center`), or None (no position-dependent centering).
+        k_rope_inv_freq: ``[d/2]`` RoPE inverse frequencies (with ``k_rope_mean``).
+        k_rope_ab, k_rope_theta, k_rope_pairs: the compact form the kernels read,
+            ``[H_kv, 2, R]`` / ``[R]`` float32 / ``[R]`` int64 (``R`` a power of two; see
+            :func:`oscar_math.rope_center.compact_rope_mean`), or None.
     """
 
     k_rotation: torch.Tensor
@@ -39,6 +46,16 @@ class ExpandedParams:
     has_mean: bool
     k_feedback: torch.Tensor | None = None
     v_feedback: torch.Tensor | None = None
+    k_rope_mean: torch.Tensor | None = None
+    k_rope_inv_freq: torch.Tensor | None = None
+    k_rope_ab: torch.Tensor | None = None
+    k_rope_theta: torch.Tensor | None = None
+    k_rope_pairs: torch.Tensor | None = None
+
+    @property
+    def rope_pairs(self) -> int:
+        """``R``, the number of pair slots of the score term (0 without a pre-RoPE mean)."""
+        return 0 if self.k_rope_theta is None else int(self.k_rope_theta.shape[0])
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,11 @@ class LayerQuantParams:
             strictly lower-triangular error-feedback matrices (``oscar_math.feedback``, format
             version 2 of the artifact): the codes are rounded coordinate by coordinate with each
             error fed forward. Scale, zero and the cache layout are unchanged.
+        k_rope_mean: ``None``, ``[d]`` or ``[H_kv, d]`` — pre-RoPE key mean of the INT2 rows,
+            zero outside the selected frequency pairs (format version 3;
+            :mod:`oscar_math.rope_center`): INT2 rows of position ``p`` are centred by
+            ``RoPE_p(m)`` and attention adds ``q·RoPE_p(m)`` back per INT2 key.
+        k_rope_inv_freq: ``None`` or ``[d/2]`` RoPE inverse frequencies; given with ``k_rope_mean``.
     """
 
     k_rotation: torch.Tensor
@@ -63,6 +85,8 @@ class LayerQuantParams:
     v_clip: float | torch.Tensor = 1.0
     k_feedback: torch.Tensor | None = None
     v_feedback: torch.Tensor | None = None
+    k_rope_mean: torch.Tensor | None = None
+    k_rope_inv_freq: torch.Tensor | None = None
 
     @classmethod
     def from_rotations(cls, rotations: Any, layer: int) -> LayerQuantParams:
@@ -92,6 +116,8 @@ class LayerQuantParams:
             v_clip=lay.v_clip,
             k_feedback=one(getattr(lay, "k_feedback", None)),
             v_feedback=one(getattr(lay, "v_feedback", None)),
+            k_rope_mean=one(getattr(lay, "k_rope_mean", None)),
+            k_rope_inv_freq=getattr(rotations, "rope_inv_freq", None),
         )
 
     @property
@@ -153,8 +179,38 @@ class LayerQuantParams:
             )
             fbs.append(f.expand(h, d, d).contiguous())
         return ExpandedParams(
-            rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None, fbs[0], fbs[1]
+            rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None, fbs[0], fbs[1],
+            **self._expand_rope(h, d, device),
+        )  # fmt: skip
+
+    def _expand_rope(self, h: int, d: int, device: torch.device) -> dict[str, torch.Tensor]:
+        m, f = self.k_rope_mean, self.k_rope_inv_freq
+        check(
+            (m is None) == (f is None),
+            "k_rope_mean / k_rope_inv_freq",
+            "both or neither",
+            (m is None, f is None),
         )
+        if m is None:
+            return {}
+        check(m.shape in ((d,), (h, d)), "shape of k_rope_mean", f"({d},) or ({h}, {d})", tuple(m.shape))
+        check(tuple(f.shape) == (d // 2,), "shape of k_rope_inv_freq", (d // 2,), tuple(f.shape))
+        m = m.to(device=device, dtype=torch.float32).expand(h, d).contiguous()
+        f = f.to(device=device, dtype=torch.float32).contiguous()
+        check(
+            bool(torch.isfinite(m).all() and torch.isfinite(f).all()),
+            "k_rope_mean",
+            "finite values",
+            "NaN/Inf",
+        )
+        ab, theta, pairs = compact_rope_mean(m, f)
+        return {
+            "k_rope_mean": m,
+            "k_rope_inv_freq": f,
+            "k_rope_ab": ab,
+            "k_rope_theta": theta,
+            "k_rope_pairs": pairs,
+        }
 
 
 def as_expanded(
