@@ -149,6 +149,21 @@ def test_shard_params_takes_each_ranks_feedback_and_keeps_shared_values():
     part.expand(1, d, torch.device("cpu"))
 
 
+def test_shard_params_takes_each_ranks_rope_mean_and_keeps_the_frequencies():
+    # format version 3: the pre-RoPE key mean is per KV head like k_mean; the RoPE frequencies
+    # are the model's, [d/2], shared — indexing them by head would corrupt them silently
+    h, d = 4, 16
+    g = torch.Generator().manual_seed(2)
+    rots = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
+    rm = torch.randn(h, d, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)  # [8], longer than the rank's 1 head
+    params = LayerQuantParams(rots, rots, k_rope_mean=rm, k_rope_inv_freq=inv_freq)
+    part = shard_params(params, shard_kv_heads(h, 4, 1))
+    assert torch.equal(part.k_rope_mean, rm[1:2]) and torch.equal(part.k_rope_inv_freq, inv_freq)
+    ep = part.expand(1, d, torch.device("cpu"))
+    assert torch.equal(ep.k_rope_mean, rm[1:2]) and ep.rope_pairs == d // 2
+
+
 def test_cell_bytes_equal_kernel_page_bytes():
     from oscar_vllm.settings import cell_bytes
 

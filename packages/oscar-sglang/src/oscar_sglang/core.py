@@ -23,6 +23,7 @@ from oscar_kernels import CacheLayout, ExpandedParams, LayerQuantParams, PagedKV
 from oscar_math import unpack_int2
 from oscar_math.artifact import Rotations, load_rotations
 from oscar_math.errors import OscarError
+from oscar_math.rope_center import rope_position_mean
 
 __all__ = [
     "ENV_ROTATIONS",
@@ -218,9 +219,17 @@ def load_rank_quant(
                 # serve plain rounding, not what `oscar eval` measured
                 k_feedback=None if lq.k_feedback is None else lq.k_feedback[idx],
                 v_feedback=None if lq.v_feedback is None else lq.v_feedback[idx],
+                # pre-RoPE key mean (format version 3) per head; the RoPE frequencies are shared
+                k_rope_mean=_rows(lq.k_rope_mean, idx),
+                k_rope_inv_freq=lq.k_rope_inv_freq,
             )
         params[i] = lq.expand(len(heads), head_dim, torch.device(device))
     return RankQuant(layout, params, heads, str(path))
+
+
+def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    """A per-head ``[H, ...]`` tensor's rows of this rank (a shared ``[d]`` vector as is)."""
+    return t if t is None or t.dim() == 1 else t[idx]
 
 
 def int2_bytes_per_token(layout: CacheLayout, num_layers: int) -> int:
@@ -300,6 +309,7 @@ def rebuild_windows(
     start: int,
     prefix_len: int,
     window_end: int | None = None,
+    params: ExpandedParams | None = None,
 ) -> None:
     """Fill slot ``slot``'s window rows for positions ``[start, prefix_len)`` from the INT2 pages.
 
@@ -312,7 +322,9 @@ def rebuild_windows(
     reads ring rows ``j > prefix_len - recent`` (windows apply per query token), and the
     chunk's own ring rows are written after its attention, so no rebuilt row is
     overwritten before it is read. This is not an exact hit: the rebuilt rows hold INT2
-    values where a miss reads BF16 (see docs/sglang.md).
+    values where a miss reads BF16 (see docs/sglang.md). ``params``: the layer's parameters;
+    required when they carry a pre-RoPE key mean (format version 3), whose ``RoPE_j(m) @ R_K``
+    is part of an INT2 key row's value.
     """
     if window_end is None:
         window_end = prefix_len
@@ -338,6 +350,9 @@ def rebuild_windows(
     v = _dequant(
         cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group
     )
+    if params is not None and params.rope_pairs:
+        mu = rope_position_mean(params.k_rope_mean, j, params.k_rope_inv_freq)  # [n, H, d]
+        k = k + torch.einsum("nhd,hde->nhe", mu.to(k.device), params.k_rotation)
     k, v = k.to(torch.bfloat16).transpose(0, 1), v.to(torch.bfloat16).transpose(0, 1)  # [H, n, d]
     in_sink = j < s
     if bool(in_sink.any()):

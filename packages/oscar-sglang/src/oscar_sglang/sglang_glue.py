@@ -546,7 +546,7 @@ class OscarAttnBackend(AttentionBackend):
         if m.restore is not None:  # exact radix hits: the prefix's BF16 windows, as a miss wrote them
             _copy_windows(cache, *m.restore)
         for b, slot, start, p in m.rebuild:
-            rebuild_windows(cache, m.block_table[b], slot, start, p)
+            rebuild_windows(cache, m.block_table[b], slot, start, p, params=pool.params(layer.layer_id))
         self._write(layer, k, v, forward_batch, save_kv_cache)  # INT2 rows + sink
         lo = pool.layout
         q3 = q.reshape(-1, layer.tp_q_head_num, lo.head_dim)

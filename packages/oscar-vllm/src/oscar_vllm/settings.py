@@ -185,10 +185,12 @@ def shard_params(params: Any, heads: list[int]) -> Any:
         "k_feedback": 3,
         "v_feedback": 3,
         "k_mean": 2,
+        "k_rope_mean": 2,  # pre-RoPE key mean of the INT2 rows (format version 3)
         "k_clip": 1,
         "v_clip": 1,
     }
-    unknown = [f.name for f in fields(params) if f.name not in per_head_dims]
+    shared = {"k_rope_inv_freq"}  # the model's RoPE frequencies: the same for every head
+    unknown = [f.name for f in fields(params) if f.name not in per_head_dims and f.name not in shared]
     if unknown:
         raise OscarError(f"oscar-vllm cannot shard the layer parameters {unknown}; upgrade oscar-vllm")
 
