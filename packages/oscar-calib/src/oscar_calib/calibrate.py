@@ -449,7 +449,8 @@ def rotations_from_statistics(
         if rope:
             # the served centering: k − RoPE_p(m) on the selected pairs, then the static mean of
             # what is left (the post-RoPE mean of the residual keys, exact from the phase means)
-            inv_freq = stats.rope_inv_freq.double()
+            # the float32 frequencies the artifact stores and every reader serves with
+            inv_freq = stats.rope_inv_freq.float().double()
             m = stats.prerope_mean[i].result(config.granularity).cpu().double()  # [G, d]
             pairs = select_rope_pairs(
                 m,
