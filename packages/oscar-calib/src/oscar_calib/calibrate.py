@@ -147,6 +147,9 @@ class CalibrationConfig:
             query-weighted key-mean energy a static mean cannot remove, :func:`select_rope_pairs`),
             ``"all"`` (every pair), or 0 (off: no pre-RoPE mean, format version 1/2). Needs
             ``key_centering``; the static ``k_mean`` is then the mean of the residual keys.
+            ``None`` (default): :data:`ROPE_PAIRS_DEFAULT` with key centering and a model whose
+            RoPE is static (:data:`oscar_calib.rope_mean.STATIC_ROPE_TYPES`), else 0 (see
+            :attr:`resolved_rope_pairs`); an explicit non-zero value refuses other models.
     """
 
     tokens: int = 16384
@@ -174,7 +177,7 @@ class CalibrationConfig:
     max_samples: int = 2048
     feedback: str = "k"
     feedback_damp: float = 0.01
-    rope_pairs: int | str = ROPE_PAIRS_DEFAULT
+    rope_pairs: int | str | None = None
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -249,16 +252,25 @@ class CalibrationConfig:
             self.feedback_damp,
         )
         r = self.rope_pairs
-        ok = r == "all" or (isinstance(r, int) and not isinstance(r, bool) and r >= 0)
-        check(ok, "rope_pairs", "an integer >= 0 or 'all'", r)
+        ok = r is None or r == "all" or (isinstance(r, int) and not isinstance(r, bool) and r >= 0)
+        check(ok, "rope_pairs", "an integer >= 0, 'all' or None", r)
         check(
-            self.key_centering or r == 0,
+            self.key_centering or not r,
             "rope_pairs",
             "0 without key_centering (the pre-RoPE mean is part of the key centering)",
             r,
         )
         for name in ("key_centering", "clip", "bit_reversal"):
             check(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
+
+    @property
+    def resolved_rope_pairs(self) -> int | str:
+        """``rope_pairs`` with the default filled in (:data:`ROPE_PAIRS_DEFAULT` with key
+        centering, else 0); calibration falls back to 0 for a default on a model whose RoPE
+        is not static."""
+        if self.rope_pairs is None:  # the pre-RoPE mean is part of the key centering
+            return ROPE_PAIRS_DEFAULT if self.key_centering else 0
+        return self.rope_pairs
 
     def resolved_group_size(self, head_dim: int) -> int:
         """``group_size`` checked against a model's head dim (default: the head dim)."""
@@ -421,7 +433,10 @@ def rotations_from_statistics(
             "the o_proj metrics value feedback needs (collect_statistics records them)",
             None,
         )
-    rope = config.rope_pairs != 0
+    rope_pairs = config.resolved_rope_pairs
+    if config.rope_pairs is None and stats.prerope_mean is None:
+        rope_pairs = 0  # the default on statistics without pre-RoPE means (no static RoPE): off
+    rope = rope_pairs != 0
     if rope:
         check(
             stats.prerope_mean is not None and stats.rope_inv_freq is not None,
@@ -457,7 +472,7 @@ def rotations_from_statistics(
                 torch.diagonal(c_q.double(), dim1=-2, dim2=-1),
                 inv_freq,
                 stats.positions_per_chunk,
-                config.rope_pairs,
+                rope_pairs,
             )
             half = info.head_dim // 2
             keep = torch.zeros(half, dtype=torch.bool)
@@ -524,10 +539,10 @@ def rotations_from_statistics(
     k_rope_mean = out.pop("k_rope_mean", None)
     if rope:
         meta["rope_mean"] = {
-            "rope_pairs": config.rope_pairs,
-            "rule": "all pairs" if config.rope_pairs == "all" else _ROPE_RULE,
+            "rope_pairs": rope_pairs,
+            "rule": "all pairs" if rope_pairs == "all" else _ROPE_RULE,
             "positions": list(stats.positions_per_chunk),
-            "pairs_per_layer": selected if config.rope_pairs != "all" else None,
+            "pairs_per_layer": selected if rope_pairs != "all" else None,
         }
     return Rotations(
         model=model,
@@ -580,10 +595,19 @@ def calibrate(
         config.seq_len,
     )
     inv_freq = None
-    if config.rope_pairs != 0:
+    if config.resolved_rope_pairs != 0:
+        import sys
+
+        from oscar_math.errors import OscarError
+
         from .rope_mean import rope_inv_freq
 
-        inv_freq = rope_inv_freq(model)  # refuses scaled RoPE variants before the expensive pass
+        try:
+            inv_freq = rope_inv_freq(model)  # refuses scaled RoPE variants before the expensive pass
+        except OscarError as e:
+            if config.rope_pairs is not None:  # asked for explicitly: refuse
+                raise
+            print(f"calibrate: no pre-RoPE key mean (format version 1/2): {e}", file=sys.stderr)
     chunks, source = calibration_chunks(tokenizer, config)
     stats = collect_statistics(
         model,

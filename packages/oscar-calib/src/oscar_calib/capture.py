@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from oscar_math.covariance import KeyMean, QueryCovariance, ScoreWeightedValueCovariance
-from oscar_math.errors import check
+from oscar_math.errors import OscarError, check
 
 from .attention import attention_override, sdpa_attention
 from .models import ModelInfo, model_info
@@ -224,7 +224,7 @@ def collect_statistics(
     block_size: int = 256,
     progress: bool = True,
     batch_size: int | None = None,
-    rope_inv_freq: torch.Tensor | None = None,
+    rope_inv_freq: torch.Tensor | str | None = "auto",
 ) -> CalibrationStatistics:
     """Run ``chunks`` through ``model`` and accumulate the calibration statistics.
 
@@ -243,7 +243,8 @@ def collect_statistics(
             does not depend on it beyond floating-point noise. Memory stays bounded by
             the batch: activations are never kept, only the sums and the sample.
         rope_inv_freq: ``[d/2]`` RoPE inverse frequencies (:func:`oscar_calib.rope_mean.rope_inv_freq`):
-            also accumulate the pre-RoPE key mean (artifact format version 3).
+            also accumulate the pre-RoPE key mean (artifact format version 3); ``"auto"``
+            (default): the model's if its RoPE is static, else none; ``None``: none.
 
     Returns:
         :class:`CalibrationStatistics`.
@@ -263,6 +264,14 @@ def collect_statistics(
     if batch_size is None:
         batch_size = 1 if device.type == "cpu" else max(1, min(8, 16384 // seq_len))
     check(isinstance(batch_size, int) and batch_size >= 1, "batch_size", "an integer >= 1", batch_size)
+    if isinstance(rope_inv_freq, str):
+        check(rope_inv_freq == "auto", "rope_inv_freq", "a tensor, 'auto' or None", repr(rope_inv_freq))
+        from .rope_mean import rope_inv_freq as model_inv_freq
+
+        try:
+            rope_inv_freq = model_inv_freq(model)
+        except OscarError:  # no rotary embedding, or one whose frequencies change at run time
+            rope_inv_freq = None
     if rope_inv_freq is not None:
         rope_inv_freq = rope_inv_freq.detach().double().cpu()
         half = info.head_dim // 2
