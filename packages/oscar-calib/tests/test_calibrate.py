@@ -150,7 +150,7 @@ def test_clip_tempering_stored_and_reported(qwen3):
     from oscar_math.clipping import clip_error
 
     model, tok = qwen3
-    base = CalibrationConfig(**SMALL)
+    base = CalibrationConfig(**SMALL, rope_pairs=0)  # format-2 keys (the rope path: test_rope_artifact_*)
     chunks, _ = calibration_chunks(tok, base)
     stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
     raw = rotations_from_statistics(
@@ -187,7 +187,9 @@ def test_attention_key_objective_weighs_rows_by_received_attention(qwen3):
     from oscar_math.clipping import search_clip_ratio
 
     model, tok = qwen3
-    base = CalibrationConfig(**SMALL, clip_power=1.0)
+    base = CalibrationConfig(
+        **SMALL, clip_power=1.0, rope_pairs=0
+    )  # format-2 keys (the rope path: test_rope_artifact_*)
     chunks, _ = calibration_chunks(tok, base)
     stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
     att = rotations_from_statistics(
@@ -215,7 +217,7 @@ def test_error_feedback_in_the_artifact(qwen3, tmp_path):
     from oscar_math.feedback import feedback_matrix
 
     model, tok = qwen3
-    base = CalibrationConfig(**SMALL)
+    base = CalibrationConfig(**SMALL, rope_pairs=0)  # format-2 keys (the rope path: test_rope_artifact_*)
     assert base.feedback == "k" and base.clip_power == 0.5
     assert CalibrationConfig(feedback="none", **SMALL).clip_power == 0.7
     assert CalibrationConfig(feedback="none", clip_power=0.9, **SMALL).clip_power == 0.9
@@ -388,3 +390,23 @@ def test_scaled_rope_refused_when_asked_and_default_falls_back(capsys):
     rot = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
     assert rot.format_version == "2" and rot.k_rope_mean is None
     assert "no pre-RoPE key mean" in capsys.readouterr().err
+
+
+def test_rope_key_clip_search_runs_on_the_served_rows(llama_stats):
+    """The key clip ratios of a format-3 artifact are searched on ``(k − k_mean − RoPE_p(m)) @ R_K``
+    of the sampled rows at their positions — what the INT2 writer quantises."""
+    from oscar_math.clipping import search_clip_ratio
+    from oscar_math.rope_center import rope_position_mean
+
+    _, _, _, cfg, stats = llama_stats
+    rot = rotations_from_statistics(stats, dataclasses.replace(cfg, clip_power=1.0, rope_pairs=5), model="m")
+    flat = rotations_from_statistics(stats, dataclasses.replace(cfg, clip_power=1.0, rope_pairs=0), model="m")
+    for i in range(2):
+        smp = stats.samples[i]
+        rm = rope_position_mean(rot.k_rope_mean[i], smp.positions, rot.rope_inv_freq)
+        R = rot.k_rotation[i].double()
+        x = torch.einsum("ngi,gij->ngj", smp.keys.double() - rot.k_mean[i].double() - rm.double(), R).float()
+        metric = (R.transpose(-1, -2) @ stats.query_cov[i].result("kv_head").double() @ R).float()
+        torch.testing.assert_close(rot.k_clip[i], search_clip_ratio(x, rot.group_size, metric=metric).ratios)
+        assert torch.equal(rot.k_rotation[i], flat.k_rotation[i])  # rotations do not depend on the keys
+        assert torch.equal(rot.k_feedback[i], flat.k_feedback[i])  # nor the feedback matrices

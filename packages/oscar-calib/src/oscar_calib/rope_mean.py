@@ -119,7 +119,7 @@ class RopeMeanScheme(KVScheme):
         if layer_idx not in self._codecs:
             c = self.base.key_codec(layer_idx)
             # keep everything but the static mean (rotation, clip, feedback)
-            self._codecs[layer_idx] = dataclasses.replace(c, mean=None)
+            self._codecs[layer_idx] = dataclasses.replace(c, mean=None, rope_mean=None, rope_inv_freq=None)
         return self._codecs[layer_idx]
 
     def position_mean(self, layer_idx: int, length: int, device: torch.device) -> torch.Tensor:
