@@ -73,10 +73,12 @@ def kernels_reason() -> str | None:
 
     The score term ``q·RoPE_p(m)`` must be added by the decode and extend kernels and the
     centering done by ``paged_write``; a kernel module that never reads the compact form
-    (``k_rope_*`` of :class:`oscar_kernels.params.ExpandedParams`) would serve wrong keys.
+    (``k_rope_*`` of :class:`oscar_kernels.params.ExpandedParams`) would serve wrong keys; a
+    module that never names it is taken not to.
     """
     import importlib
     import inspect
+    import re
 
     try:
         mods = [
@@ -85,8 +87,9 @@ def kernels_reason() -> str | None:
         mods.append(importlib.import_module("oscar_kernels.paged_write"))
     except ImportError as e:
         return f"oscar_kernels not importable ({e})"
-    lacking = [m.__name__ for m in mods if "k_rope" not in inspect.getsource(m)]
-    return f"{', '.join(lacking)} do not read k_rope_* (no pre-RoPE score term)" if lacking else None
+    # "rope" as a word or a name part (not inside "property")
+    lacking = [m.__name__ for m in mods if not re.search(r"(?<![a-z])rope|_rope", inspect.getsource(m))]
+    return f"{', '.join(lacking)} never mention the pre-RoPE mean (no score term)" if lacking else None
 
 
 def main(argv: list[str] | None = None) -> int:
