@@ -52,6 +52,8 @@ def test_inspect_table(artifact, capsys):
         "granularity   kv_head",
         "8 sink + 16 recent",
         "key mean      yes",
+        "pre-RoPE mean yes, 16-16 of 16 frequency pairs per layer",
+        "(format version 3)",
         "tokens 256",
         "bits/element  1k:",
         "K clip min/mean/max",
@@ -66,6 +68,7 @@ def test_inspect_identity_file_has_no_spectrum(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "key mean      no" in out and "granularity   layer" in out
+    assert "pre-RoPE mean no" in out
     assert " - " in out  # unknown (zero) eigenvalues shown as '-'
 
 
