@@ -50,7 +50,7 @@ from oscar_calib.schemes import SchemeContext, build_scheme  # noqa: E402
 from oscar_calib.text import split_text, token_chunks  # noqa: E402
 from oscar_math.artifact import load_rotations, save_rotations  # noqa: E402
 
-PREVIOUS = "oscar2 previous default (rope_pairs 0)"
+PREVIOUS = "oscar2 prev default (pairs 0)"  # names fit the tables' 30-character column
 JSON = "rope_study.json"
 
 
@@ -66,6 +66,10 @@ def parse_pairs(v: str) -> int | str:
 
 def label(pairs: int | str) -> str:
     return PREVIOUS if pairs == 0 else f"oscar2 rope_pairs {pairs}"
+
+
+def nofeedback_label(name: str) -> str:
+    return f"nofeedback ({name.removeprefix('oscar2 ')})"
 
 
 def kernels_reason() -> str | None:
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in confirm:
             s[k] = build_scheme("oscar2", ctxs[k])
             if k == pick:
-                s[f"oscar2-nofeedback ({pick})"] = build_scheme("oscar2-nofeedback", ctxs[pick])
+                s[nofeedback_label(pick)] = build_scheme("oscar2-nofeedback", ctxs[pick])
         return s
 
     for part, text, cs, ns in (

@@ -58,7 +58,7 @@ def test_rope_study_tiny_dry_run(rope_study, tmp_path):
         assert len(held["schemes"][name]["kl"]) == 2, name  # per-sequence values
         assert name in held["bits"]
     assert held["bits"]["bf16"] == 16.0
-    assert f"oscar2-nofeedback ({rep['pick']})" in held["schemes"]
+    assert rope_study.nofeedback_label(rep["pick"]) in held["schemes"]
     assert "512" in rep["other"]
     assert "served" in rep or rep["served_skipped"]
     for v in ("0", "4", "all"):
