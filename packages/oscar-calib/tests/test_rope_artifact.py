@@ -127,3 +127,28 @@ def test_kernel_params_read_the_artifact_names():
     )
     ex = lp.expand(KV_HEADS, HEAD_DIM, torch.device("cpu"))
     assert ex.rope_pairs == 4 and sorted(ex.k_rope_pairs.tolist()[:3]) == list(ROPE_PAIRS)
+
+
+def test_run_eval_serves_a_version_3_file(tmp_path):
+    """``oscar eval``'s harness on a saved v3 file: same bits as v2, other (finite) scores."""
+    import json
+
+    from oscar_calib.evaluate import EvalConfig, run_eval
+    from oscar_calib.models import tiny_random_model
+    from oscar_math.artifact import identity_rotations, load_rotations, save_rotations
+
+    model, tok = tiny_random_model("llama", seed=1)
+    v2 = identity_rotations("tiny", 2, 2, 32, k_clip=0.9, granularity="kv_head")
+    m = torch.zeros(2, 32)
+    m[:, [3, 9, 19, 25]] = 1.5  # pairs 3 and 9
+    v3 = dataclasses.replace(v2, k_rope_mean=[m, -m], rope_inv_freq=10000.0 ** (-torch.arange(0, 32, 2) / 32))
+    v3 = load_rotations(save_rotations(tmp_path / "v3.safetensors", v3))
+    assert v3.format_version == "3"
+    text = " ".join(f"Paragraph {i}: the quick brown fox {i * 7 % 13} jumps." for i in range(400))
+    cfg = EvalConfig(contexts=(160,), schemes=("bf16", "oscar2"), num_sequences=2, sink=4, recent=16)
+    out = {}
+    for name, rot in (("v2", v2), ("v3", v3)):
+        res = run_eval(model, tok, rot, cfg, progress=False, model_name="tiny", heldout_text=text)
+        out[name] = json.loads(res.to_json())["contexts"]["160"]["oscar2"]
+    assert out["v2"]["bits_per_element"] == out["v3"]["bits_per_element"]
+    assert out["v3"]["kl"]["mean"] > 0 and out["v2"]["kl"]["mean"] != out["v3"]["kl"]["mean"]
