@@ -37,8 +37,12 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM) -> Rotations:
-    """A rotations artifact with per-KV-head random orthogonal rotations, key means and clips."""
+ROPE_PAIRS = (0, 3, 5)
+
+
+def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM, rope: bool = False) -> Rotations:
+    """A rotations artifact with per-KV-head random orthogonal rotations, key means and clips
+    (``rope``: and a pre-RoPE key mean on :data:`ROPE_PAIRS`, format version 3)."""
     g = torch.Generator().manual_seed(seed)
 
     def rot():
@@ -59,6 +63,15 @@ def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM) -> Rotations:
                 "v_eigenvalues": torch.ones(KV_HEADS, HEAD_DIM),
             }
         )
+        if rope:
+            m = torch.zeros(KV_HEADS, HEAD_DIM)
+            for i in ROPE_PAIRS:  # large against the keys: a wrong position shows
+                m[:, i] = 2.0 * torch.randn(KV_HEADS, generator=g)
+                m[:, i + HEAD_DIM // 2] = 2.0 * torch.randn(KV_HEADS, generator=g)
+            layers[-1]["k_rope_mean"] = m
+    extra = {}
+    if rope:
+        extra["rope_inv_freq"] = 10000.0 ** (-torch.arange(0, HEAD_DIM, 2).double() / HEAD_DIM)
     return Rotations(
         model="tiny-llama",
         num_layers=LAYERS,
@@ -69,12 +82,13 @@ def fake_rotations(seed: int = 0, group_size: int = HEAD_DIM) -> Rotations:
         recent_tokens=5,
         granularity="kv_head",
         calibration={"source": "random"},
+        **extra,
         **{name: [layer[name] for layer in layers] for name in layers[0]},
     )
 
 
-def scheme(name: str = "oscar2", **kw):
-    ctx = SchemeContext(HEAD_DIM, LAYERS, KV_HEADS, rotations=fake_rotations(), **kw)
+def scheme(name: str = "oscar2", rope: bool = False, **kw):
+    ctx = SchemeContext(HEAD_DIM, LAYERS, KV_HEADS, rotations=fake_rotations(rope=rope), **kw)
     return build_scheme(name, ctx)
 
 
@@ -88,10 +102,12 @@ def test_huge_windows_equal_plain_generation():
     assert cache.layers[0].int2_keys is None and cache.get_seq_length() == 9 + 11
 
 
-@pytest.mark.parametrize("name", ["oscar2", "hadamard2", "int2"])
-def test_generation_matches_simulated_decode(name):
+@pytest.mark.parametrize(
+    "name,rope", [("oscar2", False), ("oscar2", True), ("hadamard2", False), ("int2", False)]
+)
+def test_generation_matches_simulated_decode(name, rope):
     model = tiny_llama(1)
-    sch = scheme(name)
+    sch = scheme(name, rope=rope)
     win = Windows(sink=3, recent=5)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))  # prompt <= recent window
     cache = OscarCache(sch, LAYERS, win)
@@ -113,9 +129,10 @@ def test_generation_matches_simulated_decode(name):
     assert (plain - sim).abs().max() > 1e-3
 
 
-def test_packed_cache_equals_fake_quant_cache_with_long_prompt():
+@pytest.mark.parametrize("rope", [False, True])
+def test_packed_cache_equals_fake_quant_cache_with_long_prompt(rope):
     model = tiny_llama(2)
-    sch = scheme("oscar2")
+    sch = scheme("oscar2", rope=rope)
     win = Windows(sink=2, recent=4)
     ids = torch.randint(0, 97, (1, 15), generator=torch.Generator().manual_seed(5))
     outs, caches = [], (OscarCache(sch, LAYERS, win), SchemeCache(sch, LAYERS, win), None)
@@ -157,3 +174,17 @@ def test_codec_roundtrip_matches_fake_quantize():
     codec = sch.key_codec(1)
     torch.testing.assert_close(codec.decode(codec.encode(x), torch.float32), sch.fake_quantize_keys(1, x))
     _ = hadamard_rotation  # the baseline rotation is importable (used by hadamard2)
+
+
+def test_rope_mean_changes_what_the_cache_serves():
+    """Format version 3 is not a no-op: the same artifact without its pre-RoPE mean decodes
+    other keys (the tests above would pass trivially if the mean were ignored)."""
+    x = torch.randn(40, KV_HEADS, HEAD_DIM)
+    with_mean, without = scheme("oscar2", rope=True), scheme("oscar2")
+    assert with_mean.key_codec(1).rope_mean is not None and without.key_codec(1).rope_mean is None
+    assert (with_mean.fake_quantize_keys(1, x) - without.fake_quantize_keys(1, x)).abs().max() > 1e-2
+    # and a row's result depends on its position: position p+1 is not position p
+    k = x[10:20]
+    at = with_mean.fake_quantize_keys_at(1, k, torch.arange(10, 20))
+    torch.testing.assert_close(at, with_mean.fake_quantize_keys(1, x)[10:20], rtol=0, atol=0)
+    assert (at - with_mean.fake_quantize_keys_at(1, k, torch.arange(11, 21))).abs().max() > 1e-2

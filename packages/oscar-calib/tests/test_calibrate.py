@@ -41,6 +41,10 @@ def qwen3():
         (dict(tokens=True), "tokens"),
         (dict(feedback="q"), "feedback"),
         (dict(feedback_damp=0.0), "feedback_damp"),
+        (dict(rope_pairs=-1), "rope_pairs"),
+        (dict(rope_pairs="some"), "rope_pairs"),
+        (dict(rope_pairs=True), "rope_pairs"),
+        (dict(rope_pairs=4, key_centering=False), "rope_pairs"),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -101,8 +105,8 @@ def test_options_centering_clipping_rotation(qwen3):
     )
     assert plain.k_mean is None
     assert all(bool((c == 1).all()) for c in (*plain.k_clip, *plain.v_clip))
-    full = rotations_from_statistics(stats, base, model="m")
-    # the key mean is the mean of the keys past the sink
+    full = rotations_from_statistics(stats, dataclasses.replace(base, rope_pairs=0), model="m")
+    # the key mean is the mean of the keys past the sink (format 2: no pre-RoPE mean)
     torch.testing.assert_close(full.k_mean[0], stats.key_mean[0].result("kv_head").float())
     # clipping: calibrated ratios never do worse than none on the calibration rows
     assert full.calibration["clip_error_ratio"]["k"] <= 1.0
@@ -146,7 +150,7 @@ def test_clip_tempering_stored_and_reported(qwen3):
     from oscar_math.clipping import clip_error
 
     model, tok = qwen3
-    base = CalibrationConfig(**SMALL)
+    base = CalibrationConfig(**SMALL, rope_pairs=0)  # format-2 keys (the rope path: test_rope_artifact_*)
     chunks, _ = calibration_chunks(tok, base)
     stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
     raw = rotations_from_statistics(
@@ -183,7 +187,9 @@ def test_attention_key_objective_weighs_rows_by_received_attention(qwen3):
     from oscar_math.clipping import search_clip_ratio
 
     model, tok = qwen3
-    base = CalibrationConfig(**SMALL, clip_power=1.0)
+    base = CalibrationConfig(
+        **SMALL, clip_power=1.0, rope_pairs=0
+    )  # format-2 keys (the rope path: test_rope_artifact_*)
     chunks, _ = calibration_chunks(tok, base)
     stats = collect_statistics(model, chunks, sink=base.sink, max_samples=base.max_samples, progress=False)
     att = rotations_from_statistics(
@@ -211,7 +217,7 @@ def test_error_feedback_in_the_artifact(qwen3, tmp_path):
     from oscar_math.feedback import feedback_matrix
 
     model, tok = qwen3
-    base = CalibrationConfig(**SMALL)
+    base = CalibrationConfig(**SMALL, rope_pairs=0)  # format-2 keys (the rope path: test_rope_artifact_*)
     assert base.feedback == "k" and base.clip_power == 0.5
     assert CalibrationConfig(feedback="none", **SMALL).clip_power == 0.7
     assert CalibrationConfig(feedback="none", clip_power=0.9, **SMALL).clip_power == 0.9
@@ -248,3 +254,159 @@ def test_error_feedback_in_the_artifact(qwen3, tmp_path):
         return float(torch.einsum("thi,hij,thj->", e, m, e))
 
     assert err(a) < err(b)
+
+
+# ---- the pre-RoPE key mean (format version 3) -----------------------------------------------
+
+
+def test_rope_pairs_default_and_resolution():
+    from oscar_calib.calibrate import ROPE_PAIRS_DEFAULT
+
+    assert CalibrationConfig().resolved_rope_pairs == ROPE_PAIRS_DEFAULT
+    assert CalibrationConfig(key_centering=False).resolved_rope_pairs == 0
+    assert CalibrationConfig(rope_pairs=8).resolved_rope_pairs == 8
+    # replace() of a default config can turn centering off (the default follows it)
+    assert dataclasses.replace(CalibrationConfig(), key_centering=False).resolved_rope_pairs == 0
+
+
+@pytest.fixture(scope="module")
+def llama_stats():
+    model, tok = tiny_random_model("llama", num_hidden_layers=2)
+    from oscar_calib.calibrate import calibration_chunks
+
+    cfg = CalibrationConfig(**SMALL)
+    chunks, _ = calibration_chunks(tok, cfg)
+    stats = collect_statistics(model, chunks, sink=cfg.sink, max_samples=cfg.max_samples, progress=False)
+    return model, tok, chunks, cfg, stats
+
+
+def test_capture_prerope_mean_matches_the_independent_estimate(llama_stats):
+    """collect_statistics' pre-RoPE mean (auto: the model's frequencies) equals
+    ``rope_mean.prerope_key_means`` (rotates each key back in the attention hook of its own)."""
+    from oscar_calib.rope_mean import prerope_key_means
+
+    model, _, chunks, cfg, stats = llama_stats
+    assert stats.prerope_mean is not None and stats.rope_inv_freq.shape == (16,)
+    ref = prerope_key_means(model, chunks, sink=cfg.sink)
+    for i in range(2):
+        torch.testing.assert_close(
+            stats.prerope_mean[i].result("kv_head").float(), ref[i], atol=1e-5, rtol=1e-4
+        )
+    # the sampled rows carry their positions (>= sink, < seq_len)
+    pos = stats.samples[0].positions
+    assert pos.shape[0] == stats.samples[0].keys.shape[0] and int(pos.min()) >= 8 and int(pos.max()) < 128
+
+
+@pytest.mark.parametrize("granularity", ["kv_head", "layer"])
+@pytest.mark.parametrize("pairs", [3, "all"])
+def test_rope_artifact_statistics_are_of_the_served_residual(llama_stats, granularity, pairs):
+    """With ``rope_pairs`` the artifact is format 3, ``m`` is the pre-RoPE mean on the chosen
+    pairs (zero elsewhere), and the static ``k_mean`` is the mean of ``k − RoPE_p(m)`` over
+    every calibration key past the sink (checked against a direct average of those keys)."""
+    from oscar_calib.rope_mean import prerope_key_means
+    from oscar_math.rope_center import rope_rotate
+
+    model, _, chunks, cfg, stats = llama_stats
+    cfg = dataclasses.replace(cfg, rope_pairs=pairs, granularity=granularity)
+    rot = rotations_from_statistics(stats, cfg, model="m")
+    assert rot.format_version == "3" and rot.rope_inv_freq.shape == (16,)
+    meta = rot.calibration["rope_mean"]
+    assert meta["rope_pairs"] == pairs and meta["positions"] == [8, 128]
+    full = prerope_key_means(model, chunks, sink=cfg.sink)
+    for i in range(2):
+        m = rot.k_rope_mean[i]
+        nz = ((m[:, :16] != 0) | (m[:, 16:] != 0)).any(0)
+        assert int(nz.sum()) == (16 if pairs == "all" else 3)
+        if pairs != "all":
+            assert nz.nonzero().flatten().tolist() == meta["pairs_per_layer"][i]
+        want = full[i] if granularity == "kv_head" else full[i].mean(0, keepdim=True)
+        keep = torch.cat((nz, nz))
+        torch.testing.assert_close(m[:, keep], want[:, keep], atol=1e-5, rtol=1e-4)
+        # the residual mean by brute force: every key past the sink, minus RoPE_p(m)
+        inv = rot.rope_inv_freq.double()
+        total, n = 0, 0
+        for chunk in chunks:
+            with torch.no_grad():
+                keys = _layer_keys(model, chunk, i)[cfg.sink :]  # [T, H, d]
+            pos = torch.arange(cfg.sink, chunk.numel())
+            mh = m.double().expand(keys.shape[1], -1)
+            res = keys.double() - rope_rotate(mh[None].expand(len(pos), -1, -1), pos, inv)
+            total, n = total + res.sum(0), n + res.shape[0]
+        want_mean = total / n if granularity == "kv_head" else (total / n).mean(0, keepdim=True)
+        torch.testing.assert_close(rot.k_mean[i].double(), want_mean, atol=1e-5, rtol=1e-4)
+
+
+def _layer_keys(model, chunk, layer):
+    """Keys after RoPE of one layer for one chunk (through the attention hook)."""
+    from oscar_calib.attention import attention_override
+    from oscar_calib.simulate import exact_attention
+
+    got = {}
+
+    def fn(ctx, query, key, value, attention_mask, scaling, **kw):
+        if ctx.layer_idx == layer:
+            got["k"] = key[0].transpose(0, 1).float()
+        return exact_attention(query, key, value, scaling, attention_mask)
+
+    with attention_override(model, fn):
+        model.get_decoder()(input_ids=chunk[None], use_cache=False)
+    return got["k"]
+
+
+def test_select_rope_pairs_rule():
+    """Scores ``Σ (E q_i² + E q_{i+h}²)|m_i|²(1 − |mean e^{ipθ}|²)``: a pair the static mean
+    removes (θ ≈ 0) loses to a rotating one of the same energy; queries that never read a
+    pair make it worthless; ties broken by energy."""
+    from oscar_calib.calibrate import select_rope_pairs
+
+    d, half = 8, 4
+    inv = torch.tensor([1.0, 0.3, 1e-7, 0.05], dtype=torch.float64)
+    m = torch.zeros(1, d)
+    m[0, [0, 1, 2, 3]] = torch.tensor([1.0, 2.0, 5.0, 1.5])
+    qe = torch.ones(1, d)
+    assert select_rope_pairs(m, qe, inv, (0, 512), 2).tolist() == [1, 3]  # pair 2 static, pair 0 weak
+    qe2 = qe.clone()
+    qe2[0, [1, 1 + half]] = 0.0  # no query reads pair 1
+    assert select_rope_pairs(m, qe2, inv, (0, 512), 2).tolist() == [0, 3]
+    assert select_rope_pairs(m, qe, inv, (0, 512), "all").tolist() == [0, 1, 2, 3]
+    assert select_rope_pairs(m, qe, inv, (0, 512), 99).tolist() == [0, 1, 2, 3]  # capped at d/2
+
+
+def test_calibrate_writes_format_3_by_default_and_0_keeps_format_2(tmp_path):
+    model, tok = tiny_random_model("llama", num_hidden_layers=2)
+    rot = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
+    assert rot.format_version == "3" and rot.calibration["rope_mean"]["rope_pairs"] == "all"
+    back = load_rotations(save_rotations(tmp_path / "r.safetensors", rot))
+    assert torch.equal(back.k_rope_mean[1], rot.k_rope_mean[1])
+    off = calibrate(model, tok, CalibrationConfig(rope_pairs=0, **SMALL), progress=False)
+    assert off.format_version == "2" and off.k_rope_mean is None and "rope_mean" not in off.calibration
+
+
+def test_scaled_rope_refused_when_asked_and_default_falls_back(capsys):
+    model, tok = tiny_random_model("llama", num_hidden_layers=2)
+    model.model.rotary_emb.rope_type = "dynamic"  # frequencies that change with the length at run time
+    with pytest.raises(OscarError, match="Invalid rope_type"):
+        calibrate(model, tok, CalibrationConfig(rope_pairs=4, **SMALL), progress=False)
+    rot = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
+    assert rot.format_version == "2" and rot.k_rope_mean is None
+    assert "no pre-RoPE key mean" in capsys.readouterr().err
+
+
+def test_rope_key_clip_search_runs_on_the_served_rows(llama_stats):
+    """The key clip ratios of a format-3 artifact are searched on ``(k − k_mean − RoPE_p(m)) @ R_K``
+    of the sampled rows at their positions — what the INT2 writer quantises."""
+    from oscar_math.clipping import search_clip_ratio
+    from oscar_math.rope_center import rope_position_mean
+
+    _, _, _, cfg, stats = llama_stats
+    rot = rotations_from_statistics(stats, dataclasses.replace(cfg, clip_power=1.0, rope_pairs=5), model="m")
+    flat = rotations_from_statistics(stats, dataclasses.replace(cfg, clip_power=1.0, rope_pairs=0), model="m")
+    for i in range(2):
+        smp = stats.samples[i]
+        rm = rope_position_mean(rot.k_rope_mean[i], smp.positions, rot.rope_inv_freq)
+        R = rot.k_rotation[i].double()
+        x = torch.einsum("ngi,gij->ngj", smp.keys.double() - rot.k_mean[i].double() - rm.double(), R).float()
+        metric = (R.transpose(-1, -2) @ stats.query_cov[i].result("kv_head").double() @ R).float()
+        torch.testing.assert_close(rot.k_clip[i], search_clip_ratio(x, rot.group_size, metric=metric).ratios)
+        assert torch.equal(rot.k_rotation[i], flat.k_rotation[i])  # rotations do not depend on the keys
+        assert torch.equal(rot.k_feedback[i], flat.k_feedback[i])  # nor the feedback matrices

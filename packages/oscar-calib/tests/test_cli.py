@@ -52,6 +52,8 @@ def test_inspect_table(artifact, capsys):
         "granularity   kv_head",
         "8 sink + 16 recent",
         "key mean      yes",
+        "pre-RoPE mean yes, 16-16 of 16 frequency pairs per layer",
+        "(format version 3)",
         "tokens 256",
         "bits/element  1k:",
         "K clip min/mean/max",
@@ -66,6 +68,7 @@ def test_inspect_identity_file_has_no_spectrum(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "key mean      no" in out and "granularity   layer" in out
+    assert "pre-RoPE mean no" in out
     assert " - " in out  # unknown (zero) eigenvalues shown as '-'
 
 
@@ -332,3 +335,40 @@ def test_calibrate_api_refuses_chunks_past_the_model_context():
     model, tok = tiny_random_model("llama", max_position_embeddings=512)
     with pytest.raises(OscarError, match="seq_len"):
         calibrate(model, tok, CalibrationConfig(tokens=2048, seq_len=1024), progress=False)
+
+
+def test_calibrate_rope_pairs_option(monkeypatch, tmp_path, capsys):
+    """--rope-pairs R|all|0: format 3 with R pairs per layer (the summary says so), 0 = format 2."""
+    from oscar_calib import models
+
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: tiny_random_model("llama"))
+    out = tmp_path / "t.safetensors"
+    args = [
+        "calibrate",
+        "tiny",
+        "--out",
+        str(out),
+        "--sink",
+        "8",
+        "--recent",
+        "16",
+        "--quiet",
+        "--tokens",
+        "256",
+    ]
+    assert main([*args, "--rope-pairs", "3"]) == 0
+    rot = load_rotations(out)
+    assert rot.format_version == "3" and rot.calibration["rope_mean"]["rope_pairs"] == 3
+    assert "pre-RoPE key mean on 3-3 of 16 frequency pairs" in capsys.readouterr().out
+    assert main(args) == 0  # the default: every pair
+    assert load_rotations(out).calibration["rope_mean"]["rope_pairs"] == "all"
+    assert "on 16-16 of 16" in capsys.readouterr().out
+    assert main([*args, "--rope-pairs", "0"]) == 0
+    assert load_rotations(out).format_version == "2" and "pre-RoPE" not in capsys.readouterr().out
+    assert main([*args, "--no-key-centering"]) == 0  # the default follows the centering
+    assert load_rotations(out).k_rope_mean is None
+    capsys.readouterr()
+    assert main([*args, "--rope-pairs", "some"]) == 2
+    assert "expected an integer >= 0 or 'all'" in capsys.readouterr().err
+    assert main([*args, "--rope-pairs", "4", "--no-key-centering"]) == 2
+    _one_line_error(capsys, "Invalid rope_pairs")

@@ -139,7 +139,8 @@ def test_truncated(tmp_path, good):
     "change,match",
     [
         ({"format": "something-else"}, "Invalid format"),
-        ({"format_version": "3"}, r"Unsupported format_version: expected one of \['1', '2'\], got '3'"),
+        ({"format_version": "4"}, r"Unsupported format_version: expected one of \['1', '2', '3'\], got '4'"),
+        ({"format_version": "3"}, r"missing tensor layers\.0\.k_rope_mean \(format_version '3' needs it"),
         ({"format_version": "2"}, "format_version '2' without k_feedback or v_feedback"),
         ({"granularity": "token"}, "Invalid granularity"),
         ({"head_dim": "sixteen"}, "Invalid metadata head_dim"),

@@ -91,14 +91,21 @@ class OscarLayer(DynamicLayer):
         self.sink_keys = self.recent_keys = empty
         self.sink_values = self.recent_values = value_states[:, :, :0]
 
+    def _int2_rows(self) -> int:
+        return 0 if self.int2_keys is None else int(self.int2_keys.codes.shape[1])
+
     def _encode(self, codec: RowCodec, x: torch.Tensor) -> Int2Quantized:
-        """``[B, H, n, d]`` → packed rows ``[B, n, H, ...]``."""
-        return codec.encode(x.transpose(1, 2))
+        """``[B, H, n, d]`` → packed rows ``[B, n, H, ...]``; the rows follow the sink and the
+        INT2 rows already stored (their positions, which a pre-RoPE key mean reads)."""
+        start = self.sink_keys.shape[-2] + self._int2_rows()
+        return codec.encode(x.transpose(1, 2), torch.arange(start, start + x.shape[-2]))
 
     def _decode(self, codec: RowCodec, q: Int2Quantized | None, like: torch.Tensor) -> torch.Tensor:
         if q is None:
             return like[:, :, :0]
-        return codec.decode(q, self.dtype).transpose(1, 2)
+        start = self.sink_keys.shape[-2]
+        positions = torch.arange(start, start + q.codes.shape[1])
+        return codec.decode(q, self.dtype, positions).transpose(1, 2)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -115,11 +122,12 @@ class OscarLayer(DynamicLayer):
         self.recent_values = torch.cat([self.recent_values, value_states[:, :, take:]], -2)
         over = self.recent_keys.shape[-2] - self.windows.recent
         if over > 0:
-            self.int2_keys = _cat_q(
-                self.int2_keys, self._encode(self.key_codec, self.recent_keys[:, :, :over])
-            )
+            # values first: _encode reads the INT2 row count from int2_keys
             self.int2_values = _cat_q(
                 self.int2_values, self._encode(self.value_codec, self.recent_values[:, :, :over])
+            )
+            self.int2_keys = _cat_q(
+                self.int2_keys, self._encode(self.key_codec, self.recent_keys[:, :, :over])
             )
             self.recent_keys = self.recent_keys[:, :, over:]
             self.recent_values = self.recent_values[:, :, over:]
@@ -240,9 +248,10 @@ class SchemeLayer(DynamicLayer):
         lo, hi = self.windows.sink, n - self.windows.recent
         if not self.scheme.quantized or hi <= lo:
             return keys, values
-        fk, fv = self.scheme.fake_quantize_keys, self.scheme.fake_quantize_values
+        fk, fv = self.scheme.fake_quantize_keys_at, self.scheme.fake_quantize_values
+        pos = torch.arange(lo, hi)  # the slice's positions in the sequence (a pre-RoPE key mean reads them)
         mid_k = torch.stack(
-            [fk(self.layer_idx, keys[b, :, lo:hi].transpose(0, 1)) for b in range(keys.shape[0])]
+            [fk(self.layer_idx, keys[b, :, lo:hi].transpose(0, 1), pos) for b in range(keys.shape[0])]
         )
         mid_v = torch.stack(
             [fv(self.layer_idx, values[b, :, lo:hi].transpose(0, 1)) for b in range(keys.shape[0])]

@@ -2,8 +2,11 @@
 
 For each layer (and KV head with ``granularity="kv_head"``):
 
-* keys: ``R_K = compose_rotation(eigenbasis(C_Q).U, group_size)``; the key mean ``μ``
-  (positions past the sink) is subtracted before rotating when ``key_centering``;
+* keys: ``R_K = compose_rotation(eigenbasis(C_Q).U, group_size)``; with ``rope_pairs``
+  (format version 3, :mod:`oscar_math.rope_center`) the pre-RoPE key mean ``m`` on the
+  selected frequency pairs is subtracted per position first (``k − RoPE_p(m)``), and
+  everything below is computed on those residual keys; the key mean ``μ`` (positions past
+  the sink) is subtracted before rotating when ``key_centering``;
   the clip ratio minimises the expected logit error ``E_q[(qᵀ(k − k̂))²]`` on sampled
   rows ``(k − μ) @ R_K`` with metric ``R_Kᵀ C_Q R_K``;
 * values: ``R_V = compose_rotation(eigenbasis(C_S).U, group_size)``; the clip ratio
@@ -30,6 +33,7 @@ from oscar_math.eigen import eigenbasis
 from oscar_math.errors import check
 from oscar_math.feedback import feedback_matrix
 from oscar_math.hadamard import is_hadamard_order
+from oscar_math.rope_center import rope_position_mean
 from oscar_math.rotation import HadamardMode, compose_rotation
 
 from .capture import CalibrationStatistics, collect_statistics
@@ -44,6 +48,7 @@ __all__ = [
     "refine_clip_powers_by_kl",
     "rotations_from_statistics",
     "search_chunks",
+    "select_rope_pairs",
     "tool_version",
 ]
 
@@ -52,6 +57,9 @@ CONFIG_VERSION = 1
 CLIP_SEARCHES = ("output", "row", "kl")
 #: which rows are written with error-feedback codes (CalibrationConfig.feedback)
 FEEDBACK_MODES = ("none", "k", "v", "kv")
+#: default ``rope_pairs`` (CalibrationConfig): provisional "all" until the H200 study picks it
+#: (benchmarks/rope_study.py; docs/results.md)
+ROPE_PAIRS_DEFAULT: int | str = "all"
 #: default key clip power with plain rounding (chosen in issue 13's first study) and with
 #: error-feedback key codes (milder clipping: feedback spreads the rounding error into
 #: directions queries do not read, so clipping buys less; docs/results.md, fourth study)
@@ -133,6 +141,15 @@ class CalibrationConfig:
             group's ``o_proj`` slices). Same scale, zero, clip and bits; the artifact stores the
             feedback matrices (format version 2) so every write path computes the same codes.
         feedback_damp: relative diagonal loading of the metric before its factorisation.
+        rope_pairs: position-dependent key centering (artifact format version 3,
+            :mod:`oscar_math.rope_center`): the pre-RoPE key mean ``m`` is kept on this many
+            frequency pairs per layer — an int ``R`` (the ``R`` pairs with the most
+            query-weighted key-mean energy a static mean cannot remove, :func:`select_rope_pairs`),
+            ``"all"`` (every pair), or 0 (off: no pre-RoPE mean, format version 1/2). Needs
+            ``key_centering``; the static ``k_mean`` is then the mean of the residual keys.
+            ``None`` (default): :data:`ROPE_PAIRS_DEFAULT` with key centering and a model whose
+            RoPE is static (:data:`oscar_calib.rope_mean.STATIC_ROPE_TYPES`), else 0 (see
+            :attr:`resolved_rope_pairs`); an explicit non-zero value refuses other models.
     """
 
     tokens: int = 16384
@@ -160,6 +177,7 @@ class CalibrationConfig:
     max_samples: int = 2048
     feedback: str = "k"
     feedback_damp: float = 0.01
+    rope_pairs: int | str | None = None
     version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -233,8 +251,26 @@ class CalibrationConfig:
             "a number > 0",
             self.feedback_damp,
         )
+        r = self.rope_pairs
+        ok = r is None or r == "all" or (isinstance(r, int) and not isinstance(r, bool) and r >= 0)
+        check(ok, "rope_pairs", "an integer >= 0, 'all' or None", r)
+        check(
+            self.key_centering or not r,
+            "rope_pairs",
+            "0 without key_centering (the pre-RoPE mean is part of the key centering)",
+            r,
+        )
         for name in ("key_centering", "clip", "bit_reversal"):
             check(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
+
+    @property
+    def resolved_rope_pairs(self) -> int | str:
+        """``rope_pairs`` with the default filled in (:data:`ROPE_PAIRS_DEFAULT` with key
+        centering, else 0); calibration falls back to 0 for a default on a model whose RoPE
+        is not static."""
+        if self.rope_pairs is None:  # the pre-RoPE mean is part of the key centering
+            return ROPE_PAIRS_DEFAULT if self.key_centering else 0
+        return self.rope_pairs
 
     def resolved_group_size(self, head_dim: int) -> int:
         """``group_size`` checked against a model's head dim (default: the head dim)."""
@@ -302,6 +338,62 @@ def _group_metric(per_head: torch.Tensor, num_kv_heads: int, groups: int) -> tor
     return m.sum(0, keepdim=True) if groups == 1 else m
 
 
+_ROPE_RULE = "top pairs by sum_groups (E q_i^2 + E q_{i+d/2}^2) |m_i|^2 (1 - |mean_p e^{i p theta_i}|^2)"
+
+
+def _phase_mean(inv_freq: torch.Tensor, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean_p cos(p·θ), mean_p sin(p·θ))`` over positions ``first .. end-1``, ``[d/2]`` float64."""
+    ang = torch.arange(first, end, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    return ang.cos().mean(0), ang.sin().mean(0)
+
+
+def select_rope_pairs(
+    mean: torch.Tensor,
+    query_energy: torch.Tensor,
+    inv_freq: torch.Tensor,
+    positions: tuple[int, int],
+    rope_pairs: int | str,
+) -> torch.Tensor:
+    """The frequency pairs whose pre-RoPE key mean is kept (``CalibrationConfig.rope_pairs``).
+
+    Pair ``i`` (coordinates ``i`` and ``i + d/2``) is scored by the query-weighted energy of
+    the mean that a *static* (post-RoPE) mean cannot remove over the calibration positions::
+
+        score_i = Σ_groups (E q_i² + E q_{i+d/2}²) · (m_i² + m_{i+d/2}²) · (1 − |mean_p e^{i p θ_i}|²)
+
+    (the static mean removes ``|mean_p e^{ipθ}|²`` of the pair's mean energy; the rest is what
+    centering by ``RoPE_p(m)`` adds). The top ``rope_pairs`` pairs win, ``"all"`` keeps every pair.
+
+    Args:
+        mean: ``[G, d]`` pre-RoPE key mean.
+        query_energy: ``[G, d]`` ``E q²`` per coordinate (the diagonal of ``C_Q``).
+        inv_freq: ``[d/2]``; positions: ``(first, end)`` averaged over.
+        rope_pairs: an int ``>= 0`` or ``"all"``.
+    Returns:
+        Sorted int64 pair indices.
+    """
+    half = mean.shape[-1] // 2
+    if rope_pairs == "all":
+        return torch.arange(half)
+    r = min(int(rope_pairs), half)
+    c, s = _phase_mean(inv_freq, *positions)
+    m2 = mean.double().square()
+    qe = query_energy.double()
+    score = ((qe[:, :half] + qe[:, half:]) * (m2[:, :half] + m2[:, half:])).sum(0) * (
+        1 - c.square() - s.square()
+    )
+    return score.topk(r).indices.sort().values
+
+
+def _rope_residual_mean(m: torch.Tensor, inv_freq: torch.Tensor, positions: tuple[int, int]) -> torch.Tensor:
+    """``mean_p RoPE_p(m)`` over positions ``first .. end-1`` for ``m [G, d]`` (float64)."""
+    c, s = _phase_mean(inv_freq, *positions)
+    c2, s2 = torch.cat((c, c)), torch.cat((s, s))
+    half = m.shape[-1] // 2
+    md = m.double()
+    return md * c2 + torch.cat((-md[..., half:], md[..., :half]), dim=-1) * s2
+
+
 def rotations_from_statistics(
     stats: CalibrationStatistics,
     config: CalibrationConfig,
@@ -341,6 +433,25 @@ def rotations_from_statistics(
             "the o_proj metrics value feedback needs (collect_statistics records them)",
             None,
         )
+    rope_pairs = config.resolved_rope_pairs
+    if config.rope_pairs is None and stats.prerope_mean is None:
+        rope_pairs = 0  # the default on statistics without pre-RoPE means (no static RoPE): off
+    rope = rope_pairs != 0
+    if rope:
+        check(
+            stats.prerope_mean is not None and stats.rope_inv_freq is not None,
+            "statistics.prerope_mean",
+            "the pre-RoPE key means rope_pairs needs (collect_statistics(rope_inv_freq=...))",
+            None,
+        )
+        check(
+            all(smp.positions is not None for smp in stats.samples),
+            "statistics.samples.positions",
+            "the sampled rows' positions rope_pairs needs",
+            None,
+        )
+        out["k_rope_mean"] = []
+    selected: list[list[int]] = []
     clip_report: dict[str, list[float]] = {"k_error_ratio": [], "v_error_ratio": []}
     for i in range(info.num_layers):
         c_q = stats.query_cov[i].result(config.granularity).cpu()  # [G, d, d]
@@ -349,7 +460,30 @@ def rotations_from_statistics(
         R_v, lam_v = _rotation(c_s, gs, config)
         mean = stats.key_mean[i].result(config.granularity).cpu()  # [G, d]
         sample = stats.samples[i]
-        keys = _grouped(sample.keys.double(), g)  # [N, G, d]
+        raw_keys = sample.keys.double()  # [N, H_kv, d]
+        if rope:
+            # the served centering: k − RoPE_p(m) on the selected pairs, then the static mean of
+            # what is left (the post-RoPE mean of the residual keys, exact from the phase means)
+            # the float32 frequencies the artifact stores and every reader serves with
+            inv_freq = stats.rope_inv_freq.float().double()
+            m = stats.prerope_mean[i].result(config.granularity).cpu().double()  # [G, d]
+            pairs = select_rope_pairs(
+                m,
+                torch.diagonal(c_q.double(), dim1=-2, dim2=-1),
+                inv_freq,
+                stats.positions_per_chunk,
+                rope_pairs,
+            )
+            half = info.head_dim // 2
+            keep = torch.zeros(half, dtype=torch.bool)
+            keep[pairs] = True
+            m_sel = m * torch.cat((keep, keep)).double()
+            mean = mean.double() - _rope_residual_mean(m_sel, inv_freq, stats.positions_per_chunk)
+            m_heads = m_sel.expand(info.num_kv_heads, -1) if g == 1 else m_sel
+            raw_keys = raw_keys - rope_position_mean(m_heads, sample.positions, inv_freq).double()
+            out["k_rope_mean"].append(m_sel)
+            selected.append(pairs.tolist())
+        keys = _grouped(raw_keys, g)  # [N, G, d]
         values = _grouped(sample.values.double(), g)
         weights = _grouped(sample.key_weights.double(), g)  # [N, G]
         if config.key_centering:
@@ -402,6 +536,14 @@ def rotations_from_statistics(
     k_mean = out.pop("k_mean") if config.key_centering else None
     out.pop("k_mean", None)
     k_feedback, v_feedback = out.pop("k_feedback") or None, out.pop("v_feedback") or None
+    k_rope_mean = out.pop("k_rope_mean", None)
+    if rope:
+        meta["rope_mean"] = {
+            "rope_pairs": rope_pairs,
+            "rule": "all pairs" if rope_pairs == "all" else _ROPE_RULE,
+            "positions": list(stats.positions_per_chunk),
+            "pairs_per_layer": selected if rope_pairs != "all" else None,
+        }
     return Rotations(
         model=model,
         num_layers=info.num_layers,
@@ -414,6 +556,8 @@ def rotations_from_statistics(
         k_mean=k_mean,
         k_feedback=k_feedback,
         v_feedback=v_feedback,
+        k_rope_mean=k_rope_mean,
+        rope_inv_freq=stats.rope_inv_freq.float() if rope else None,
         calibration=meta,
         **out,
     )
@@ -450,6 +594,20 @@ def calibrate(
         f"at most the model's context ({info.max_positions} positions)",
         config.seq_len,
     )
+    inv_freq = None
+    if config.resolved_rope_pairs != 0:
+        import sys
+
+        from oscar_math.errors import OscarError
+
+        from .rope_mean import rope_inv_freq
+
+        try:
+            inv_freq = rope_inv_freq(model)  # refuses scaled RoPE variants before the expensive pass
+        except OscarError as e:
+            if config.rope_pairs is not None:  # asked for explicitly: refuse
+                raise
+            print(f"calibrate: no pre-RoPE key mean (format version 1/2): {e}", file=sys.stderr)
     chunks, source = calibration_chunks(tokenizer, config)
     stats = collect_statistics(
         model,
@@ -458,6 +616,7 @@ def calibrate(
         max_samples=config.max_samples,
         seed=config.seed,
         progress=progress,
+        rope_inv_freq=inv_freq,
     )
     calibration = {
         "tokens": stats.tokens,

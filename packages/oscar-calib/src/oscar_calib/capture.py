@@ -16,7 +16,9 @@ for every layer and sequence:
   (:meth:`~oscar_math.ScoreWeightedValueCovariance.update_fused`): no ``T × T`` score
   matrix is formed;
 * a bounded, seeded sample of key/value rows (and those weights) at positions
-  ``>= sink`` for the clip-ratio search.
+  ``>= sink`` for the clip-ratio search, with their positions;
+* with ``rope_inv_freq``: the *pre-RoPE* key mean (each key at position ``p >= sink``
+  rotated back by ``RoPE_{-p}`` before averaging; artifact format version 3).
 
 The forward itself is untouched (the hook returns plain SDPA), so the samples are the
 rows a second pass with known rotations would see: rotations, centring and clipping
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 from oscar_math.covariance import KeyMean, QueryCovariance, ScoreWeightedValueCovariance
-from oscar_math.errors import check
+from oscar_math.errors import OscarError, check
 
 from .attention import attention_override, sdpa_attention
 from .models import ModelInfo, model_info
@@ -56,11 +58,13 @@ class LayerSample:
         values: ``[N, H_kv, d]``.
         key_weights: ``[N, H_kv]`` attention weight ``Σ_t Σ_{h in group} S_h[t, s]²`` of
             each sampled token's value in its chunk.
+        positions: ``[N]`` int64 position of each sampled row in its chunk, or None.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     key_weights: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -78,6 +82,11 @@ class CalibrationStatistics:
             feedback matrices are derived from it), or None.
         tokens: tokens run through the model.
         seconds: wall time of the capture.
+        prerope_mean: per layer, the pre-RoPE key-mean accumulators (positions ``>= sink``),
+            or None when ``rope_inv_freq`` was not given.
+        rope_inv_freq: ``[d/2]`` float64 RoPE inverse frequencies used for it, or None.
+        positions_per_chunk: positions each chunk contributed to the key means
+            (``sink .. seq_len-1``), as ``(sink, seq_len)``.
     """
 
     info: ModelInfo
@@ -89,6 +98,9 @@ class CalibrationStatistics:
     seconds: float = 0.0
     scaling: list[float] = field(default_factory=list)
     output_metrics: list[torch.Tensor] | None = None
+    prerope_mean: list[KeyMean] | None = None
+    rope_inv_freq: torch.Tensor | None = None
+    positions_per_chunk: tuple[int, int] = (0, 0)
 
 
 def head_output_metrics(model: Any, num_q_heads: int, head_dim: int) -> list[torch.Tensor] | None:
@@ -124,7 +136,14 @@ def _sample_positions(
 class _Capture:
     """The attention hook: updates one layer's statistics per call (batch of one chunk)."""
 
-    def __init__(self, info: ModelInfo, sink: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        info: ModelInfo,
+        sink: int,
+        block_size: int,
+        device: torch.device,
+        rope_inv_freq: torch.Tensor | None = None,
+    ) -> None:
         h_q, h_kv, d = info.num_q_heads, info.num_kv_heads, info.head_dim
         layers = range(info.num_layers)
         self.sink = sink
@@ -134,6 +153,10 @@ class _Capture:
             for _ in layers
         ]
         self.key_mean = [KeyMean(h_kv, d, device=device) for _ in layers]
+        self.rope_inv_freq = rope_inv_freq
+        self.prerope_mean = (
+            None if rope_inv_freq is None else [KeyMean(h_kv, d, device=device) for _ in layers]
+        )
         self.keys: list[list[torch.Tensor]] = [[] for _ in layers]
         self.values: list[list[torch.Tensor]] = [[] for _ in layers]
         self.weights: list[list[torch.Tensor]] = [[] for _ in layers]
@@ -160,6 +183,11 @@ class _Capture:
         s = self.sink
         self.query_cov[i].update(q[s:])
         self.key_mean[i].update(k[s:])
+        if self.prerope_mean is not None and k.shape[0] > s:
+            from oscar_math.rope_center import rope_rotate
+
+            back = -torch.arange(s, k.shape[0], device=k.device)
+            self.prerope_mean[i].update(rope_rotate(k[s:].double(), back, self.rope_inv_freq))
         v_quantised = v.clone()
         v_quantised[:s] = 0  # sink values stay BF16: their share of the output is not at risk
         pos = None if positions is None or not positions.numel() else positions.to(k.device)
@@ -196,6 +224,7 @@ def collect_statistics(
     block_size: int = 256,
     progress: bool = True,
     batch_size: int | None = None,
+    rope_inv_freq: torch.Tensor | str | None = "auto",
 ) -> CalibrationStatistics:
     """Run ``chunks`` through ``model`` and accumulate the calibration statistics.
 
@@ -213,6 +242,9 @@ def collect_statistics(
             statistics are summed per sequence in chunk order either way, so the result
             does not depend on it beyond floating-point noise. Memory stays bounded by
             the batch: activations are never kept, only the sums and the sample.
+        rope_inv_freq: ``[d/2]`` RoPE inverse frequencies (:func:`oscar_calib.rope_mean.rope_inv_freq`):
+            also accumulate the pre-RoPE key mean (artifact format version 3); ``"auto"``
+            (default): the model's if its RoPE is static, else none; ``None``: none.
 
     Returns:
         :class:`CalibrationStatistics`.
@@ -232,7 +264,24 @@ def collect_statistics(
     if batch_size is None:
         batch_size = 1 if device.type == "cpu" else max(1, min(8, 16384 // seq_len))
     check(isinstance(batch_size, int) and batch_size >= 1, "batch_size", "an integer >= 1", batch_size)
-    capture = _Capture(info, sink, block_size, device)
+    if isinstance(rope_inv_freq, str):
+        check(rope_inv_freq == "auto", "rope_inv_freq", "a tensor, 'auto' or None", repr(rope_inv_freq))
+        from .rope_mean import rope_inv_freq as model_inv_freq
+
+        try:
+            rope_inv_freq = model_inv_freq(model)
+        except OscarError:  # no rotary embedding, or one whose frequencies change at run time
+            rope_inv_freq = None
+    if rope_inv_freq is not None:
+        rope_inv_freq = rope_inv_freq.detach().double().cpu()
+        half = info.head_dim // 2
+        check(
+            tuple(rope_inv_freq.shape) == (half,),
+            "shape of rope_inv_freq",
+            (half,),
+            tuple(rope_inv_freq.shape),
+        )
+    capture = _Capture(info, sink, block_size, device, rope_inv_freq)
     positions = _sample_positions(len(chunks), seq_len, sink, max_samples, seed)
     forward = _forward_without_head(model)
 
@@ -268,6 +317,7 @@ def collect_statistics(
             keys=_cat(capture.keys[i], (0, h, d)),
             values=_cat(capture.values[i], (0, h, d)),
             key_weights=_cat(capture.weights[i], (0, h)),
+            positions=torch.cat(positions).long(),
         )
         for i in range(info.num_layers)
     ]
@@ -281,4 +331,7 @@ def collect_statistics(
         tokens=len(chunks) * seq_len,
         seconds=seconds,
         scaling=capture.scaling,
+        prerope_mean=capture.prerope_mean,
+        rope_inv_freq=rope_inv_freq,
+        positions_per_chunk=(sink, seq_len),
     )

@@ -224,9 +224,17 @@ def _codec(
     mean: torch.Tensor | None,
     ratio: float,
     feedback: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> RowCodec:
+    rope_mean, rope_inv_freq = (None, None) if rope is None else rope
     return RowCodec(
-        group_size, rotation=rotation, mean=mean, clip=torch.tensor([float(ratio)]), feedback=feedback
+        group_size,
+        rotation=rotation,
+        mean=mean,
+        clip=torch.tensor([float(ratio)]),
+        feedback=feedback,
+        rope_mean=rope_mean,
+        rope_inv_freq=rope_inv_freq,
     )
 
 
@@ -351,10 +359,15 @@ def search_output_clip(
             k_rot, v_rot = r_k[r : r + 1], r_v[r : r + 1]
             m_r = None if mean is None else mean[r : r + 1]
             k_fb, v_fb = _group_slice(lay.k_feedback, r), _group_slice(lay.v_feedback, r)
+            # format version 3: the key rows (positions 0..S-1 of the captured sequences) are
+            # centred by RoPE_p(m) as served
+            rope = None
+            if lay.k_rope_mean is not None:
+                rope = (_group_slice(lay.k_rope_mean, r), torch.as_tensor(rotations.rope_inv_freq).float())
             kc, vc, e0, e1, en = _search_group(
                 problems,
                 mets,
-                lambda c, rot=k_rot, m_r=m_r, fb=k_fb: _codec(gs, rot, m_r, c, fb),
+                lambda c, rot=k_rot, m_r=m_r, fb=k_fb, rope=rope: _codec(gs, rot, m_r, c, fb, rope),
                 lambda c, rot=v_rot, fb=v_fb: _codec(gs, rot, None, c, fb),
                 float(k_new[r]),
                 float(v_new[r]),

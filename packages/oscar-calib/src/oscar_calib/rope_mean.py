@@ -33,7 +33,11 @@ from oscar_math.errors import check
 from .attention import attention_override
 from .schemes import KVScheme, RowCodec
 
-__all__ = ["RopeMeanScheme", "apply_rope", "prerope_key_means", "rope_inv_freq"]
+__all__ = ["STATIC_ROPE_TYPES", "RopeMeanScheme", "apply_rope", "prerope_key_means", "rope_inv_freq"]
+
+#: RoPE variants whose inverse frequencies are fixed once the model is built (servable with a
+#: stored ``rope_inv_freq``, artifact format version 3).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_inv_freq(model: Any) -> torch.Tensor:
@@ -46,6 +50,10 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     check(rot is not None and hasattr(rot, "inv_freq"), "model", "a model with model.rotary_emb", None)
     scaling = float(getattr(rot, "attention_scaling", 1.0))
     check(scaling == 1.0, "rope attention_scaling", "1.0 (default RoPE)", scaling)
+    # dynamic variants change inv_freq with the sequence length at run time; the stored one
+    # would be wrong past the original context (static ones scale inv_freq once, at init)
+    kind = str(getattr(rot, "rope_type", "default"))
+    check(kind in STATIC_ROPE_TYPES, "rope_type", f"one of {STATIC_ROPE_TYPES}", kind)
     return rot.inv_freq.detach().double().cpu()
 
 
@@ -111,7 +119,7 @@ class RopeMeanScheme(KVScheme):
         if layer_idx not in self._codecs:
             c = self.base.key_codec(layer_idx)
             # keep everything but the static mean (rotation, clip, feedback)
-            self._codecs[layer_idx] = dataclasses.replace(c, mean=None)
+            self._codecs[layer_idx] = dataclasses.replace(c, mean=None, rope_mean=None, rope_inv_freq=None)
         return self._codecs[layer_idx]
 
     def position_mean(self, layer_idx: int, length: int, device: torch.device) -> torch.Tensor:
@@ -120,7 +128,11 @@ class RopeMeanScheme(KVScheme):
         return apply_rope(m, torch.arange(length), self.inv_freq).float().to(device)
 
     def fake_quantize_keys(self, layer_idx: int, k: torch.Tensor) -> torch.Tensor:
-        mu = self.position_mean(layer_idx, k.shape[0], k.device)
+        return self.fake_quantize_keys_at(layer_idx, k, torch.arange(k.shape[0]))
+
+    def fake_quantize_keys_at(self, layer_idx: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = self.means[layer_idx].double()[None].expand(k.shape[0], *self.means[layer_idx].shape)
+        mu = apply_rope(m, positions, self.inv_freq).float().to(k.device)
         return (self._key_codec(layer_idx).fake_quantize(k.float() - mu) + mu).to(k.dtype)
 
     def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:

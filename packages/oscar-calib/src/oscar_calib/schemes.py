@@ -108,6 +108,14 @@ class RowCodec:
             fifth study): ``[G, d]`` weights of the least-squares scale/zero refit after the
             feedback codes (:func:`oscar_math.feedback.quantize_int2_feedback`); None: no refit.
         refit_passes: re-round + refit passes of that refit.
+        rope_mean: ``[G, d]`` pre-RoPE key mean (artifact format version 3,
+            :mod:`oscar_math.rope_center`): a row at position ``p`` is centred by
+            ``mean + RoPE_p(rope_mean)`` before rotating and gets it back after; None: none.
+        rope_inv_freq: ``[d/2]`` RoPE inverse frequencies (given with ``rope_mean``).
+
+    Positions: the methods take ``positions`` ``[T]`` (int) for rows ``[..., T, H, d]`` (the
+    token dim is third from last); ``None`` means ``0..T-1`` (the row's index in its sequence).
+    Only ``rope_mean`` reads them.
     """
 
     group_size: int
@@ -117,20 +125,48 @@ class RowCodec:
     feedback: torch.Tensor | None = None
     refit_weight: torch.Tensor | None = None
     refit_passes: int = 0
+    rope_mean: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
-    def to_rotated(self, x: torch.Tensor) -> torch.Tensor:
+    def __post_init__(self) -> None:
+        check(
+            (self.rope_mean is None) == (self.rope_inv_freq is None),
+            "rope_mean / rope_inv_freq",
+            "both or neither",
+            (self.rope_mean is not None, self.rope_inv_freq is not None),
+        )
+
+    def position_mean(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor | None:
+        """``[T, H, d]`` float32 ``RoPE_p(rope_mean)`` for the rows ``x [..., T, H, d]`` (None
+        without a pre-RoPE mean); broadcasts against ``x``."""
+        if self.rope_mean is None:
+            return None
+        from oscar_math.rope_center import rope_position_mean
+
+        t, h = x.shape[-3], x.shape[-2]
+        pos = torch.arange(t) if positions is None else torch.as_tensor(positions).reshape(-1)
+        check(pos.shape == (t,), "shape of positions", (t,), tuple(pos.shape))
+        mean = _per_head(self.rope_mean, h).to(x.device)
+        return rope_position_mean(mean, pos.to(x.device), self.rope_inv_freq.to(x.device))
+
+    def to_rotated(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., H, d]`` → centred, rotated ``[..., H, d]`` float32."""
         h = x.shape[-2]
         y = x.float()
         mean = _per_head(self.mean, h)
         if mean is not None:
             y = y - mean.to(y.device, torch.float32)
+        pmean = self.position_mean(x, positions)
+        if pmean is not None:
+            y = y - pmean
         rot = _per_head(self.rotation, h)
         if rot is not None:
             y = torch.einsum("...hd,hde->...he", y, rot.to(y.device, torch.float32))
         return y
 
-    def from_rotated(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def from_rotated(
+        self, y: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Inverse of :meth:`to_rotated`: ``[..., H, d]`` float32 → original basis in ``dtype``."""
         h = y.shape[-2]
         rot = _per_head(self.rotation, h)
@@ -139,6 +175,9 @@ class RowCodec:
         mean = _per_head(self.mean, h)
         if mean is not None:
             y = y + mean.to(y.device, torch.float32)
+        pmean = self.position_mean(y, positions)
+        if pmean is not None:
+            y = y + pmean
         return y.to(dtype)
 
     def clip_ratio(self, num_heads: int, device: torch.device) -> torch.Tensor | None:
@@ -146,33 +185,35 @@ class RowCodec:
         clip = _per_head(self.clip, num_heads)
         return None if clip is None else clip.to(device, torch.float32).reshape(num_heads, 1)
 
-    def encode(self, x: torch.Tensor) -> Int2Quantized:
+    def encode(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Int2Quantized:
         """``[..., H, d]`` rows → packed INT2 of the centred, rotated rows."""
         ratio = self.clip_ratio(x.shape[-2], x.device)
         if self.feedback is not None:
             fb = _per_head(self.feedback, x.shape[-2])
             rw = _per_head(self.refit_weight, x.shape[-2])
             return quantize_int2_feedback(
-                self.to_rotated(x),
+                self.to_rotated(x, positions),
                 self.group_size,
                 fb,
                 ratio,
                 refit_weight=rw,
                 refit_passes=self.refit_passes,
             )
-        return quantize_int2(self.to_rotated(x), self.group_size, ratio)
+        return quantize_int2(self.to_rotated(x, positions), self.group_size, ratio)
 
-    def decode(self, q: Int2Quantized, dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self, q: Int2Quantized, dtype: torch.dtype, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Packed ``[..., H, d/4]`` → ``[..., H, d]`` in the original basis."""
-        return self.from_rotated(dequantize_int2(q), dtype)
+        return self.from_rotated(dequantize_int2(q), dtype, positions)
 
-    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+    def fake_quantize(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``decode(encode(x))`` without packing: ``[..., H, d]`` → same shape in ``x.dtype``."""
         if self.feedback is not None:
-            return self.from_rotated(dequantize_int2(self.encode(x)), x.dtype)
-        y = self.to_rotated(x)
+            return self.from_rotated(dequantize_int2(self.encode(x, positions)), x.dtype, positions)
+        y = self.to_rotated(x, positions)
         yq = fake_quantize_int2(y, self.group_size, self.clip_ratio(x.shape[-2], x.device))
-        return self.from_rotated(yq, x.dtype)
+        return self.from_rotated(yq, x.dtype, positions)
 
 
 class KVScheme:
@@ -193,6 +234,11 @@ class KVScheme:
 
     def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def fake_quantize_keys_at(self, layer_idx: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys ``[T, H, d]`` at sequence positions ``positions [T]`` (not ``0..T-1``): what a
+        cache that quantises a slice calls. Position-independent schemes ignore them."""
+        return self.fake_quantize_keys(layer_idx, k)
 
     def key_codec(self, layer_idx: int) -> RowCodec | None:
         return None
@@ -260,6 +306,9 @@ class RowInt2Scheme(KVScheme):
 
     def fake_quantize_keys(self, layer_idx: int, k: torch.Tensor) -> torch.Tensor:
         return self.key_codec(layer_idx).fake_quantize(k)
+
+    def fake_quantize_keys_at(self, layer_idx: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.key_codec(layer_idx).fake_quantize(k, positions)
 
     def fake_quantize_values(self, layer_idx: int, v: torch.Tensor) -> torch.Tensor:
         return self.value_codec(layer_idx).fake_quantize(v)
@@ -387,7 +436,8 @@ def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
     h = _hadamard(ctx)
 
     def k(i: int) -> RowCodec:
-        return RowCodec(gs, rotation=h, mean=_layer_tensor(rot, i, "k_mean"))
+        # the pre-RoPE mean (format version 3) is part of the centering the artifact serves
+        return RowCodec(gs, rotation=h, mean=_layer_tensor(rot, i, "k_mean"), **_rope_fields(rot, i))
 
     v = RowCodec(gs, rotation=h)
     return RowInt2Scheme(
@@ -397,6 +447,16 @@ def _make_hadamard_center(ctx: SchemeContext) -> KVScheme:
         k,
         lambda i: v,
     )
+
+
+def _rope_fields(rotations: Any, layer_idx: int) -> dict[str, torch.Tensor | None]:
+    """``rope_mean`` / ``rope_inv_freq`` of layer ``layer_idx``'s key codec (format version 3),
+    or Nones."""
+    m = _layer_tensor(rotations, layer_idx, "k_rope_mean")
+    f = getattr(rotations, "rope_inv_freq", None)
+    if m is None or f is None:
+        return {"rope_mean": None, "rope_inv_freq": None}
+    return {"rope_mean": m, "rope_inv_freq": torch.as_tensor(f).float()}
 
 
 def _stored_clip_power(rotations: Any, kind: str = "k", layer: int | None = None) -> float:
@@ -458,6 +518,8 @@ def _oscar_factory(
                     feedback=_layer_tensor(rot, i, f"{kind}_feedback")
                     if feedback and rotate and bit_reversal
                     else None,
+                    # the pre-RoPE key mean (format version 3) is part of the key centering
+                    **(_rope_fields(rot, i) if kind == "k" and center else {}),
                 )
 
             return build

@@ -25,6 +25,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "FORMAT_VERSION_FEEDBACK",
+    "FORMAT_VERSION_ROPE",
     "FORMAT_VERSIONS",
     "ORTHOGONALITY_TOL",
     "Granularity",
@@ -42,8 +43,12 @@ FORMAT_VERSION = "1"
 #: ``format_version`` of a file with ``k_feedback`` / ``v_feedback``: the codes depend on them, so a
 #: reader that knows only version 1 must refuse the file rather than serve plain rounding.
 FORMAT_VERSION_FEEDBACK = "2"
+#: ``format_version`` of a file with a pre-RoPE key mean (``k_rope_mean`` + ``rope_inv_freq``,
+#: :mod:`oscar_math.rope_center`): INT2 key rows are centred per position, so a reader of
+#: versions 1/2 would serve wrong keys and must refuse it. Feedback matrices are optional in it.
+FORMAT_VERSION_ROPE = "3"
 #: every version this code reads.
-FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_FEEDBACK)
+FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_FEEDBACK, FORMAT_VERSION_ROPE)
 #: largest accepted ``max |RᵀR − I|`` of a stored rotation (float32 storage gives ~1e-6).
 ORTHOGONALITY_TOL = 1e-3
 
@@ -54,6 +59,11 @@ _KINDS = ("k_rotation", "v_rotation", "k_eigenvalues", "v_eigenvalues", "k_clip"
 _OPTIONAL = ("k_mean",)
 #: optional error-feedback matrices (format version 2), each all layers or none.
 _FEEDBACK = ("k_feedback", "v_feedback")
+#: optional per-layer pre-RoPE key mean (format version 3), all layers or none, with the
+#: top-level ``rope_inv_freq`` tensor.
+_ROPE = ("k_rope_mean",)
+_INV_FREQ = "rope_inv_freq"
+_ALL_KINDS = (*_KINDS, *_OPTIONAL, *_FEEDBACK, *_ROPE)
 
 
 class Granularity(str, Enum):
@@ -74,6 +84,8 @@ class LayerRotations:
         k_mean: ``[G, d]`` float32 key mean in the original basis, or ``None``.
         k_feedback, v_feedback: ``[G, d, d]`` float32 strictly lower-triangular error-feedback
             matrices (:mod:`oscar_math.feedback`), or ``None`` (plain rounding).
+        k_rope_mean: ``[G, d]`` float32 pre-RoPE key mean of the INT2 rows, zero outside the
+            selected frequency pairs (:mod:`oscar_math.rope_center`), or ``None``.
     """
 
     k_rotation: torch.Tensor
@@ -85,6 +97,7 @@ class LayerRotations:
     k_mean: torch.Tensor | None
     k_feedback: torch.Tensor | None = None
     v_feedback: torch.Tensor | None = None
+    k_rope_mean: torch.Tensor | None = None
 
 
 def _fail(msg: str) -> None:
@@ -112,6 +125,12 @@ class Rotations:
         k_mean: ``num_layers × [G, d]`` or ``None``.
         k_feedback, v_feedback: ``num_layers × [G, d, d]`` strictly lower triangular, or
             ``None``; either one present makes the file format version 2.
+        k_rope_mean: ``num_layers × [G, d]`` pre-RoPE key means (zero outside the selected
+            frequency pairs), or ``None``; present makes the file format version 3. INT2 key
+            rows of position ``p`` are stored as ``Q((k − k_mean − RoPE_p(m)) @ R_K)`` and
+            dequantised ``+ RoPE_p(m) @ R_K`` (:mod:`oscar_math.rope_center`).
+        rope_inv_freq: ``[d/2]`` float32 RoPE inverse frequencies (all positive), given iff
+            ``k_rope_mean`` is.
         calibration: JSON-serialisable provenance (token count, text source, seed, tool version).
     """
 
@@ -133,6 +152,8 @@ class Rotations:
     calibration: dict[str, Any] = field(default_factory=dict)
     k_feedback: tuple[torch.Tensor, ...] | None = None
     v_feedback: tuple[torch.Tensor, ...] | None = None
+    k_rope_mean: tuple[torch.Tensor, ...] | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -170,8 +191,9 @@ class Rotations:
             "k_mean": (g, d),
             "k_feedback": (g, d, d),
             "v_feedback": (g, d, d),
+            "k_rope_mean": (g, d),
         }
-        for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK):
+        for kind in _ALL_KINDS:
             seq = getattr(self, kind)
             if seq is None and kind not in _KINDS:
                 continue
@@ -212,6 +234,25 @@ class Rotations:
                     _fail(f"Invalid {name}: expected clip ratios in (0, 1], got {t.tolist()}")
                 out.append(t)
             object.__setattr__(self, kind, tuple(out))
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        f = self.rope_inv_freq
+        if (self.k_rope_mean is None) != (f is None):
+            have, lack = ("k_rope_mean", _INV_FREQ) if f is None else (_INV_FREQ, "k_rope_mean")
+            _fail(f"Invalid {have}: given without {lack} (format version 3 needs both)")
+        if f is None:
+            return
+        half = self.head_dim // 2
+        if not isinstance(f, torch.Tensor) or not f.is_floating_point():
+            got = getattr(f, "dtype", type(f).__name__)
+            _fail(f"Invalid {_INV_FREQ}: expected a floating tensor, got {got}")
+        if tuple(f.shape) != (half,):
+            _fail(f"Invalid shape of {_INV_FREQ}: expected [{half}] (head_dim / 2), got {list(f.shape)}")
+        f = f.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        if not bool((torch.isfinite(f) & (f > 0)).all()):
+            _fail(f"Invalid {_INV_FREQ}: expected finite positive frequencies, got {f.tolist()[:4]}...")
+        object.__setattr__(self, "rope_inv_freq", f)
 
     @property
     def num_groups(self) -> int:
@@ -232,6 +273,7 @@ class Rotations:
             k_mean=None if self.k_mean is None else self.k_mean[i],
             k_feedback=None if self.k_feedback is None else self.k_feedback[i],
             v_feedback=None if self.v_feedback is None else self.v_feedback[i],
+            k_rope_mean=None if self.k_rope_mean is None else self.k_rope_mean[i],
         )
 
     @property
@@ -240,8 +282,16 @@ class Rotations:
         return self.k_feedback is not None or self.v_feedback is not None
 
     @property
+    def has_rope_mean(self) -> bool:
+        """Whether INT2 key rows are centred by a pre-RoPE mean (format version 3)."""
+        return self.k_rope_mean is not None
+
+    @property
     def format_version(self) -> str:
-        """``"2"`` with error-feedback matrices, else ``"1"``."""
+        """``"3"`` with a pre-RoPE key mean, else ``"2"`` with error-feedback matrices, else
+        ``"1"`` (the lowest version that can hold the file, so older readers still read it)."""
+        if self.has_rope_mean:
+            return FORMAT_VERSION_ROPE
         return FORMAT_VERSION_FEEDBACK if self.has_feedback else FORMAT_VERSION
 
     def metadata(self) -> dict[str, str]:
@@ -253,13 +303,15 @@ class Rotations:
         return meta
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The file's tensors by name, ``layers.{i}.{kind}``."""
+        """The file's tensors by name, ``layers.{i}.{kind}`` (and the top-level ``rope_inv_freq``)."""
         out: dict[str, torch.Tensor] = {}
         for i in range(self.num_layers):
-            for kind in (*_KINDS, *_OPTIONAL, *_FEEDBACK):
+            for kind in _ALL_KINDS:
                 seq = getattr(self, kind)
                 if seq is not None:
                     out[f"layers.{i}.{kind}"] = seq[i]
+        if self.rope_inv_freq is not None:
+            out[_INV_FREQ] = self.rope_inv_freq
         return out
 
 
@@ -329,7 +381,7 @@ def save_rotations(path: str | os.PathLike, rot: Rotations) -> Path:
 def _layer_kind_order(name: str) -> tuple[int, int, str]:
     parts = name.split(".")
     if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
-        kinds = (*_KINDS, *_OPTIONAL, *_FEEDBACK)
+        kinds = _ALL_KINDS
         return (int(parts[1]), kinds.index(parts[2]) if parts[2] in kinds else 99, name)
     return (1 << 30, 0, name)
 
@@ -380,8 +432,10 @@ def _read(p: Path) -> Rotations:
         _fail(f"Invalid num_layers: expected an integer >= 1, got {n}")
     required = [f"layers.{i}.{k}" for i in range(n) for k in _KINDS]
     optional = [f"layers.{i}.{k}" for i in range(n) for k in _OPTIONAL]
-    if version == FORMAT_VERSION_FEEDBACK:
+    if version in (FORMAT_VERSION_FEEDBACK, FORMAT_VERSION_ROPE):
         optional += [f"layers.{i}.{k}" for i in range(n) for k in _FEEDBACK]
+    if version == FORMAT_VERSION_ROPE:
+        optional += [f"layers.{i}.{k}" for i in range(n) for k in _ROPE] + [_INV_FREQ]
     present = set(names)
     missing = [x for x in required if x not in present]
     if missing:
@@ -405,6 +459,15 @@ def _read(p: Path) -> Rotations:
         feedback[kind] = [raw[f"layers.{i}.{kind}"] for i in range(n)] if have else None
     if version == FORMAT_VERSION_FEEDBACK and not any(v is not None for v in feedback.values()):
         _fail("format_version '2' without k_feedback or v_feedback tensors (version 1 is the format without)")
+    rope: dict[str, Any] = {"k_rope_mean": None, "rope_inv_freq": None}
+    if version == FORMAT_VERSION_ROPE:
+        have = [i for i in range(n) if f"layers.{i}.k_rope_mean" in present]
+        if len(have) != n:
+            first = next(i for i in range(n) if i not in have)
+            _fail(f"missing tensor layers.{first}.k_rope_mean (format_version '3' needs it for every layer)")
+        if _INV_FREQ not in present:
+            _fail(f"missing tensor {_INV_FREQ} (format_version '3' needs it with k_rope_mean)")
+        rope = {"k_rope_mean": [raw[f"layers.{i}.k_rope_mean"] for i in range(n)], _INV_FREQ: raw[_INV_FREQ]}
     for name in sorted(names, key=_layer_kind_order):
         if raw[name].dtype != torch.float32:
             _fail(f"Invalid dtype of {name}: expected torch.float32, got {raw[name].dtype}")
@@ -415,6 +478,7 @@ def _read(p: Path) -> Rotations:
         calibration=calibration,
         k_mean=[raw[f"layers.{i}.k_mean"] for i in range(n)] if has_mean else None,
         **feedback,
+        **rope,
         **ints,
         **per_kind,
     )

@@ -10,6 +10,18 @@ import time
 __all__ = ["register", "run"]
 
 
+def _rope_pairs(v: str) -> int | str:
+    if v == "all":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'all', got {v!r}")
+    return n
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate",
@@ -102,6 +114,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="rows written with error-feedback (LDLQ) codes under the attention metric (default k; "
         "stored in the artifact, format version 2; none writes a version-1 artifact)",
     )
+    p.add_argument(
+        "--rope-pairs",
+        type=_rope_pairs,
+        default=None,
+        metavar="R",
+        help="centre INT2 keys per position by the pre-RoPE key mean on R frequency pairs per layer "
+        "(the R with the most query-weighted mean energy a static mean cannot remove), 'all', or 0 "
+        "(off: format version 1/2); default: oscar_calib.calibrate.ROPE_PAIRS_DEFAULT (format version 3)",
+    )
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -141,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 "search_weighting",
                 "power_blocks",
                 "feedback",
+                "rope_pairs",
             )
             if getattr(args, name) is not None
         },
@@ -195,6 +217,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"error-feedback codes for {cal['feedback']['rows'].upper()} rows "
             f"(format version {rotations.format_version}; damp {cal['feedback']['damp']:g})"
+        )
+    if rotations.has_rope_mean:
+        rope = cal.get("rope_mean", {})
+        pairs = [int((m[:, : m.shape[1] // 2] != 0).any(0).sum()) for m in rotations.k_rope_mean]
+        print(
+            f"pre-RoPE key mean on {min(pairs)}-{max(pairs)} of {rotations.head_dim // 2} frequency pairs "
+            f"per layer (rope_pairs {rope.get('rope_pairs')}; format version {rotations.format_version})"
         )
     sys.stdout.flush()
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 import torch
 
@@ -49,6 +50,22 @@ def _clip(c: torch.Tensor) -> str:
     return f"{float(c.min()):.3f}/{float(c.mean()):.3f}/{float(c.max()):.3f}"
 
 
+def _rope_pairs(m: Any) -> int:
+    half = m.shape[-1] // 2
+    return int(((m[:, :half] != 0) | (m[:, half:] != 0)).any(0).sum())
+
+
+def _rope_summary(rot: Any) -> str:
+    """One line on the pre-RoPE key mean (format version 3) of an artifact."""
+    if rot.k_rope_mean is None:
+        return "no (INT2 keys centred by the static mean only)"
+    pairs = [_rope_pairs(m) for m in rot.k_rope_mean]
+    return (
+        f"yes, {min(pairs)}-{max(pairs)} of {rot.head_dim // 2} frequency pairs per layer; INT2 keys at "
+        f"position p centred by RoPE_p(m) (format version {rot.format_version})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from oscar_math.artifact import load_rotations
     from oscar_math.bits import bits_per_element
@@ -68,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         f"granularity   {rot.granularity.value} ({g} rotation{'s' if g > 1 else ''} per layer, K and V)",
         f"windows       {rot.sink_tokens} sink + {rot.recent_tokens} recent tokens in BF16",
         f"key mean      {'yes (subtracted before rotation)' if rot.k_mean is not None else 'no'}",
+        f"pre-RoPE mean {_rope_summary(rot)}",
         "codes         "
         + (
             "error feedback for "
@@ -91,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             lines.append(
                 f"clip gain     calibration error vs no clipping: K x{ratio.get('k')}, V x{ratio.get('v')}"
             )
-        other = [k for k in extra if k not in ("clip_error_ratio",)]
+        other = [k for k in extra if k not in ("clip_error_ratio", "rope_mean")]
         if other:
             lines.append("              " + ", ".join(f"{k} {cal[k]}" for k in other))
     bits = ", ".join(
