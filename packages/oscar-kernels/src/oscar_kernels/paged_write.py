@@ -107,10 +107,14 @@ def paged_write(
     Args:
         cache: the layer's cache.
         params: the layer's rotations / mean / clip ratios / error-feedback matrices (when
-            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``).
+            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``) / pre-RoPE
+            key mean (format version 3: the INT2 key row of position ``p`` quantises
+            ``(k − k_mean − RoPE_p(m)) @ R_K``, the BF16 sink/ring rows stay
+            ``(k − k_mean) @ R_K``; :mod:`oscar_math.rope_center`).
         key, value: ``[N, H_kv, d]`` un-rotated (after RoPE), any float dtype.
         slot_mapping: ``[N]`` flat INT2 slot ``page * page_size + offset``; ``< 0`` = skip (padding).
-        positions: ``[N]`` position of each token in its sequence.
+        positions: ``[N]`` position of each token in its sequence (also the RoPE position
+            of the pre-RoPE key mean; the kernel's angle ``p·θ`` is one float32 product).
         seq_index: ``[N]`` which of the ``B`` sequences each token belongs to.
         seq_lens: ``[B]`` sequence lengths *after* this write.
         window_slots: ``[B]`` row of the window pools owned by each sequence.
@@ -179,7 +183,8 @@ def _launch(
     n = key.shape[0]
     default_bt = 128 if lo.head_dim <= 128 else 32
     prec = "ieee" if (precise or interpreting()) else "tf32"
-    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean in (
+    rope = ep.k_rope_mean is not None
+    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean, has_rope in (
         (
             key,
             ep.k_rotation,
@@ -191,6 +196,7 @@ def _launch(
             cache.k_recent,
             ep.k_clip,
             ep.has_mean,
+            rope,
         ),
         (
             value,
@@ -202,6 +208,7 @@ def _launch(
             cache.v_sink,
             cache.v_recent,
             ep.v_clip,
+            False,
             False,
         ),
     ):
@@ -218,6 +225,10 @@ def _launch(
             rot.stride(1),
             ep.k_mean,
             ep.k_mean.stride(0),
+            # pre-RoPE mean and inverse frequencies: valid pointers either way, read only with HAS_ROPE
+            ep.k_rope_mean if has_rope else ep.k_mean,
+            ep.k_rope_mean.stride(0) if has_rope else 0,
+            ep.k_rope_inv_freq if has_rope else ep.k_mean,
             alpha,
             rot if fb is None else fb,  # a valid pointer either way; read only with HAS_FEEDBACK
             0 if fb is None else fb.stride(0),
@@ -252,6 +263,7 @@ def _launch(
             RECENT=lo.recent_tokens,
             HAS_MEAN=has_mean,
             HAS_FEEDBACK=fb is not None,
+            HAS_ROPE=has_rope,
             WRITE_PAGES=parts != "ring",
             WRITE_RING=parts != "pages",
             BLOCK_T=bt,

@@ -31,19 +31,26 @@ def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
 
 
 @triton.jit
-def _rotate_rows(
-    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
-    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _load_rows(
+    x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``t`` of head ``h`` (minus the mean), rotated, as four ``[BLOCK_T, d/4]`` quarters.
-
-    Quarter ``i`` of ``x @ R`` is ``x @ R[:, i*d/4:(i+1)*d/4]``, which is exactly what byte
-    lane ``i`` of the strided packing holds (no reshapes needed)."""
+    """Rows ``t`` of head ``h`` as ``[BLOCK_T, d]`` float32, minus the key mean."""
     d = tl.arange(0, HEAD_DIM)
     x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
     if HAS_MEAN:
         x = x - tl.load(mean_ptr + h * stride_mh + d).to(tl.float32)[None, :]
+    return x
+
+
+@triton.jit
+def _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x @ R`` of head ``h`` as four ``[BLOCK_T, d/4]`` quarters.
+
+    Quarter ``i`` of ``x @ R`` is ``x @ R[:, i*d/4:(i+1)*d/4]``, which is exactly what byte
+    lane ``i`` of the strided packing holds (no reshapes needed)."""
+    d = tl.arange(0, HEAD_DIM)
     Q4: tl.constexpr = HEAD_DIM // 4
     j = tl.arange(0, Q4)
     rbase = rot_ptr + h * stride_rh + d[:, None] * stride_rr + j[None, :]
@@ -52,6 +59,49 @@ def _rotate_rows(
     x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
     x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
     return x0, x1, x2, x3
+
+
+@triton.jit
+def _rotate_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Rows ``t`` of head ``h`` (minus the mean), rotated, as four ``[BLOCK_T, d/4]`` quarters."""
+    x = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
+    return _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+
+
+@triton.jit
+def _cos_sin(a):
+    """``cos(a), sin(a)`` of float32 angles, reduced to ``[-π, π]`` first (Cody–Waite, 2π in three
+    float32 parts; ``k·6.28125`` is exact for ``|a| < 2^16·2π``), so the result does not depend
+    on how the backend's cos/sin handle large arguments (fast approximations lose accuracy
+    far outside ``[-100π, 100π]``; angles reach ``p·θ_0 = p``)."""
+    k = tl.floor(a * 0.15915494309189535 + 0.5)
+    r = a - k * 6.28125
+    r = r - k * 0.0019353071693331003
+    r = r - k * 1.0253131677018246e-11
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def _rope_offset(rmean_ptr, stride_rmh, freq_ptr, pos, h, HEAD_DIM: tl.constexpr):
+    """``RoPE_p(m)`` of head ``h`` at positions ``pos [BLOCK_T]``, ``[BLOCK_T, d]`` float32.
+
+    Rotate-half layout (:mod:`oscar_math.rope_center`): column ``c`` of pair ``i = c mod d/2``
+    is ``m_c·cos(p·θ_i) + m'_c·sin(p·θ_i)`` with ``m' = (−m[d/2:], m[:d/2])``; the angle
+    ``p·θ_i`` is one float32 product (its rounding, ``2^-24·p·θ_i`` rad, is what the float64
+    reference does not have)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    low = d < HALF
+    base = rmean_ptr + h * stride_rmh
+    m = tl.load(base + d).to(tl.float32)
+    mp = tl.load(base + tl.where(low, d + HALF, d - HALF)).to(tl.float32)
+    mrot = tl.where(low, -mp, mp)
+    theta = tl.load(freq_ptr + tl.where(low, d, d - HALF)).to(tl.float32)
+    cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * theta[None, :])
+    return m[None, :] * cos + mrot[None, :] * sin
 
 
 @triton.jit
@@ -118,6 +168,9 @@ def paged_write_kernel(
     stride_rr,
     mean_ptr,
     stride_mh,
+    rmean_ptr,
+    stride_rmh,
+    freq_ptr,
     alpha_ptr,
     fb_ptr,
     stride_fh,
@@ -152,6 +205,7 @@ def paged_write_kernel(
     RECENT: tl.constexpr,
     HAS_MEAN: tl.constexpr,
     HAS_FEEDBACK: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
     WRITE_RING: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -163,6 +217,12 @@ def paged_write_kernel(
     (``paged_write``'s ``parts``). A ring-only pass (after an extend) returns before the
     rotation when none of its tokens holds a ring row: a chunk longer than the window
     stores only its last ``recent`` rows per sequence.
+
+    ``HAS_ROPE`` (a pre-RoPE key mean, format version 3): the INT2 rows quantise
+    ``(x − mean − RoPE_p(m)) @ R``; the BF16 rows keep ``(x − mean) @ R``, rotated a second
+    time from a reload of the rows, only in blocks that hold a BF16 row (after the INT2
+    stores, so the two rotated rows are never live together). Without it this is the
+    kernel of format versions 1 and 2, unchanged.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,10 +240,18 @@ def paged_write_kernel(
         if not WRITE_PAGES:
             if tl.max(ring_m.to(tl.int32), 0) == 0:
                 return
-    x0, x1, x2, x3 = _rotate_rows(
-        x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
-        HEAD_DIM, HAS_MEAN, DOT_PRECISION,
-    )  # fmt: skip
+    if HAS_ROPE:
+        if WRITE_PAGES:
+            # x0..x3 are the centred rows the INT2 part quantises
+            rpos = tl.load(pos_ptr + t, mask=valid, other=0)
+            xc = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
+            xc = xc - _rope_offset(rmean_ptr, stride_rmh, freq_ptr, rpos, h, HEAD_DIM)
+            x0, x1, x2, x3 = _rotate(xc, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+    else:
+        x0, x1, x2, x3 = _rotate_rows(
+            x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+            HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+        )  # fmt: skip
     j = tl.arange(0, Q4)
 
     if WRITE_PAGES:
@@ -267,6 +335,22 @@ def paged_write_kernel(
         tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
 
     if SINK + RECENT > 0:
+        if HAS_ROPE:
+            # the BF16 rows are not centred by RoPE_p(m): rotate the uncentred rows
+            if WRITE_PAGES:
+                need = valid & (pos < SINK)
+                if WRITE_RING:
+                    need = need | ring_m
+                if tl.max(need.to(tl.int32), 0) > 0:
+                    x0, x1, x2, x3 = _rotate_rows(
+                        x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
+                        valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                    )  # fmt: skip
+            else:  # a ring-only pass got here only with a ring row in the block
+                x0, x1, x2, x3 = _rotate_rows(
+                    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
+                    valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                )  # fmt: skip
         if WRITE_PAGES and SINK > 0:
             m = valid & (pos < SINK)
             p = tl.where(m, pos, 0)
