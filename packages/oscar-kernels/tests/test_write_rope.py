@@ -114,9 +114,13 @@ class Scenario:
         ps = self.lo.page_size
         return self.page_of[b][p // ps] * ps + p % ps
 
-    def fill(self, params, backend: str, cuts=(), steps: int = 0, precise: bool = False, split: bool = False):
+    def fill(
+        self, params, backend: str, cuts=(), steps: int = 0, precise: bool = False, split: bool = False,
+        block_t: int | None = None,
+    ):  # fmt: skip
         """A fresh cache written with ``params``; ``split``: chunks as ``parts="pages"`` then
-        ``"ring"`` (the extend order), decode steps always ``"all"``."""
+        ``"ring"`` (the extend order), decode steps always ``"all"``. ``block_t``: Triton tokens
+        per program (16: most programs hold no BF16 row and skip the second rotation)."""
         lo = self.lo
         cache = allocate_cache(lo, self.num_pages, len(self.starts) + 1, DEVICE)
         for t, g in zip((cache.k_codes, cache.v_codes), self.garbage, strict=True):
@@ -152,7 +156,7 @@ class Scenario:
                 self.ws.to(DEVICE),
             )
             for parts in ("pages", "ring") if sp else ("all",):
-                paged_write(*call, backend=backend, precise=precise, parts=parts)
+                paged_write(*call, backend=backend, precise=precise, parts=parts, block_t=block_t)
         return cache
 
     def int2_rows(self, cache: PagedKVCache, name: str = "k") -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +220,8 @@ def test_triton_rope_write_is_exact_with_constant_offsets(d, h, page, group, sin
     params = make_params(h, d, gen, exact=True, rope="zero", feedback=feedback)
     sc = Scenario(lo, STARTS, ENDS, gen)
     kw = {
-        "chunks+steps": {"cuts": [3, 11], "steps": 2},
-        "split-chunks": {"cuts": [5], "steps": 1, "split": True},
+        "chunks+steps": {"cuts": [3, 11], "steps": 2, "block_t": 16},
+        "split-chunks": {"cuts": [5], "steps": 1, "split": True, "block_t": 16},
         "steps": {"steps": 2},
         "prefill": {},
     }[fill]
@@ -232,15 +236,15 @@ def test_triton_rope_write_is_exact_with_constant_offsets(d, h, page, group, sin
 
 @needs_triton
 @pytest.mark.parametrize(
-    "d, h, page, group, sink, recent, feedback, granularity",
+    "d, h, page, group, sink, recent, feedback, granularity, block_t",
     [
-        (64, 2, 5, 16, 4, 6, "", "kv_head"),
-        (64, 3, 7, 32, 3, 5, "", "layer"),
-        (16, 2, 4, 4, 2, 3, "k", "kv_head"),
-        (16, 1, 5, 8, 0, 4, "kv", "layer"),
+        (64, 2, 5, 16, 4, 6, "", "kv_head", 16),
+        (64, 3, 7, 32, 3, 5, "", "layer", None),
+        (16, 2, 4, 4, 2, 3, "k", "kv_head", 16),
+        (16, 1, 5, 8, 0, 4, "kv", "layer", None),
     ],
 )
-def test_triton_rope_write_matches_reference(d, h, page, group, sink, recent, feedback, granularity):
+def test_triton_rope_write_matches_reference(d, h, page, group, sink, recent, feedback, granularity, block_t):
     """Real frequencies, positions to 65 546: the BF16 rows and the values are bit-exact
     (exact rotation); the key INT2 fields differ only where float32 vs float64 offsets (a
     few ulps) move a value across a rounding boundary — never in these seeds so far, allowed
@@ -249,7 +253,7 @@ def test_triton_rope_write_matches_reference(d, h, page, group, sink, recent, fe
     lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=recent)
     params = make_params(h, d, gen, exact=True, feedback=feedback, granularity=granularity)
     sc = Scenario(lo, STARTS, ENDS, gen)
-    a = sc.fill(params, "triton", cuts=[4], steps=2, precise=True)
+    a = sc.fill(params, "triton", cuts=[4], steps=2, precise=True, block_t=block_t)
     b = sc.fill(params, "torch", cuts=[4], steps=2)
     assert_same(a, b, [f for f in FIELDS if f not in KEY_INT2])
     for f in KEY_INT2:
@@ -265,8 +269,8 @@ def test_bf16_rows_are_not_centred(backend):
     lo = CacheLayout(2, 64, page_size=5, group_size=16, sink_tokens=4, recent_tokens=7)
     params = make_params(2, 64, gen, exact=True)
     sc = Scenario(lo, STARTS, ENDS, gen)
-    a = sc.fill(params, backend, cuts=[6], steps=3, precise=True)
-    b = sc.fill(without_rope(params), backend, cuts=[6], steps=3, precise=True)
+    a = sc.fill(params, backend, cuts=[6], steps=3, precise=True, block_t=16)
+    b = sc.fill(without_rope(params), backend, cuts=[6], steps=3, precise=True, block_t=16)
     assert_same(a, b, [f for f in FIELDS if f not in KEY_INT2])
     assert int(a.k_sink.ne(0).sum()) > 0 and int(a.k_recent.ne(0).sum()) > 0  # rows were written
     assert (a.k_codes != b.k_codes).float().mean() > 0.1
@@ -320,7 +324,7 @@ def test_kernel_offset_is_float64_rope_within_float32_angle_rounding(d, group):
 
 @needs_triton
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("feedback", ["", "k"])
+@pytest.mark.parametrize("feedback", ["", "k"], ids=["nearest", "feedback"])
 def test_centred_rows_reconstruct_keys_with_a_rotating_mean(backend, feedback):
     """``k_p = RoPE_p(m) + noise`` (``|m| ≈ 3``, noise σ = 0.3, random rotations): the INT2 row
     dequantised plus ``RoPE_p(m)`` is the key within the INT2 error of the noise itself
