@@ -46,7 +46,12 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--groups", type=int, nargs="+", default=[128])
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
-    ap.add_argument("--block-t", type=int, nargs="+", default=[128, 32], help="tokens per program")
+    ap.add_argument(
+        "--block-t", type=int, nargs="+", default=[128, 32], help="tokens per program (0: the op's default)"
+    )
+    ap.add_argument(
+        "--warps", type=int, nargs="+", default=[0], help="warps per program (0: the op's default)"
+    )
     ap.add_argument("--rows", default="k", choices=["k", "kv"])
     ap.add_argument("--rope", action="store_true", help="also each variant with a pre-RoPE key mean")
     ap.add_argument("--rope-theta", type=float, default=1e6)
@@ -104,13 +109,14 @@ def main() -> int:
                     **{f"{name}+rope": {**kw, **rope_kw} for name, kw in variants.items()},
                 }
             base = None
-            for (name, kw), bt in ((nk, b) for nk in variants.items() for b in args.block_t):
+            configs = [(nk, b, w) for nk in variants.items() for b in args.block_t for w in args.warps]
+            for (name, kw), bt, nw in configs:
                 params = ok.LayerQuantParams(q, q, k_clip=0.9, v_clip=0.9, **kw).expand(h, d, dev)
 
                 call = (cache, params, k, v, slots, pos, sidx, lens, ws)
 
-                def run(call=call, bt=bt) -> None:
-                    ok.paged_write(*call, backend="triton", block_t=bt)
+                def run(call=call, bt=bt, nw=nw) -> None:
+                    ok.paged_write(*call, backend="triton", block_t=bt or None, num_warps=nw or None)
 
                 ms = bench_ms(run, rep_ms=200 if n > 1000 else 50)
                 graph_ms = bench_graph_ms(run, rep_ms=50) if (args.graph and dev.type == "cuda") else None
@@ -120,7 +126,8 @@ def main() -> int:
                     "group": gs,
                     "tokens": n,
                     "variant": name,
-                    "block_t": bt,
+                    "block_t": bt or "default",
+                    "warps": nw or "default",
                     "ms": ms,
                     "us_per_token_layer": 1000 * ms / n,
                     "vs_plain": ms / base,
@@ -128,7 +135,8 @@ def main() -> int:
                 }
                 rows.append(r)
                 print(
-                    f"d {d} H {h} group {gs:>3} N {n:>5} block {bt:>3} {name:<22} {ms:9.4f} ms  "
+                    f"d {d} H {h} group {gs:>3} N {n:>5} block {bt or 'def':>3} warps {nw or 'def':>3} "
+                    f"{name:<16} {ms:9.4f} ms  "
                     f"{r['us_per_token_layer']:8.4f} us/token/layer  x{r['vs_plain']:.2f} plain"
                     + ("" if graph_ms is None else f"  graph {graph_ms:8.4f} ms"),
                     flush=True,

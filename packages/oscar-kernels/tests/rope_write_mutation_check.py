@@ -33,8 +33,8 @@ MUTATIONS = (
     Mutation(
         "kernel-rope-mean-added",
         KERNEL,
-        "xc = xc - _rope_offset(",
-        "xc = xc + _rope_offset(",
+        "xlo = xlo - (a * cos - b * sin)\n    xhi = xhi - (b * cos + a * sin)",
+        "xlo = xlo + (a * cos - b * sin)\n    xhi = xhi + (b * cos + a * sin)",
         (T, "-k", "constant_offsets and 64-2-5"),
     ),
     Mutation(
@@ -47,9 +47,23 @@ MUTATIONS = (
     Mutation(
         "kernel-rope-sin-sign-flipped",
         KERNEL,
-        "mrot = tl.where(low, -mp, mp)",
-        "mrot = tl.where(low, mp, -mp)",
+        "xhi = xhi - (b * cos + a * sin)",
+        "xhi = xhi - (b * cos - a * sin)",
         (T, "-k", "offset and 64-4"),
+    ),
+    Mutation(
+        "kernel-rope-quadrant-sign",
+        KERNEL,
+        "sin = tl.where(q == 0, s, tl.where(q == 1, c,",
+        "sin = tl.where(q == 0, s, tl.where(q == 1, -c,",
+        (T, "-k", "offset and 64-4"),
+    ),
+    Mutation(
+        "kernel-rope-pair-partner-wrong",
+        KERNEL,
+        "b = tl.load(rmean_ptr + h * stride_rmh + HALF + i)",
+        "b = tl.load(rmean_ptr + h * stride_rmh + i)",
+        (T, "-k", "matches_reference and 64-2-5"),
     ),
     Mutation(
         "kernel-rope-range-reduction-2pi-off",

@@ -86,7 +86,7 @@ def paged_write(
     backend: Backend | str = "auto",
     precise: bool = False,
     block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     check_bounds: bool | None = None,
     parts: str = "all",
 ) -> None:
@@ -124,7 +124,8 @@ def paged_write(
             32; and 32 for a tensor written with error-feedback codes, whose d-step loop keeps more
             per-row state live (H200, Qwen3-8B shape, 8192 tokens, K with feedback + V plain:
             2.98 ms with both at 32, 6.35 ms with both at 128; benchmarks/write_speed.py,
-            docs/kernels.md).
+            docs/kernels.md). Warps: 4; a key tensor centred by a pre-RoPE mean without feedback
+            defaults to 64 tokens on 8 warps (fewest register spills of the in-kernel RoPE).
         check_bounds: check that slots, sequence indices, positions and window rows of the
             written tokens are in range (one host synchronisation; ``None`` =
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
@@ -212,9 +213,15 @@ def _launch(
             False,
         ),
     ):
-        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
-        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring)
-        bt = block_t if block_t is not None else (32 if fb is not None else default_bt)
+        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring);
+        # the in-kernel RoPE_p(m) of a plain key tensor spills least at 64 tokens on 8 warps
+        # (ptxas for sm_90: 160 B against 2144 B at 128 tokens on 4)
+        rope_plain = has_rope and fb is None
+        bt = (
+            block_t if block_t is not None else (32 if fb is not None else (64 if rope_plain else default_bt))
+        )
+        warps = num_warps if num_warps is not None else (8 if rope_plain else 4)
+        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
         grid = (triton.cdiv(n, bt), lo.num_kv_heads)
         LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
             x,

@@ -73,35 +73,67 @@ def _rotate_rows(
 
 @triton.jit
 def _cos_sin(a):
-    """``cos(a), sin(a)`` of float32 angles, reduced to ``[-π, π]`` first (Cody–Waite, 2π in three
-    float32 parts; ``k·6.28125`` is exact for ``|a| < 2^16·2π``), so the result does not depend
-    on how the backend's cos/sin handle large arguments (fast approximations lose accuracy
-    far outside ``[-100π, 100π]``; angles reach ``p·θ_0 = p``)."""
+    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (the same bits on the GPU
+    and in the interpreter; no library call, whose large-argument path costs registers).
+
+    ``a`` is reduced by ``2π`` (Cody–Waite, three float32 parts; ``k·6.28125`` is exact for
+    ``|a| < 2^16·2π ≈ 4·10^5``) and then by the quadrant ``j·π/2`` (``|j| ≤ 2``, two parts) to
+    ``|r| ≤ π/4``, where Cephes' ``sinf``/``cosf`` polynomials are accurate to about an ulp."""
     k = tl.floor(a * 0.15915494309189535 + 0.5)
     r = a - k * 6.28125
-    r = r - k * 0.0019353071693331003
-    r = r - k * 1.0253131677018246e-11
-    return tl.cos(r), tl.sin(r)
+    r = r - k * 0.0019378662109375
+    r = r + k * 2.559031372584286e-06  # (the second part is rounded up)
+    j = tl.floor(r * 0.6366197723675814 + 0.5)  # quadrant, -2..2
+    r = r - j * 1.5703125
+    r = r - j * 0.0004838267923332751
+    z = r * r
+    s = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r
+    c = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z - 0.5 * z + 1.0
+    q = j.to(tl.int32) & 3  # cos(r + qπ/2), sin(r + qπ/2)
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    return cos, sin
 
 
 @triton.jit
-def _rope_offset(rmean_ptr, stride_rmh, freq_ptr, pos, h, HEAD_DIM: tl.constexpr):
-    """``RoPE_p(m)`` of head ``h`` at positions ``pos [BLOCK_T]``, ``[BLOCK_T, d]`` float32.
+def _centred_rotated_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, rmean_ptr, stride_rmh,
+    freq_ptr, pos, t, h, valid, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``(x − mean − RoPE_p(m)) @ R`` of rows ``t`` of head ``h`` as four ``[BLOCK_T, d/4]`` quarters.
 
-    Rotate-half layout (:mod:`oscar_math.rope_center`): column ``c`` of pair ``i = c mod d/2``
-    is ``m_c·cos(p·θ_i) + m'_c·sin(p·θ_i)`` with ``m' = (−m[d/2:], m[:d/2])``; the angle
-    ``p·θ_i`` is one float32 product (its rounding, ``2^-24·p·θ_i`` rad, is what the float64
-    reference does not have)."""
+    Rotate-half layout (:mod:`oscar_math.rope_center`): pair ``i`` (coordinates ``i`` and
+    ``i + d/2``) of ``RoPE_p(m)`` is ``(a·cos − b·sin, b·cos + a·sin)`` at angle ``p·θ_i``,
+    ``(a, b) = (m_i, m_{i+d/2})``; the angle is one float32 product (its rounding,
+    ``2^-24·p·θ_i`` rad, is what the float64 reference does not have). The rows are held as
+    their two halves (one angle per pair, no joins) and rotated as
+    ``x_lo @ R[:d/2] + x_hi @ R[d/2:]``."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HEAD_DIM)
-    low = d < HALF
-    base = rmean_ptr + h * stride_rmh
-    m = tl.load(base + d).to(tl.float32)
-    mp = tl.load(base + tl.where(low, d + HALF, d - HALF)).to(tl.float32)
-    mrot = tl.where(low, -mp, mp)
-    theta = tl.load(freq_ptr + tl.where(low, d, d - HALF)).to(tl.float32)
-    cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * theta[None, :])
-    return m[None, :] * cos + mrot[None, :] * sin
+    Q4: tl.constexpr = HEAD_DIM // 4
+    i = tl.arange(0, HALF)
+    rows = x_ptr + t[:, None] * stride_xt + h * stride_xh + i[None, :]
+    xlo = tl.load(rows, mask=valid[:, None], other=0.0).to(tl.float32)
+    xhi = tl.load(rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        xlo = xlo - tl.load(mean_ptr + h * stride_mh + i).to(tl.float32)[None, :]
+        xhi = xhi - tl.load(mean_ptr + h * stride_mh + HALF + i).to(tl.float32)[None, :]
+    a = tl.load(rmean_ptr + h * stride_rmh + i).to(tl.float32)[None, :]
+    b = tl.load(rmean_ptr + h * stride_rmh + HALF + i).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])
+    xlo = xlo - (a * cos - b * sin)
+    xhi = xhi - (b * cos + a * sin)
+    j = tl.arange(0, Q4)
+    rlo = rot_ptr + h * stride_rh + i[:, None] * stride_rr + j[None, :]
+    rhi = rlo + HALF * stride_rr
+    x0 = tl.dot(xlo, tl.load(rlo).to(tl.float32), input_precision=DOT_PRECISION)
+    x0 = tl.dot(xhi, tl.load(rhi).to(tl.float32), acc=x0, input_precision=DOT_PRECISION)
+    x1 = tl.dot(xlo, tl.load(rlo + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x1 = tl.dot(xhi, tl.load(rhi + Q4).to(tl.float32), acc=x1, input_precision=DOT_PRECISION)
+    x2 = tl.dot(xlo, tl.load(rlo + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x2 = tl.dot(xhi, tl.load(rhi + 2 * Q4).to(tl.float32), acc=x2, input_precision=DOT_PRECISION)
+    x3 = tl.dot(xlo, tl.load(rlo + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x3 = tl.dot(xhi, tl.load(rhi + 3 * Q4).to(tl.float32), acc=x3, input_precision=DOT_PRECISION)
+    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -244,9 +276,10 @@ def paged_write_kernel(
         if WRITE_PAGES:
             # x0..x3 are the centred rows the INT2 part quantises
             rpos = tl.load(pos_ptr + t, mask=valid, other=0)
-            xc = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
-            xc = xc - _rope_offset(rmean_ptr, stride_rmh, freq_ptr, rpos, h, HEAD_DIM)
-            x0, x1, x2, x3 = _rotate(xc, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+            x0, x1, x2, x3 = _centred_rotated_rows(
+                x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, rmean_ptr,
+                stride_rmh, freq_ptr, rpos, t, h, valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+            )  # fmt: skip
     else:
         x0, x1, x2, x3 = _rotate_rows(
             x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
