@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--rope-theta", type=float, default=1e6)
     ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replay")
     ap.add_argument("--decode", action="store_true", help="one token of each of N sequences")
+    ap.add_argument("--only", nargs="+", default=None, help="variant names to time (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -108,6 +109,8 @@ def main() -> int:
                     **variants,
                     **{f"{name}+rope": {**kw, **rope_kw} for name, kw in variants.items()},
                 }
+            if args.only:
+                variants = {name: kw for name, kw in variants.items() if name in args.only}
             base = None
             configs = [(nk, b, w) for nk in variants.items() for b in args.block_t for w in args.warps]
             for (name, kw), bt, nw in configs:
