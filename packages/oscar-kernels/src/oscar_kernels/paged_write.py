@@ -86,7 +86,7 @@ def paged_write(
     backend: Backend | str = "auto",
     precise: bool = False,
     block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     check_bounds: bool | None = None,
     parts: str = "all",
 ) -> None:
@@ -107,10 +107,14 @@ def paged_write(
     Args:
         cache: the layer's cache.
         params: the layer's rotations / mean / clip ratios / error-feedback matrices (when
-            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``).
+            given, the INT2 codes are those of ``oscar_math.quantize_int2_feedback``) / pre-RoPE
+            key mean (format version 3: the INT2 key row of position ``p`` quantises
+            ``(k − k_mean − RoPE_p(m)) @ R_K``, the BF16 sink/ring rows stay
+            ``(k − k_mean) @ R_K``; :mod:`oscar_math.rope_center`).
         key, value: ``[N, H_kv, d]`` un-rotated (after RoPE), any float dtype.
         slot_mapping: ``[N]`` flat INT2 slot ``page * page_size + offset``; ``< 0`` = skip (padding).
-        positions: ``[N]`` position of each token in its sequence.
+        positions: ``[N]`` position of each token in its sequence (also the RoPE position
+            of the pre-RoPE key mean; the kernel's angle ``p·θ`` is one float32 product).
         seq_index: ``[N]`` which of the ``B`` sequences each token belongs to.
         seq_lens: ``[B]`` sequence lengths *after* this write.
         window_slots: ``[B]`` row of the window pools owned by each sequence.
@@ -120,7 +124,8 @@ def paged_write(
             32; and 32 for a tensor written with error-feedback codes, whose d-step loop keeps more
             per-row state live (H200, Qwen3-8B shape, 8192 tokens, K with feedback + V plain:
             2.98 ms with both at 32, 6.35 ms with both at 128; benchmarks/write_speed.py,
-            docs/kernels.md).
+            docs/kernels.md). Warps: 4; a key tensor centred by a pre-RoPE mean without feedback
+            defaults to 64 tokens on 8 warps (fewest register spills of the in-kernel RoPE).
         check_bounds: check that slots, sequence indices, positions and window rows of the
             written tokens are in range (one host synchronisation; ``None`` =
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
@@ -179,7 +184,8 @@ def _launch(
     n = key.shape[0]
     default_bt = 128 if lo.head_dim <= 128 else 32
     prec = "ieee" if (precise or interpreting()) else "tf32"
-    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean in (
+    rope = ep.k_rope_mean is not None
+    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean, has_rope in (
         (
             key,
             ep.k_rotation,
@@ -191,6 +197,7 @@ def _launch(
             cache.k_recent,
             ep.k_clip,
             ep.has_mean,
+            rope,
         ),
         (
             value,
@@ -203,11 +210,18 @@ def _launch(
             cache.v_recent,
             ep.v_clip,
             False,
+            False,
         ),
     ):
-        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
-        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring)
-        bt = block_t if block_t is not None else (32 if fb is not None else default_bt)
+        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring);
+        # the in-kernel RoPE_p(m) of a plain key tensor spills least at 64 tokens on 8 warps
+        # (ptxas for sm_90: 160 B against 2144 B at 128 tokens on 4)
+        rope_plain = has_rope and fb is None
+        bt = (
+            block_t if block_t is not None else (32 if fb is not None else (64 if rope_plain else default_bt))
+        )
+        warps = num_warps if num_warps is not None else (8 if rope_plain else 4)
+        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
         grid = (triton.cdiv(n, bt), lo.num_kv_heads)
         LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
             x,
@@ -218,6 +232,10 @@ def _launch(
             rot.stride(1),
             ep.k_mean,
             ep.k_mean.stride(0),
+            # pre-RoPE mean and inverse frequencies: valid pointers either way, read only with HAS_ROPE
+            ep.k_rope_mean if has_rope else ep.k_mean,
+            ep.k_rope_mean.stride(0) if has_rope else 0,
+            ep.k_rope_inv_freq if has_rope else ep.k_mean,
             alpha,
             rot if fb is None else fb,  # a valid pointer either way; read only with HAS_FEEDBACK
             0 if fb is None else fb.stride(0),
@@ -252,6 +270,7 @@ def _launch(
             RECENT=lo.recent_tokens,
             HAS_MEAN=has_mean,
             HAS_FEEDBACK=fb is not None,
+            HAS_ROPE=has_rope,
             WRITE_PAGES=parts != "ring",
             WRITE_RING=parts != "pages",
             BLOCK_T=bt,

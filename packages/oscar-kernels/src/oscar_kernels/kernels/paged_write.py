@@ -31,19 +31,26 @@ def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
 
 
 @triton.jit
-def _rotate_rows(
-    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
-    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _load_rows(
+    x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``t`` of head ``h`` (minus the mean), rotated, as four ``[BLOCK_T, d/4]`` quarters.
-
-    Quarter ``i`` of ``x @ R`` is ``x @ R[:, i*d/4:(i+1)*d/4]``, which is exactly what byte
-    lane ``i`` of the strided packing holds (no reshapes needed)."""
+    """Rows ``t`` of head ``h`` as ``[BLOCK_T, d]`` float32, minus the key mean."""
     d = tl.arange(0, HEAD_DIM)
     x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
     if HAS_MEAN:
         x = x - tl.load(mean_ptr + h * stride_mh + d).to(tl.float32)[None, :]
+    return x
+
+
+@triton.jit
+def _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x @ R`` of head ``h`` as four ``[BLOCK_T, d/4]`` quarters.
+
+    Quarter ``i`` of ``x @ R`` is ``x @ R[:, i*d/4:(i+1)*d/4]``, which is exactly what byte
+    lane ``i`` of the strided packing holds (no reshapes needed)."""
+    d = tl.arange(0, HEAD_DIM)
     Q4: tl.constexpr = HEAD_DIM // 4
     j = tl.arange(0, Q4)
     rbase = rot_ptr + h * stride_rh + d[:, None] * stride_rr + j[None, :]
@@ -51,6 +58,81 @@ def _rotate_rows(
     x1 = tl.dot(x, tl.load(rbase + Q4).to(tl.float32), input_precision=DOT_PRECISION)
     x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
     x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _rotate_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Rows ``t`` of head ``h`` (minus the mean), rotated, as four ``[BLOCK_T, d/4]`` quarters."""
+    x = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
+    return _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+
+
+@triton.jit
+def _cos_sin(a):
+    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (the same bits on the GPU
+    and in the interpreter; no library call, whose large-argument path costs registers).
+
+    ``a`` is reduced by ``2π`` (Cody–Waite, three float32 parts; ``k·6.28125`` is exact for
+    ``|a| < 2^16·2π ≈ 4·10^5``) and then by the quadrant ``j·π/2`` (``|j| ≤ 2``, two parts) to
+    ``|r| ≤ π/4``, where Cephes' ``sinf``/``cosf`` polynomials are accurate to about an ulp."""
+    k = tl.floor(a * 0.15915494309189535 + 0.5)
+    r = a - k * 6.28125
+    r = r - k * 0.0019378662109375
+    r = r + k * 2.559031372584286e-06  # (the second part is rounded up)
+    j = tl.floor(r * 0.6366197723675814 + 0.5)  # quadrant, -2..2
+    r = r - j * 1.5703125
+    r = r - j * 0.0004838267923332751
+    z = r * r
+    s = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r
+    c = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z - 0.5 * z + 1.0
+    q = j.to(tl.int32) & 3  # cos(r + qπ/2), sin(r + qπ/2)
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    return cos, sin
+
+
+@triton.jit
+def _centred_rotated_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, rmean_ptr, stride_rmh,
+    freq_ptr, pos, t, h, valid, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``(x − mean − RoPE_p(m)) @ R`` of rows ``t`` of head ``h`` as four ``[BLOCK_T, d/4]`` quarters.
+
+    Rotate-half layout (:mod:`oscar_math.rope_center`): pair ``i`` (coordinates ``i`` and
+    ``i + d/2``) of ``RoPE_p(m)`` is ``(a·cos − b·sin, b·cos + a·sin)`` at angle ``p·θ_i``,
+    ``(a, b) = (m_i, m_{i+d/2})``; the angle is one float32 product (its rounding,
+    ``2^-24·p·θ_i`` rad, is what the float64 reference does not have). The rows are held as
+    their two halves (one angle per pair, no joins) and rotated as
+    ``x_lo @ R[:d/2] + x_hi @ R[d/2:]``."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    Q4: tl.constexpr = HEAD_DIM // 4
+    i = tl.arange(0, HALF)
+    rows = x_ptr + t[:, None] * stride_xt + h * stride_xh + i[None, :]
+    xlo = tl.load(rows, mask=valid[:, None], other=0.0).to(tl.float32)
+    xhi = tl.load(rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        xlo = xlo - tl.load(mean_ptr + h * stride_mh + i).to(tl.float32)[None, :]
+        xhi = xhi - tl.load(mean_ptr + h * stride_mh + HALF + i).to(tl.float32)[None, :]
+    a = tl.load(rmean_ptr + h * stride_rmh + i).to(tl.float32)[None, :]
+    b = tl.load(rmean_ptr + h * stride_rmh + HALF + i).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])
+    xlo = xlo - (a * cos - b * sin)
+    xhi = xhi - (b * cos + a * sin)
+    j = tl.arange(0, Q4)
+    rlo = rot_ptr + h * stride_rh + i[:, None] * stride_rr + j[None, :]
+    rhi = rlo + HALF * stride_rr
+    x0 = tl.dot(xlo, tl.load(rlo).to(tl.float32), input_precision=DOT_PRECISION)
+    x0 = tl.dot(xhi, tl.load(rhi).to(tl.float32), acc=x0, input_precision=DOT_PRECISION)
+    x1 = tl.dot(xlo, tl.load(rlo + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x1 = tl.dot(xhi, tl.load(rhi + Q4).to(tl.float32), acc=x1, input_precision=DOT_PRECISION)
+    x2 = tl.dot(xlo, tl.load(rlo + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x2 = tl.dot(xhi, tl.load(rhi + 2 * Q4).to(tl.float32), acc=x2, input_precision=DOT_PRECISION)
+    x3 = tl.dot(xlo, tl.load(rlo + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x3 = tl.dot(xhi, tl.load(rhi + 3 * Q4).to(tl.float32), acc=x3, input_precision=DOT_PRECISION)
     return x0, x1, x2, x3
 
 
@@ -118,6 +200,9 @@ def paged_write_kernel(
     stride_rr,
     mean_ptr,
     stride_mh,
+    rmean_ptr,
+    stride_rmh,
+    freq_ptr,
     alpha_ptr,
     fb_ptr,
     stride_fh,
@@ -152,6 +237,7 @@ def paged_write_kernel(
     RECENT: tl.constexpr,
     HAS_MEAN: tl.constexpr,
     HAS_FEEDBACK: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
     WRITE_RING: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -163,6 +249,12 @@ def paged_write_kernel(
     (``paged_write``'s ``parts``). A ring-only pass (after an extend) returns before the
     rotation when none of its tokens holds a ring row: a chunk longer than the window
     stores only its last ``recent`` rows per sequence.
+
+    ``HAS_ROPE`` (a pre-RoPE key mean, format version 3): the INT2 rows quantise
+    ``(x − mean − RoPE_p(m)) @ R``; the BF16 rows keep ``(x − mean) @ R``, rotated a second
+    time from a reload of the rows, only in blocks that hold a BF16 row (after the INT2
+    stores, so the two rotated rows are never live together). Without it this is the
+    kernel of format versions 1 and 2, unchanged.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,10 +272,19 @@ def paged_write_kernel(
         if not WRITE_PAGES:
             if tl.max(ring_m.to(tl.int32), 0) == 0:
                 return
-    x0, x1, x2, x3 = _rotate_rows(
-        x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
-        HEAD_DIM, HAS_MEAN, DOT_PRECISION,
-    )  # fmt: skip
+    if HAS_ROPE:
+        if WRITE_PAGES:
+            # x0..x3 are the centred rows the INT2 part quantises
+            rpos = tl.load(pos_ptr + t, mask=valid, other=0)
+            x0, x1, x2, x3 = _centred_rotated_rows(
+                x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, rmean_ptr,
+                stride_rmh, freq_ptr, rpos, t, h, valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        x0, x1, x2, x3 = _rotate_rows(
+            x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+            HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+        )  # fmt: skip
     j = tl.arange(0, Q4)
 
     if WRITE_PAGES:
@@ -267,6 +368,22 @@ def paged_write_kernel(
         tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
 
     if SINK + RECENT > 0:
+        if HAS_ROPE:
+            # the BF16 rows are not centred by RoPE_p(m): rotate the uncentred rows
+            if WRITE_PAGES:
+                need = valid & (pos < SINK)
+                if WRITE_RING:
+                    need = need | ring_m
+                if tl.max(need.to(tl.int32), 0) > 0:
+                    x0, x1, x2, x3 = _rotate_rows(
+                        x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
+                        valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                    )  # fmt: skip
+            else:  # a ring-only pass got here only with a ring row in the block
+                x0, x1, x2, x3 = _rotate_rows(
+                    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
+                    valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                )  # fmt: skip
         if WRITE_PAGES and SINK > 0:
             m = valid & (pos < SINK)
             p = tl.where(m, pos, 0)

@@ -6,6 +6,7 @@ import torch
 
 from oscar_math import quantize_int2
 from oscar_math.feedback import quantize_int2_feedback
+from oscar_math.rope_center import rope_position_mean
 
 from ..layout import PagedKVCache
 from ..params import ExpandedParams
@@ -25,18 +26,30 @@ def paged_write_ref(
     window_slots: torch.Tensor,
     parts: str = "all",
 ) -> None:
-    """Write ``N`` tokens into ``cache`` (in place). Arguments as :func:`oscar_kernels.paged_write`."""
+    """Write ``N`` tokens into ``cache`` (in place). Arguments as :func:`oscar_kernels.paged_write`.
+
+    With a pre-RoPE key mean (``ep.k_rope_mean``, format version 3) the INT2 key row of the
+    token at position ``p`` is ``Q((k − k_mean − RoPE_p(m)) @ R_K)``
+    (:func:`oscar_math.rope_center.rope_position_mean`, float64 angles); BF16 sink/ring rows
+    stay ``(k − k_mean) @ R_K``.
+    """
     lo = cache.layout
     valid = slot_mapping >= 0
     slot = slot_mapping[valid].long()
     k = key[valid].float()  # [n, H, d]
     v = value[valid].float()
-    kr = torch.einsum("nhd,hde->nhe", k - ep.k_mean, ep.k_rotation)
+    pos = positions[valid].long()
+    km = k - ep.k_mean
+    kr = torch.einsum("nhd,hde->nhe", km, ep.k_rotation)
+    kq = kr  # what the INT2 key rows quantise
+    if ep.k_rope_mean is not None:
+        rope = rope_position_mean(ep.k_rope_mean, pos, ep.k_rope_inv_freq)  # [n, H, d] float32
+        kq = torch.einsum("nhd,hde->nhe", km - rope, ep.k_rotation)
     vr = torch.einsum("nhd,hde->nhe", v, ep.v_rotation)
     page, off = slot // lo.page_size, slot % lo.page_size
     pages, ring = parts != "ring", parts != "pages"
     for x, a, fb, codes, scale, zero in (
-        (kr, ep.k_clip, ep.k_feedback, cache.k_codes, cache.k_scale, cache.k_zero),
+        (kq, ep.k_clip, ep.k_feedback, cache.k_codes, cache.k_scale, cache.k_zero),
         (vr, ep.v_clip, ep.v_feedback, cache.v_codes, cache.v_scale, cache.v_zero),
     ):
         if not pages:
@@ -48,7 +61,6 @@ def paged_write_ref(
         codes[page, :, off] = q.codes
         scale[page, :, off] = q.scale
         zero[page, :, off] = q.zero
-    pos = positions[valid].long()
     sidx = seq_index[valid].long()
     length = seq_lens.long()[sidx]
     ws = window_slots.long()[sidx]

@@ -1,0 +1,132 @@
+"""Planted bugs of the write with a pre-RoPE key mean (format version 3): each must fail
+``tests/test_write_rope.py``.
+
+The machinery of ``tests/mutation_check.py`` (copy ``src/`` + ``tests/``, exact text
+replacement, the named tests must fail on the mutant and pass on an unmutated control)::
+
+    python packages/oscar-kernels/tests/rope_write_mutation_check.py          # all
+    python packages/oscar-kernels/tests/rope_write_mutation_check.py kernel   # names containing "kernel"
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutation_check import Mutation, _apply, _copy, _imports_copy, _pytest  # noqa: E402
+
+KERNEL = "src/oscar_kernels/kernels/paged_write.py"
+REF = "src/oscar_kernels/reference/paged_write.py"
+T = "tests/test_write_rope.py"
+
+MUTATIONS = (
+    Mutation(
+        "kernel-rope-position-off-by-one",
+        KERNEL,
+        "rpos = tl.load(pos_ptr + t, mask=valid, other=0)",
+        "rpos = tl.load(pos_ptr + t, mask=valid, other=0) + 1",
+        (T, "-k", "matches_reference and 64-2-5"),
+    ),
+    Mutation(
+        "kernel-rope-mean-added",
+        KERNEL,
+        "xlo = xlo - (a * cos - b * sin)\n    xhi = xhi - (b * cos + a * sin)",
+        "xlo = xlo + (a * cos - b * sin)\n    xhi = xhi + (b * cos + a * sin)",
+        (T, "-k", "constant_offsets and 64-2-5"),
+    ),
+    Mutation(
+        "kernel-bf16-rows-centred-too",
+        KERNEL,
+        "if tl.max(need.to(tl.int32), 0) > 0:",
+        "if tl.max(need.to(tl.int32), 0) > 1:",
+        (T, "-k", "bf16_rows and triton"),
+    ),
+    Mutation(
+        "kernel-rope-sin-sign-flipped",
+        KERNEL,
+        "xhi = xhi - (b * cos + a * sin)",
+        "xhi = xhi - (b * cos - a * sin)",
+        (T, "-k", "offset and 64-4"),
+    ),
+    Mutation(
+        "kernel-rope-quadrant-sign",
+        KERNEL,
+        "sin = tl.where(q == 0, s, tl.where(q == 1, c,",
+        "sin = tl.where(q == 0, s, tl.where(q == 1, -c,",
+        (T, "-k", "offset and 64-4"),
+    ),
+    Mutation(
+        "kernel-rope-pair-partner-wrong",
+        KERNEL,
+        "b = tl.load(rmean_ptr + h * stride_rmh + HALF + i)",
+        "b = tl.load(rmean_ptr + h * stride_rmh + i)",
+        (T, "-k", "matches_reference and 64-2-5"),
+    ),
+    Mutation(
+        "kernel-rope-range-reduction-2pi-off",
+        KERNEL,
+        "r = a - k * 6.28125",
+        "r = a - k * 6.2812",
+        (T, "-k", "offset and 64-4"),
+    ),
+    Mutation(
+        "reference-rope-position-off-by-one",
+        REF,
+        "rope = rope_position_mean(ep.k_rope_mean, pos, ep.k_rope_inv_freq)",
+        "rope = rope_position_mean(ep.k_rope_mean, pos + 1, ep.k_rope_inv_freq)",
+        (T, "-k", "reconstruct and torch and nearest"),
+    ),
+    Mutation(
+        "reference-rope-mean-added",
+        REF,
+        'kq = torch.einsum("nhd,hde->nhe", km - rope, ep.k_rotation)',
+        'kq = torch.einsum("nhd,hde->nhe", km + rope, ep.k_rotation)',
+        (T, "-k", "reconstruct and torch and nearest"),
+    ),
+    Mutation(
+        "reference-bf16-rows-centred-too",
+        REF,
+        'kq = torch.einsum("nhd,hde->nhe", km - rope, ep.k_rotation)',
+        'kq = kr = torch.einsum("nhd,hde->nhe", km - rope, ep.k_rotation)',
+        (T, "-k", "bf16_rows and torch"),
+    ),
+)
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not argv or any(a in m.name for a in argv)]
+    if not chosen:
+        print(f"no mutation matches {argv}; names: {[m.name for m in MUTATIONS]}")
+        return 2
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="oscar-rope-mutants-") as tmp:
+        control = _copy(Path(tmp) / "control")
+        if not _imports_copy(control):
+            print("the copy is not what `import oscar_kernels` loads (PYTHONPATH is shadowed)")
+            return 2
+        for m in chosen:
+            _apply(_copy(Path(tmp) / m.name), m)
+        for m in chosen:
+            t0 = time.time()
+            rc, last = _pytest(control, m.tests)
+            if rc != 0:
+                print(f"CONTROL FAILED  {m.name}: the unmutated tests fail ({last})")
+                failed.append(m.name)
+                continue
+            rc, last = _pytest(Path(tmp) / m.name / "oscar-kernels", m.tests)
+            caught = rc == 1
+            print(f"{'caught   ' if caught else 'SURVIVED '} {m.name:<38} {time.time() - t0:6.1f} s  {last}")
+            if not caught:
+                failed.append(m.name)
+    if failed:
+        print(f"{len(failed)} of {len(chosen)} mutations not caught: {failed}")
+        return 1
+    print(f"all {len(chosen)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
