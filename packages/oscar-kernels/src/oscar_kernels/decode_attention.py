@@ -328,7 +328,7 @@ def decode_attention(
     if impl == "gluon" and free_block_n and num_splits is None:
         block_n = gluon_block_n(bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm)
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    q_rot = _rotate_queries_triton(q, ep)
+    q_rot, rope = _rotate_queries_triton(q, ep)
     if num_splits is None:
         num_splits = choose_num_splits(
             bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n, programs_per_sm
@@ -349,12 +349,23 @@ def decode_attention(
         impl=impl,
         unrotate=ep.v_rotation,
         out_dtype=q.dtype,
+        rope=rope,
     )
     return out
 
 
-def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
-    """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products)."""
+def rope_slots(pairs: int) -> int:
+    """Pair slots the kernels read for ``R`` pairs of the score term: at least 8 (``tl.dot`` of
+    float32 needs ``K >= 8``; the Gluon kernel's tf32 ``mma`` takes ``K = 2·slots`` in steps of 8)."""
+    return max(8, pairs)
+
+
+def _rotate_queries_triton(
+    q: torch.Tensor, ep: ExpandedParams
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
+    """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
+    pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
+    ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots`), else ``(q_rot, None)``."""
     from .kernels.attention import rotate_rows_kernel
 
     bsz, hq, d = q.shape
@@ -366,11 +377,19 @@ def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
     if rows and ROTATE_ROWS_SMALL and bsz * hq * d // rows < _num_sms(q.device):
         rows = ROTATE_ROWS_SMALL
     rows = rows if rows and d % rows == 0 else 0
+    nr = ep.rope_pairs
+    rope, extra = None, {}
+    if nr > 0:
+        npad = rope_slots(nr)
+        rc = _empty(bsz, hq, 2, npad, dtype=torch.float32, device=q.device)
+        ab, pairs = ep.k_rope_ab.contiguous(), ep.k_rope_pairs.contiguous()
+        extra = dict(rc_ptr=rc, ab_ptr=ab, pairs_ptr=pairs, ROPE_R=nr, ROPE_P=npad)
+        rope = (rc, ep.k_rope_theta.contiguous(), nr, npad)
     rotate_rows_kernel[(bsz * hq, d // rows if rows else 1)](
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
-        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows,
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows, **extra,
     )  # fmt: skip
-    return out
+    return out, rope
 
 
 def _launch_decode(
@@ -390,9 +409,11 @@ def _launch_decode(
     impl="tl",
     unrotate=None,
     out_dtype=torch.float32,
+    rope=None,
 ):
     """Split kernel + merge; ``unrotate`` (``[H_kv, d, d]`` ``R_V``): the merge also returns
-    ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output)."""
+    ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output). ``rope``: the pre-RoPE
+    mean's ``(C, θ, R, P)`` (:func:`_rotate_queries_triton`; ``None``: no score term)."""
     import triton
 
     from ._backend import interpreting
@@ -426,6 +447,8 @@ def _launch_decode(
         scale * math.log2(math.e),
         lo.page_size,
     )
+    # the score term's operands only where it is on: R = 0 compiles today's kernels unchanged
+    rope_args = {} if rope is None else dict(rc_ptr=rope[0], rth_ptr=rope[1], ROPE_R=rope[2], ROPE_P=rope[3])
     if impl == "gluon":
         from .kernels.attention_gluon import decode_split_kernel_gluon
 
@@ -457,6 +480,7 @@ def _launch_decode(
             ASYNC=ring,
             ASYNC_WIDE=wide,
             num_warps=num_warps,
+            **rope_args,
             **({"launch_pdl": True} if pdl else {}),
         )
     else:
@@ -477,6 +501,7 @@ def _launch_decode(
             PAGED_BF16=bf16_pages is not None,
             DOT=dot_dtype(),
             UNPACK=unpack_mode(unpack),
+            **rope_args,
             **opts,
         )
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
