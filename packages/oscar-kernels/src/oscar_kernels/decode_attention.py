@@ -102,6 +102,12 @@ ASYNC_MIN_TILES = 16
 #: wave of 12 (32k x 8: 104 vs 84 µs); the 4-8-byte build keeps 168 registers
 ASYNC_WIDE_MIN_WAVES: float | None = 2
 
+#: Gluon kernel, pre-RoPE mean's score term: angle addition (``ROPE_MODE`` 2: a loop-invariant
+#: ``[block_n, 2·P]`` operand, ``block_n·2·P / 32`` registers per thread, and per tile only the
+#: coefficients turned by the tile's start) where that operand has at most this many elements,
+#: else one reduced angle per (token, pair slot) and tile (``ROPE_MODE`` 1; 0: always)
+ROPE_ADDITION_MAX_ELEMENTS = 1024
+
 #: 64-token tiles (``block_n`` left to the op) where the 16-byte ring is used and the 32-token
 #: launch's splits are at least this many tokens long (128k x 8: 257 vs 278 µs split+merge)
 LONG_SPLIT_TOKENS = 1024
@@ -461,6 +467,9 @@ def _launch_decode(
                 max_len, lo.sink_tokens, lo.recent_tokens, num_splits, block_n,
                 bsz * lo.num_kv_heads * num_splits, _num_sms(q_rot.device),
             )  # fmt: skip
+        if rope is not None:  # angle addition where its loop-invariant operand is small
+            add = block_n * 2 * rope[3] <= ROPE_ADDITION_MAX_ELEMENTS
+            rope_args["ROPE_MODE"] = 2 if add else 1
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,

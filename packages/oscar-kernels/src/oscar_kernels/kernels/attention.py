@@ -110,12 +110,13 @@ def _offset(UNPACK: tl.constexpr):
 
 #: Cody-Waite split of 2π for the RoPE-mean score term: ``TWO_PI_HI`` has 8 significant bits
 #: (201/32), so ``n·TWO_PI_HI`` is exact for ``n < 2^15`` (angles up to 2e5 rad)
-TWO_PI_HI: tl.constexpr = 6.28125
-TWO_PI_LO: tl.constexpr = 0.0019353071795864769  # 2π - TWO_PI_HI
-INV_TWO_PI: tl.constexpr = 0.15915494309189535
+#: (``tl.constexpr`` instances: Triton 3.6 kernels read no other globals)
+TWO_PI_HI = tl.constexpr(6.28125)
+TWO_PI_LO = tl.constexpr(0.0019353071795864769)  # 2π - TWO_PI_HI
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
 #: bits of a float32 θ kept in ``θ_hi`` (sign, exponent, 6 mantissa bits): ``p·θ_hi`` is exact
 #: for positions ``p < 2^17``
-THETA_HI_MASK: tl.constexpr = -131072
+THETA_HI_MASK = tl.constexpr(-131072)
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def _rope_angle(p, th_hi, th_lo):
     more exact.
     """
     a = p * th_hi
-    n = tl.floor(a * INV_TWO_PI + 0.5)
+    n = (a * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(a / 2π): a >= 0 (p, θ >= 0)
     r = a - n * TWO_PI_HI
     r = r - n * TWO_PI_LO
     return r + p * th_lo
