@@ -34,9 +34,16 @@ import oscar_kernels as ok  # noqa: E402
 dec = sys.modules["oscar_kernels.decode_attention"]
 
 SHAPES = ((8192, 1), (32768, 8), (131072, 8))
-#: (pairs, Gluon ROPE_ADDITION_MAX_ELEMENTS): R = 8 by angle addition (the default) and by one
-#: angle per element (0: addition off), R = 64 (one angle per element: its operand is too large)
-CONFIGS = ((0, None), (8, None), (8, 0), (64, None))
+#: (pairs, knobs of the decode module): R = 8 by the default rule, by angle addition on every
+#: tile size and by one angle per element everywhere; R = 64 (one angle per element: the
+#: addition's operand would be too large)
+CONFIGS = (
+    (0, {}),
+    (8, {}),
+    (8, {"ROPE_ADDITION_MIN_BLOCK_N": 0}),
+    (8, {"ROPE_ADDITION_MAX_ELEMENTS": 0}),
+    (64, {}),
+)
 
 
 def with_pairs(ep: ok.ExpandedParams, hkv: int, d: int, pairs: int, gen: torch.Generator):
@@ -68,10 +75,11 @@ def main() -> None:
         s = G._int2_decode_setup(ctx, bsz)
         gen = torch.Generator().manual_seed(ctx)
         base_out = None
-        default_add = dec.ROPE_ADDITION_MAX_ELEMENTS
-        for pairs, add_max in CONFIGS:
-            dec.ROPE_ADDITION_MAX_ELEMENTS = default_add if add_max is None else add_max
-            row = dict(ctx=ctx, batch=bsz, pairs=pairs, addition_max=dec.ROPE_ADDITION_MAX_ELEMENTS)
+        for pairs, knobs in CONFIGS:
+            saved = {k: getattr(dec, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(dec, k, v)
+            row = dict(ctx=ctx, batch=bsz, pairs=pairs, knobs=knobs)
             try:
                 ep = with_pairs(s["ep"], 8, 128, pairs, gen)
                 q, cache, bt, sl, ws = s["q"], s["cache"], s["bt"], s["sl"], s["ws"]
@@ -94,9 +102,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc()
+            finally:
+                for k, v in saved.items():
+                    setattr(dec, k, v)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        dec.ROPE_ADDITION_MAX_ELEMENTS = default_add
         s = None
         torch.cuda.empty_cache()
     base = {(r["ctx"], r["batch"]): r.get("us") for r in rows if r["pairs"] == 0}

@@ -123,17 +123,17 @@ def test_decode_rope_long_positions(monkeypatch, impl, pairs):
     ref = decode_attention_ref(q, cache, ep, bt, sl, ws)
     plain = decode_attention_ref(q, cache, without_term(ep), bt, sl, ws)
     kw = {} if gpu else dict(block_n=128)
-    # Gluon: by angle addition (R = 8, the default there) and one angle per element (R = 64; R = 8
-    # with the addition switched off)
-    for add_max in (dec.ROPE_ADDITION_MAX_ELEMENTS, 0) if impl == "gluon" and pairs == 8 else (None,):
-        if add_max is not None:
-            monkeypatch.setattr(dec, "ROPE_ADDITION_MAX_ELEMENTS", add_max)
+    # Gluon, R = 8: by angle addition (forced on 32-token tiles) and one angle per element (the
+    # rule there); R = 64: one angle per element
+    for min_bn in (0, 1 << 30) if impl == "gluon" and pairs == 8 else (None,):
+        if min_bn is not None:
+            monkeypatch.setattr(dec, "ROPE_ADDITION_MIN_BLOCK_N", min_bn)
         for splits in (None, 7) if gpu else (5,):
             out = decode_attention(
                 q, cache, ep, bt, sl, ws, backend="triton", num_splits=splits, impl=impl, **kw
             )
             for b in range(len(lens)):
-                assert rel(out[b], ref[b]) < 1e-2, (add_max, b, splits, rel(out[b], ref[b]))
+                assert rel(out[b], ref[b]) < 1e-2, (min_bn, b, splits, rel(out[b], ref[b]))
     assert rel(ref[0], plain[0]) > 5e-2
 
 
@@ -142,9 +142,10 @@ def test_decode_rope_long_positions(monkeypatch, impl, pairs):
 @pytest.mark.parametrize("variant", ["prefetch", "no-prefetch", "ring-narrow", "ring-wide", "ring-wide-64"])
 @pytest.mark.parametrize("pairs", [1, 64])
 def test_gluon_rope_builds_match_reference(monkeypatch, variant, pairs):
-    """Every Gluon build the op launches, with the term (R = 1: by angle addition, R = 64: one
-    angle per element): register prefetch (and none), the ``cp.async`` ring with 4-8-byte and
-    16-byte copies, 64-token tiles; 1 … 9 splits."""
+    """Every Gluon build the op launches, with the term (R = 1: by angle addition, forced on
+    32-token tiles too; R = 64: one angle per element): register prefetch (and none), the
+    ``cp.async`` ring with 4-8-byte and 16-byte copies, 64-token tiles; 1 … 9 splits."""
+    monkeypatch.setattr(dec, "ROPE_ADDITION_MIN_BLOCK_N", 0)
     monkeypatch.setattr(dec, "ASYNC_MIN_TILES", 0 if variant.startswith("ring") else 1 << 30)
     monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", 0 if "wide" in variant else None)
     sink = 64 if variant == "ring-wide-64" else 32

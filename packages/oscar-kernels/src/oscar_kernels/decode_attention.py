@@ -104,9 +104,13 @@ ASYNC_WIDE_MIN_WAVES: float | None = 2
 
 #: Gluon kernel, pre-RoPE mean's score term: angle addition (``ROPE_MODE`` 2: a loop-invariant
 #: ``[block_n, 2·P]`` operand, ``block_n·2·P / 32`` registers per thread, and per tile only the
-#: coefficients turned by the tile's start) where that operand has at most this many elements,
-#: else one reduced angle per (token, pair slot) and tile (``ROPE_MODE`` 1; 0: always)
+#: coefficients turned by the tile's start) where that operand has at most this many elements
+#: and tiles are at least ``ROPE_ADDITION_MIN_BLOCK_N`` tokens, else one reduced angle per
+#: (token, pair slot) and tile (``ROPE_MODE`` 1). H200, R = 8 (docs/kernels.md): addition 300 vs
+#: 367 µs at 128k x 8 (64-token tiles), but 20.4 vs 19.3 µs at 8k x 1 and 111.1 vs 110.0 µs at
+#: 32k x 8 (32-token tiles)
 ROPE_ADDITION_MAX_ELEMENTS = 1024
+ROPE_ADDITION_MIN_BLOCK_N = 64
 
 #: 64-token tiles (``block_n`` left to the op) where the 16-byte ring is used and the 32-token
 #: launch's splits are at least this many tokens long (128k x 8: 257 vs 278 µs split+merge)
@@ -334,7 +338,7 @@ def decode_attention(
     if impl == "gluon" and free_block_n and num_splits is None:
         block_n = gluon_block_n(bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm)
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    q_rot, rope = _rotate_queries_triton(q, ep)
+    q_rot, rope = _rotate_queries_triton(q, ep, impl)
     if num_splits is None:
         num_splits = choose_num_splits(
             bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n, programs_per_sm
@@ -360,18 +364,20 @@ def decode_attention(
     return out
 
 
-def rope_slots(pairs: int) -> int:
-    """Pair slots the kernels read for ``R`` pairs of the score term: at least 8 (``tl.dot`` of
-    float32 needs ``K >= 8``; the Gluon kernel's tf32 ``mma`` takes ``K = 2·slots`` in steps of 8)."""
-    return max(8, pairs)
+def rope_slots(pairs: int, impl: str = "tl") -> int:
+    """Pair slots (``P``) a kernel reads for ``R`` pairs of the score term: ``tl`` at least 16
+    (``tl.dot`` of float32 needs ``K >= 16`` on Triton 3.6, 8 on 3.9), ``gluon`` at least 8 (its
+    tf32 ``mma`` takes ``K = 2·P`` in steps of 8). Padding slots have zero coefficients."""
+    return max(16 if impl == "tl" else 8, pairs)
 
 
 def _rotate_queries_triton(
-    q: torch.Tensor, ep: ExpandedParams
+    q: torch.Tensor, ep: ExpandedParams, impl: str = "tl"
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
     """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
     pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
-    ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots`), else ``(q_rot, None)``."""
+    ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots` of the split kernel
+    ``impl``), else ``(q_rot, None)``."""
     from .kernels.attention import rotate_rows_kernel
 
     bsz, hq, d = q.shape
@@ -386,7 +392,7 @@ def _rotate_queries_triton(
     nr = ep.rope_pairs
     rope, extra = None, {}
     if nr > 0:
-        npad = rope_slots(nr)
+        npad = rope_slots(nr, impl)
         rc = _empty(bsz, hq, 2, npad, dtype=torch.float32, device=q.device)
         ab, pairs = ep.k_rope_ab.contiguous(), ep.k_rope_pairs.contiguous()
         extra = dict(rc_ptr=rc, ab_ptr=ab, pairs_ptr=pairs, ROPE_R=nr, ROPE_P=npad)
@@ -468,7 +474,7 @@ def _launch_decode(
                 bsz * lo.num_kv_heads * num_splits, _num_sms(q_rot.device),
             )  # fmt: skip
         if rope is not None:  # angle addition where its loop-invariant operand is small
-            add = block_n * 2 * rope[3] <= ROPE_ADDITION_MAX_ELEMENTS
+            add = block_n >= ROPE_ADDITION_MIN_BLOCK_N and block_n * 2 * rope[3] <= ROPE_ADDITION_MAX_ELEMENTS
             rope_args["ROPE_MODE"] = 2 if add else 1
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,

@@ -122,7 +122,7 @@ def extend_attention(
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
     grid = (triton.cdiv(max_query_len, block_m), bsz * q.shape[1])
     if ep.rope_pairs > 0:  # the pre-RoPE mean's score coefficients per query token (torch, on device)
-        npad = rope_slots(ep.rope_pairs)
+        npad = rope_slots(ep.rope_pairs, "tl")
         rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
         rc = torch.nn.functional.pad(rc, (0, npad - ep.rope_pairs)).contiguous()
         opts.update(rc_ptr=rc, rth_ptr=ep.k_rope_theta.contiguous(), ROPE_R=ep.rope_pairs, ROPE_P=npad)
