@@ -139,6 +139,52 @@ MUTATIONS = (
         "if per // block_n < ASYNC_MIN_TILES:",
         ("tests/test_decode_attention.py", "-k", "async_ring_rule"),
     ),
+    # the pre-RoPE key mean's score term (format version 3, tests/test_rope_mean_attention.py)
+    Mutation(
+        "rope-sin-sign-flipped",
+        "src/oscar_kernels/kernels/attention.py",
+        'return tl.dot(rc1, tl.sin(ang), t, input_precision="ieee")',
+        'return tl.dot(rc1, -tl.sin(ang), t, input_precision="ieee")',
+        ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
+    ),
+    Mutation(
+        "rope-position-off-by-one",
+        "src/oscar_kernels/kernels/attention.py",
+        "ang = _rope_angle(tok.to(tl.float32)[None, :],",
+        "ang = _rope_angle((tok + 1).to(tl.float32)[None, :],",
+        ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
+    ),
+    Mutation(
+        "rope-coefficient-c1-sign",
+        "src/oscar_kernels/kernels/attention.py",
+        "tl.store(rc_ptr + r * (2 * ROPE_P) + ROPE_P + i, xb * ca - xa * cb)",
+        "tl.store(rc_ptr + r * (2 * ROPE_P) + ROPE_P + i, xa * cb - xb * ca)",
+        ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
+    ),
+    Mutation(
+        "rope-angle-drops-theta-lo",
+        "src/oscar_kernels/kernels/attention.py",
+        "    return r + p * th_lo\n",
+        "    return r + 0.0 * th_lo\n",
+        ("tests/test_rope_mean_attention.py", "-k", "angle_reduction"),
+    ),
+    Mutation(
+        "extend-rope-position-off-by-one",
+        "src/oscar_kernels/kernels/attention.py",
+        "\n            if ROPE_R > 0:\n                s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)",
+        "\n            if ROPE_R > 0:\n                s += _rope_scores(rc0, rc1, th_hi, th_lo, tok + 1)",
+        ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
+    ),
+    Mutation(
+        "reference-rope-term-on-sink-keys",
+        "src/oscar_kernels/reference/attention.py",
+        "k[:ns] = cache.k_sink[window_slot, :, :ns].transpose(0, 1).to(dtype)",
+        "k[:ns] = cache.k_sink[window_slot, :, :ns].transpose(0, 1).to(dtype) + (\n"
+        "            0.0 if ep is None or ep.k_rope_mean is None\n"
+        "            else rope_mean_rows(ep, ns, cache.device).to(dtype)\n"
+        "        )",
+        ("tests/test_rope_mean_attention.py", "-k", "reference_term or rope_matches and tl and 64-2-4"),
+    ),
     Mutation(
         "reference-write-ring-before-attention",
         "src/oscar_kernels/reference/paged_write.py",

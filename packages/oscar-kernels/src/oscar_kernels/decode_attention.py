@@ -102,6 +102,16 @@ ASYNC_MIN_TILES = 16
 #: wave of 12 (32k x 8: 104 vs 84 µs); the 4-8-byte build keeps 168 registers
 ASYNC_WIDE_MIN_WAVES: float | None = 2
 
+#: Gluon kernel, pre-RoPE mean's score term: angle addition (``ROPE_MODE`` 2: a loop-invariant
+#: ``[block_n, 2·P]`` operand, ``block_n·2·P / 32`` registers per thread, and per tile only the
+#: coefficients turned by the tile's start) where that operand has at most this many elements
+#: and tiles are at least ``ROPE_ADDITION_MIN_BLOCK_N`` tokens, else one reduced angle per
+#: (token, pair slot) and tile (``ROPE_MODE`` 1). H200, R = 8 (docs/kernels.md): addition 300 vs
+#: 367 µs at 128k x 8 (64-token tiles), but 20.4 vs 19.3 µs at 8k x 1 and 111.1 vs 110.0 µs at
+#: 32k x 8 (32-token tiles)
+ROPE_ADDITION_MAX_ELEMENTS = 1024
+ROPE_ADDITION_MIN_BLOCK_N = 64
+
 #: 64-token tiles (``block_n`` left to the op) where the 16-byte ring is used and the 32-token
 #: launch's splits are at least this many tokens long (128k x 8: 257 vs 278 µs split+merge)
 LONG_SPLIT_TOKENS = 1024
@@ -328,7 +338,7 @@ def decode_attention(
     if impl == "gluon" and free_block_n and num_splits is None:
         block_n = gluon_block_n(bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm)
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    q_rot = _rotate_queries_triton(q, ep)
+    q_rot, rope = _rotate_queries_triton(q, ep, impl)
     if num_splits is None:
         num_splits = choose_num_splits(
             bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n, programs_per_sm
@@ -349,12 +359,25 @@ def decode_attention(
         impl=impl,
         unrotate=ep.v_rotation,
         out_dtype=q.dtype,
+        rope=rope,
     )
     return out
 
 
-def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
-    """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products)."""
+def rope_slots(pairs: int, impl: str = "tl") -> int:
+    """Pair slots (``P``) a kernel reads for ``R`` pairs of the score term: ``tl`` at least 16
+    (``tl.dot`` of float32 needs ``K >= 16`` on Triton 3.6, 8 on 3.9), ``gluon`` at least 8 (its
+    tf32 ``mma`` takes ``K = 2·P`` in steps of 8). Padding slots have zero coefficients."""
+    return max(16 if impl == "tl" else 8, pairs)
+
+
+def _rotate_queries_triton(
+    q: torch.Tensor, ep: ExpandedParams, impl: str = "tl"
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
+    """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
+    pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
+    ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots` of the split kernel
+    ``impl``), else ``(q_rot, None)``."""
     from .kernels.attention import rotate_rows_kernel
 
     bsz, hq, d = q.shape
@@ -366,11 +389,19 @@ def _rotate_queries_triton(q: torch.Tensor, ep: ExpandedParams) -> torch.Tensor:
     if rows and ROTATE_ROWS_SMALL and bsz * hq * d // rows < _num_sms(q.device):
         rows = ROTATE_ROWS_SMALL
     rows = rows if rows and d % rows == 0 else 0
+    nr = ep.rope_pairs
+    rope, extra = None, {}
+    if nr > 0:
+        npad = rope_slots(nr, impl)
+        rc = _empty(bsz, hq, 2, npad, dtype=torch.float32, device=q.device)
+        ab, pairs = ep.k_rope_ab.contiguous(), ep.k_rope_pairs.contiguous()
+        extra = dict(rc_ptr=rc, ab_ptr=ab, pairs_ptr=pairs, ROPE_R=nr, ROPE_P=npad)
+        rope = (rc, ep.k_rope_theta.contiguous(), nr, npad)
     rotate_rows_kernel[(bsz * hq, d // rows if rows else 1)](
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
-        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows,
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows, **extra,
     )  # fmt: skip
-    return out
+    return out, rope
 
 
 def _launch_decode(
@@ -390,9 +421,11 @@ def _launch_decode(
     impl="tl",
     unrotate=None,
     out_dtype=torch.float32,
+    rope=None,
 ):
     """Split kernel + merge; ``unrotate`` (``[H_kv, d, d]`` ``R_V``): the merge also returns
-    ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output)."""
+    ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output). ``rope``: the pre-RoPE
+    mean's ``(C, θ, R, P)`` (:func:`_rotate_queries_triton`; ``None``: no score term)."""
     import triton
 
     from ._backend import interpreting
@@ -426,6 +459,8 @@ def _launch_decode(
         scale * math.log2(math.e),
         lo.page_size,
     )
+    # the score term's operands only where it is on: R = 0 compiles today's kernels unchanged
+    rope_args = {} if rope is None else dict(rc_ptr=rope[0], rth_ptr=rope[1], ROPE_R=rope[2], ROPE_P=rope[3])
     if impl == "gluon":
         from .kernels.attention_gluon import decode_split_kernel_gluon
 
@@ -438,6 +473,9 @@ def _launch_decode(
                 max_len, lo.sink_tokens, lo.recent_tokens, num_splits, block_n,
                 bsz * lo.num_kv_heads * num_splits, _num_sms(q_rot.device),
             )  # fmt: skip
+        if rope is not None:  # angle addition where its loop-invariant operand is small
+            add = block_n >= ROPE_ADDITION_MIN_BLOCK_N and block_n * 2 * rope[3] <= ROPE_ADDITION_MAX_ELEMENTS
+            rope_args["ROPE_MODE"] = 2 if add else 1
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
             num_splits,
@@ -457,6 +495,7 @@ def _launch_decode(
             ASYNC=ring,
             ASYNC_WIDE=wide,
             num_warps=num_warps,
+            **rope_args,
             **({"launch_pdl": True} if pdl else {}),
         )
     else:
@@ -477,6 +516,7 @@ def _launch_decode(
             PAGED_BF16=bf16_pages is not None,
             DOT=dot_dtype(),
             UNPACK=unpack_mode(unpack),
+            **rope_args,
             **opts,
         )
     rot = plse if unrotate is None else unrotate  # not read without ROTATE

@@ -7,9 +7,11 @@ import math
 import torch
 
 from oscar_math import check
+from oscar_math.rope_center import rope_score_coef
 
 from ._backend import Backend, dot_dtype, interpreting, unpack_mode, use_triton
 from ._validate import check_extend_bounds, check_index_tensor, check_queries
+from .decode_attention import rope_slots
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import extend_attention_ref
@@ -119,6 +121,11 @@ def extend_attention(
         return out.to(q.dtype)
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
     grid = (triton.cdiv(max_query_len, block_m), bsz * q.shape[1])
+    if ep.rope_pairs > 0:  # the pre-RoPE mean's score coefficients per query token (torch, on device)
+        npad = rope_slots(ep.rope_pairs, "tl")
+        rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
+        rc = torch.nn.functional.pad(rc, (0, npad - ep.rope_pairs)).contiguous()
+        opts.update(rc_ptr=rc, rth_ptr=ep.k_rope_theta.contiguous(), ROPE_R=ep.rope_pairs, ROPE_P=npad)
     LAST_COMPILED["extend"] = extend_kernel[grid](
         q_rot,
         q_rot.stride(0),

@@ -2,8 +2,9 @@
 
 A custom op with a fake (meta) implementation lets ``torch.compile`` trace through the
 attention call and keeps it one opaque node in a captured graph. Tensors only: the
-cache is passed as its eleven tensors and the layout as integers. Registered on first
-call of :func:`register_ops` (no import side effects).
+cache is passed as its eleven tensors and the layout as integers; the pre-RoPE key mean's
+tensors (``ExpandedParams.k_rope_*``, format version 3) as optional tensors (``None``: off).
+Registered on first call of :func:`register_ops` (no import side effects).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def register_ops() -> None:
         window_slots: torch.Tensor,
         group_size: int,
         softmax_scale: float,
+        k_rope_mean: torch.Tensor | None = None,
+        k_rope_inv_freq: torch.Tensor | None = None,
+        k_rope_ab: torch.Tensor | None = None,
+        k_rope_theta: torch.Tensor | None = None,
+        k_rope_pairs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from .decode_attention import decode_attention
 
@@ -53,7 +59,11 @@ def register_ops() -> None:
         cache = PagedKVCache(
             lo, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_sink, v_sink, k_recent, v_recent
         )
-        ep = ExpandedParams(k_rotation, v_rotation, k_mean, k_clip, v_clip, True)
+        ep = ExpandedParams(
+            k_rotation, v_rotation, k_mean, k_clip, v_clip, True,
+            k_rope_mean=k_rope_mean, k_rope_inv_freq=k_rope_inv_freq, k_rope_ab=k_rope_ab,
+            k_rope_theta=k_rope_theta, k_rope_pairs=k_rope_pairs,
+        )  # fmt: skip
         return decode_attention(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
 
     @_decode.register_fake
@@ -96,4 +106,9 @@ def decode_attention_op(
         window_slots,
         cache.layout.group,
         float(scale),
+        params.k_rope_mean,
+        params.k_rope_inv_freq,
+        params.k_rope_ab,
+        params.k_rope_theta,
+        params.k_rope_pairs,
     )

@@ -108,6 +108,64 @@ def _offset(UNPACK: tl.constexpr):
     return off
 
 
+#: Cody-Waite split of 2π for the RoPE-mean score term: ``TWO_PI_HI`` has 8 significant bits
+#: (201/32), so ``n·TWO_PI_HI`` is exact for ``n < 2^15`` (angles up to 2e5 rad)
+#: (``tl.constexpr`` instances: Triton 3.6 kernels read no other globals)
+TWO_PI_HI = tl.constexpr(6.28125)
+TWO_PI_LO = tl.constexpr(0.0019353071795864769)  # 2π - TWO_PI_HI
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
+#: bits of a float32 θ kept in ``θ_hi`` (sign, exponent, 6 mantissa bits): ``p·θ_hi`` is exact
+#: for positions ``p < 2^17``
+THETA_HI_MASK = tl.constexpr(-131072)
+
+
+@triton.jit
+def _theta_split(th):
+    """``θ = θ_hi + θ_lo`` (float32, exact), ``θ_hi`` of 7 significant bits."""
+    hi = (th.to(tl.int32, bitcast=True) & THETA_HI_MASK).to(tl.float32, bitcast=True)
+    return hi, th - hi
+
+
+@triton.jit
+def _rope_angle(p, th_hi, th_lo):
+    """``p·θ`` reduced by a multiple of ``2π`` (float32, ``|·| <= π + 1e-3``; broadcast shapes).
+
+    ``p·θ_hi`` and ``n·TWO_PI_HI`` are exact and their difference is (nearly always) exact; what
+    is left is the rounding of ``p·θ_lo`` (``|θ_lo| < 2^-6·θ``): at most 1.2e-4 rad for
+    ``p·θ`` = 131071 (θ = 1), 4.8e-5 measured over 64 positions up to 131071 and the 64 θ of
+    d = 128, where a plain float32 ``p·θ`` is off by 3.4e-3 rad. Plain ``*`` / ``+`` (the
+    interpreter's numpy float32 gives the same); a compiler's fma contraction only makes it
+    more exact.
+    """
+    a = p * th_hi
+    n = (a * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(a / 2π): a >= 0 (p, θ >= 0)
+    r = a - n * TWO_PI_HI
+    r = r - n * TWO_PI_LO
+    return r + p * th_lo
+
+
+@triton.jit
+def _rope_scores(rc0, rc1, th_hi, th_lo, tok):
+    """Score term ``[M, BLOCK_N]`` of INT2 keys at positions ``tok [BLOCK_N]``:
+    ``Σ_r C0[m, r]·cos(tok·θ_r) + C1[m, r]·sin(tok·θ_r)`` (``rc0/rc1 [M, R]``, ``θ [R]``), float32
+    products (``ieee`` dots)."""
+    ang = _rope_angle(tok.to(tl.float32)[None, :], th_hi[:, None], th_lo[:, None])  # [R, BLOCK_N]
+    t = tl.dot(rc0, tl.cos(ang), input_precision="ieee")
+    return tl.dot(rc1, tl.sin(ang), t, input_precision="ieee")
+
+
+@triton.jit
+def _rope_load(rc_ptr, crow, rmask, rth_ptr, ROPE_R: tl.constexpr, ROPE_P: tl.constexpr):
+    """Coefficients ``C0, C1 [M, ROPE_P]`` of rows ``crow`` (offsets of ``[2, ROPE_P]`` blocks) and
+    the split ``θ`` (``ROPE_P`` slots, zero past ``ROPE_R``)."""
+    i = tl.arange(0, ROPE_P)
+    m2 = rmask[:, None]
+    rc0 = tl.load(rc_ptr + crow[:, None] + i[None, :], mask=m2, other=0.0)
+    rc1 = tl.load(rc_ptr + crow[:, None] + ROPE_P + i[None, :], mask=m2, other=0.0)
+    th_hi, th_lo = _theta_split(tl.load(rth_ptr + i, mask=i < ROPE_R, other=0.0))
+    return rc0, rc1, th_hi, th_lo
+
+
 @triton.jit
 def _int2_scores(
     q0,
@@ -409,6 +467,10 @@ def decode_split_kernel(
     PAGED_BF16: tl.constexpr,
     DOT: tl.constexpr,
     UNPACK: tl.constexpr,
+    rc_ptr=None,
+    rth_ptr=None,
+    ROPE_R: tl.constexpr = 0,
+    ROPE_P: tl.constexpr = 0,
 ):
     """Program ``(b*H_kv + h, split)``: all ``GQA`` query heads of KV head ``h``.
 
@@ -417,6 +479,8 @@ def decode_split_kernel(
     ``NUM_SPLITS + 1`` the recent ring. Each writes its normalised partial output
     and log2-sum-exp to ``po [B, H_q, NUM_SPLITS + 2, d]`` / ``plse``.
     ``PAGED_BF16`` (benchmark baseline): pages hold bf16 rows ``[P, H, page, d]``.
+    ``ROPE_R > 0`` (pre-RoPE key mean): INT2 scores get :func:`_rope_scores` of the query rows'
+    coefficients ``rc [B, H_q, 2, ROPE_P]`` and ``θ`` ``rth [ROPE_R]`` (0: today's kernel).
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -442,6 +506,10 @@ def decode_split_kernel(
         per = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = start + split * per
         hi = tl.minimum(end, lo + per)
+        if ROPE_R > 0:
+            rc0, rc1, th_hi, th_lo = _rope_load(
+                rc_ptr, (b * (H_KV * GQA) + hq).to(tl.int64) * (2 * ROPE_P), rmask, rth_ptr, ROPE_R, ROPE_P
+            )
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
@@ -456,6 +524,8 @@ def decode_split_kernel(
                 s = _int2_scores(
                     q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
                 )
+                if ROPE_R > 0:
+                    s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
             acc0 = acc0 * alpha[:, None]
@@ -567,13 +637,17 @@ def _round_store(ptrs, y):
 def rotate_rows_kernel(
     x_ptr, stride_xb, stride_xh, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, HQ, GQA,
     HEAD_DIM: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr = False, ROWS: tl.constexpr = 0,
+    rc_ptr=None, ab_ptr=None, pairs_ptr=None, ROPE_R: tl.constexpr = 0, ROPE_P: tl.constexpr = 0,
 ):  # fmt: skip
     """Program ``(r = b*HQ + hq, c)``: row ``x[b, hq]`` times its KV head's rotation (float32
     FMAs, one launch instead of the three of ``rotate_queries``), output elements
     ``[c·ROWS, (c+1)·ROWS)`` (``ROWS`` 0: all, one program per row); ``out`` is ``[B, HQ, d]``
     contiguous. Several programs per row read a slice of the rotation each: one memory round
     trip instead of ``HEAD_DIM / RC`` chunks in one program (a short decode step waits for it).
-    ``PDL``: lets the split kernel launch at once (it waits for this one before reading ``out``)."""
+    ``PDL``: lets the split kernel launch at once (it waits for this one before reading ``out``).
+    ``ROPE_R > 0``: the first program of a row also writes the row's score coefficients of the
+    pre-RoPE mean (``oscar_math.rope_center.rope_score_coef``) to ``rc [B, HQ, 2, ROPE_P]``
+    (zero past ``ROPE_R``) from ``ab [H_kv, 2, ROPE_R]`` and ``pairs [ROPE_R]``: no extra launch."""
     if PDL:
         gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
@@ -581,6 +655,19 @@ def rotate_rows_kernel(
     hq = r % HQ
     x = tl.load(x_ptr + b * stride_xb + hq * stride_xh + tl.arange(0, HEAD_DIM)).to(tl.float32)
     rot = rot_ptr + (hq // GQA) * stride_rh
+    if ROPE_R > 0:
+        if tl.program_id(1) == 0:
+            i = tl.arange(0, ROPE_P)
+            im = i < ROPE_R
+            pi = tl.load(pairs_ptr + i, mask=im, other=0)
+            xrow = x_ptr + b * stride_xb + hq * stride_xh
+            xa = tl.load(xrow + pi, mask=im, other=0.0).to(tl.float32)
+            xb = tl.load(xrow + pi + HEAD_DIM // 2, mask=im, other=0.0).to(tl.float32)
+            abr = ab_ptr + (hq // GQA) * (2 * ROPE_R)
+            ca = tl.load(abr + i, mask=im, other=0.0)
+            cb = tl.load(abr + ROPE_R + i, mask=im, other=0.0)
+            tl.store(rc_ptr + r * (2 * ROPE_P) + i, xa * ca + xb * cb)
+            tl.store(rc_ptr + r * (2 * ROPE_P) + ROPE_P + i, xb * ca - xa * cb)
     if ROWS == 0:
         _rotate_store(x, rot, stride_ri, stride_rj, out_ptr + r * HEAD_DIM, HEAD_DIM, RC)
     else:
@@ -692,6 +779,10 @@ def extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT: tl.constexpr,
     UNPACK: tl.constexpr,
+    rc_ptr=None,
+    rth_ptr=None,
+    ROPE_R: tl.constexpr = 0,
+    ROPE_P: tl.constexpr = 0,
 ):
     """Program ``(query block, b*H_q + hq)``: ``BLOCK_M`` chunk queries of one head.
 
@@ -708,7 +799,8 @@ def extend_kernel(
 
     Keys in the ``BLOCK_M - 1`` positions where the two rules meet are visited twice,
     once per copy, each query taking exactly one. INT2 tiles are dequantised in
-    registers; nothing is materialised.
+    registers; nothing is materialised. ``ROPE_R > 0``: INT2 scores get the pre-RoPE mean's
+    term (:func:`_rope_scores`; coefficients ``rc [T, H_q, 2, ROPE_P]`` per query token).
     """
     mb = tl.program_id(0)
     pid = tl.program_id(1)
@@ -766,6 +858,10 @@ def extend_kernel(
             )
         # INT2 rows: j <= t - RECENT, prefix and chunk alike
         hi = t_hi - RECENT
+        if ROPE_R > 0:
+            rc0, rc1, th_hi, th_lo = _rope_load(
+                rc_ptr, ((qs + m).to(tl.int64) * H_Q + hq) * (2 * ROPE_P), mmask, rth_ptr, ROPE_R, ROPE_P
+            )
         for t0 in range(SINK, hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
@@ -777,6 +873,8 @@ def extend_kernel(
             s = _int2_scores(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
+            if ROPE_R > 0:
+                s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)
             ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
             s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
             p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)

@@ -167,6 +167,136 @@ if gluon is not None:
         return p, alpha, m_new
 
     @gluon.jit
+    def _cos_approx(x):
+        """``cos.approx.f32`` (abs. error ~2^-21 on the reduced angles of :func:`_rope_scores`)."""
+        return gl.inline_asm_elementwise(
+            "cos.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+        )
+
+    @gluon.jit
+    def _sin_approx(x):
+        """``sin.approx.f32`` (as :func:`_cos_approx`)."""
+        return gl.inline_asm_elementwise(
+            "sin.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1
+        )
+
+    @gluon.jit
+    def _reduce_angle(p, th_hi, th_lo):
+        """``p·θ`` minus a multiple of ``2π`` (``p, θ >= 0``), as ``attention._rope_angle``."""
+        a = p * th_hi
+        n = (a * 0.15915494309189535 + 0.5).to(gl.int32).to(gl.float32)  # round(a / 2π), a >= 0
+        r = a - n * 6.28125  # exact: 8-bit 2π_hi, p·θ_hi exact (7-bit θ_hi, p < 2^17)
+        r = r - n * 0.0019353071795864769
+        return r + p * th_lo
+
+    @gluon.jit
+    def _tf32_hi(x):
+        """The tf32-exact part of ``x`` (10 mantissa bits; ``x - hi`` is the rest)."""
+        return (x.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _rope_col_pair(k):
+        """Pair slot of column ``k`` of the score term's operands: ``8j + 4s + i`` ↔ pair ``4j + i``,
+        ``s`` = 0 cos, 1 sin: a thread of a tf32 operand holds the cos and the sin row/column of the
+        same pairs (``c`` and ``c + 4`` of each 8), as the angle-addition form needs."""
+        return 4 * (k // 8) + k % 4
+
+    @gluon.jit
+    def _rope_scores(
+        t0, th_hi, th_lo, ph, rbh, rbl, BLOCK_N: gl.constexpr, NP: gl.constexpr, MMA: gl.constexpr,
+        LA1: gl.constexpr,
+    ):  # fmt: skip
+        """Score term ``[BLOCK_N, NP]`` of the INT2 keys at ``t0 + [0, BLOCK_N)`` (pre-RoPE mean):
+        ``A[t, k] = cos(p_t·θ_k + φ_k)`` (``φ = -π/2`` on sin columns; angles reduced exactly as
+        ``attention._rope_angle``) times the coefficients ``B = rbh + rbl`` ``[K, NP]``, as three
+        tf32 ``mma`` (hi·lo + lo·hi + hi·hi: ~2^-21 relative, float32-like)."""
+        p = (t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA1))).to(gl.float32)[:, None]
+        x = _cos_approx(_reduce_angle(p, th_hi[None, :], th_lo[None, :]) + ph[None, :])
+        return _mma3(x, rbh, rbl, BLOCK_N, NP, MMA)
+
+    @gluon.jit
+    def _mma3(x, bh, bl, BLOCK_N: gl.constexpr, NP: gl.constexpr, MMA: gl.constexpr):
+        """``x @ (bh + bl)`` in float32-like precision from three tf32 ``mma`` (hi·lo + lo·hi + hi·hi)."""
+        xh = _tf32_hi(x)
+        acc = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
+        # float32 operands: tf32 mma (Triton's default precision; the argument is not named so the
+        # call compiles on Triton 3.6 too)
+        acc = mma_v2(x - xh, bh, acc)
+        acc = mma_v2(xh, bl, acc)
+        return mma_v2(xh, bh, acc)
+
+    @gluon.jit
+    def _rope_scores_add(
+        t0, al, tb_hi, tb_lo, sg, rc, rcs, BLOCK_N: gl.constexpr, NP: gl.constexpr, MMA: gl.constexpr
+    ):  # fmt: skip
+        """:func:`_rope_scores` by angle addition: ``cos((t0 + j)θ) = cos(t0θ)cos(jθ) - sin(t0θ)sin(jθ)``
+        (and ``sin``), so the ``[BLOCK_N, K]`` operand ``al[j, k] = cos(jθ_k + φ_k)`` is the same for
+        every tile (loop-invariant, computed once) and a tile only turns the coefficients by its
+        start: ``W0 = C0·cos(t0θ) + C1·sin(t0θ)``, ``W1 = C1·cos(t0θ) - C0·sin(t0θ)`` (``rc``: C,
+        ``rcs``: C with the cos and sin rows swapped, ``sg`` = +1 / -1 on cos / sin rows): a few
+        angles per thread and tile instead of one per element of ``al``."""
+        t = t0.to(gl.float32)
+        a = _reduce_angle(t, tb_hi, tb_lo)
+        w = _cos_approx(a)[:, None] * rc + (sg * _sin_approx(a))[:, None] * rcs
+        wh = _tf32_hi(w)
+        return _mma3(al, wh, w - wh, BLOCK_N, NP, MMA)
+
+    @gluon.jit
+    def _rope_operands(
+        rc_ptr, rth_ptr, crow, ROPE_R: gl.constexpr, ROPE_P: gl.constexpr, LA1: gl.constexpr,
+        LB1: gl.constexpr,
+    ):  # fmt: skip
+        """Loop-invariant operands of :func:`_rope_scores`: per column ``θ_hi, θ_lo, φ`` (``LA1``
+        columns) and the coefficients ``rc [.., 2, ROPE_P]`` of the query heads at offsets ``crow``
+        (``-1``: padding) as ``B [2·ROPE_P, NP]`` tf32 hi + lo, times ``2^-23`` (the scores' unit)."""
+        K: gl.constexpr = 2 * ROPE_P
+        ka = gl.arange(0, K, layout=gl.SliceLayout(0, LA1))
+        ra = _rope_col_pair(ka)
+        th = gl.load(rth_ptr + ra, mask=ra < ROPE_R, other=0.0)
+        th_hi = _theta_hi(th)
+        ph = gl.where((ka // 4) % 2 == 1, -1.5707963267948966, 0.0)
+        kb = gl.arange(0, K, layout=gl.SliceLayout(1, LB1))
+        cr = gl.convert_layout(crow, gl.SliceLayout(0, LB1))
+        off = ((kb // 4) % 2) * ROPE_P + _rope_col_pair(kb)
+        c = gl.load(rc_ptr + cr[None, :] + off[:, None], mask=(cr >= 0)[None, :], other=0.0) * (2.0**-23)
+        ch = _tf32_hi(c)
+        return th_hi, th - th_hi, ph, ch, c - ch
+
+    @gluon.jit
+    def _rope_operands_add(
+        rc_ptr, rth_ptr, crow, ROPE_R: gl.constexpr, ROPE_P: gl.constexpr, BLOCK_N: gl.constexpr,
+        LA1: gl.constexpr, LB1: gl.constexpr,
+    ):  # fmt: skip
+        """Loop-invariant operands of :func:`_rope_scores_add`: ``al [BLOCK_N, K]`` (``LA1``), per
+        row of ``B`` the split ``θ`` and the sign, and ``C``, ``C`` with cos/sin rows swapped
+        (``LB1``, times ``2^-23``)."""
+        K: gl.constexpr = 2 * ROPE_P
+        ka = gl.arange(0, K, layout=gl.SliceLayout(0, LA1))
+        ra = _rope_col_pair(ka)
+        th = gl.load(rth_ptr + ra, mask=ra < ROPE_R, other=0.0)
+        th_hi = _theta_hi(th)
+        j = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LA1)).to(gl.float32)[:, None]
+        ph = gl.where((ka // 4) % 2 == 1, -1.5707963267948966, 0.0)
+        al = _cos_approx(_reduce_angle(j, th_hi[None, :], (th - th_hi)[None, :]) + ph[None, :])
+        kb = gl.arange(0, K, layout=gl.SliceLayout(1, LB1))
+        rb = _rope_col_pair(kb)
+        tb = gl.load(rth_ptr + rb, mask=rb < ROPE_R, other=0.0)
+        tb_hi = _theta_hi(tb)
+        sb = (kb // 4) % 2  # 0: cos row, 1: sin row
+        sg = gl.where(sb == 1, -1.0, 1.0)
+        cr = gl.convert_layout(crow, gl.SliceLayout(0, LB1))
+        cm = (cr >= 0)[None, :]
+        cp = rc_ptr + cr[None, :] + rb[:, None]
+        rc = gl.load(cp + (sb * ROPE_P)[:, None], mask=cm, other=0.0) * (2.0**-23)
+        rcs = gl.load(cp + ((1 - sb) * ROPE_P)[:, None], mask=cm, other=0.0) * (2.0**-23)
+        return al, tb_hi, tb - tb_hi, sg, rc, rcs
+
+    @gluon.jit
+    def _theta_hi(th):
+        """``θ`` to 7 significant bits (``p·θ_hi`` exact for ``p < 2^17``; ``θ - θ_hi`` is the rest)."""
+        return (th.to(gl.int32, bitcast=True) & -131072).to(gl.float32, bitcast=True)
+
+    @gluon.jit
     def _int2_step(
         kc,
         vc,
@@ -194,16 +324,32 @@ if gluon is not None:
         MMA: gl.constexpr,
         LA: gl.constexpr,
         LB: gl.constexpr,
+        t0=0,
+        r0=0,
+        r1=0,
+        r2=0,
+        r3=0,
+        r4=0,
+        r5=0,
+        ROPE: gl.constexpr = 0,
+        LA1: gl.constexpr = None,
     ):
         """One INT2 tile into the online softmax: code words ``kc`` / ``vc`` (:func:`_int2_tile`
         layouts ``BLK`` / ``BLV``), per-token scale/zero, mask ``ms``; the same body for the
-        register-prefetch and the ``cp.async`` paths. Returns ``m_i, l_i, lpz, a0 … a3``."""
+        register-prefetch and the ``cp.async`` paths. Returns ``m_i, l_i, lpz, a0 … a3``.
+        ``ROPE``: plus the pre-RoPE mean's term of the tile at ``t0``: 1 :func:`_rope_scores`, 2
+        :func:`_rope_scores_add` (``r0 …``: the operands of :func:`_rope_operands` /
+        :func:`_rope_operands_add`)."""
         st = gl.zeros([BLOCK_N, NP], gl.float32, layout=MMA)
         st = mma_v2(_unpack_k(kc, "0x00030003", BLOCK_N, Q4, LA), qt0, st)
         st = mma_v2(_unpack_k(kc, "0x000C000C", BLOCK_N, Q4, LA), qt1, st)
         st = mma_v2(_unpack_k(kc, "0x00300030", BLOCK_N, Q4, LA), qt2, st)
         st = mma_v2(_unpack_k(kc, "0x00C000C0", BLOCK_N, Q4, LA), qt3, st)
         s = st * ks[:, None] + qsum[None, :] * kz[:, None]
+        if ROPE == 1:
+            s = s + _rope_scores(t0, r0, r1, r2, r3, r4, BLOCK_N, NP, MMA, LA1)
+        elif ROPE == 2:
+            s = s + _rope_scores_add(t0, r0, r1, r2, r3, r4, r5, BLOCK_N, NP, MMA)
         s2 = gl.where(ms[:, None], s * k_scale_log2, float("-inf"))
         p, alpha, m_i = _softmax_cols(s2, m_i)
         l_i = l_i * alpha + gl.sum(p, 0)
@@ -505,10 +651,20 @@ if gluon is not None:
         ASYNC: gl.constexpr,
         ASYNC_WIDE: gl.constexpr,
         num_warps: gl.constexpr,
+        rc_ptr=None,
+        rth_ptr=None,
+        ROPE_R: gl.constexpr = 0,
+        ROPE_P: gl.constexpr = 0,
+        ROPE_MODE: gl.constexpr = 0,
     ):
         """Program ``(b*H_kv + h, split)``: INT2 splits as in ``attention.decode_split_kernel``
         (``NUM_SPLITS`` is a run-time argument here: one compiled kernel serves every batch),
-        then :func:`window_programs` programs of ``W_TOK`` BF16 window tokens each."""
+        then :func:`window_programs` programs of ``W_TOK`` BF16 window tokens each.
+        ``ROPE_R > 0``: INT2 scores get the pre-RoPE mean's term of the coefficients
+        ``rc [B, H_q, 2, ROPE_P]`` and ``θ`` ``rth [ROPE_R]`` (0: today's kernel), one angle per
+        element (``ROPE_MODE`` 1, :func:`_rope_scores`) or by angle addition (2,
+        :func:`_rope_scores_add`: fewer operations, ``BLOCK_N·2·ROPE_P / 32`` more registers;
+        ``ROPE_MODE`` is 0 exactly when ``ROPE_R`` is)."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(
             version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8]
         )
@@ -561,6 +717,25 @@ if gluon is not None:
             qsum += gl.sum(_load_qt(q_ptr, qrow, 3, 1.0, Q4, LB, gl.float32, False), 0)
             qsum = gl.convert_layout(qsum, COLL) * (2.0**-23)
             k_scale_log2 = sm_scale_log2 * (2.0**23)
+            if ROPE_R > 0:  # tf32 operands of the score term (32-bit: k_width 1)
+                LA1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+                LB1: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
+                crow = gl.where(nb < GQA, (b * (H_KV * GQA) + h * GQA + nb) * (2 * ROPE_P), -1)
+                if ROPE_MODE == 2:
+                    r0, r1, r2, r3, r4, r5 = _rope_operands_add(
+                        rc_ptr, rth_ptr, crow, ROPE_R, ROPE_P, BLOCK_N, LA1, LB1
+                    )
+                else:
+                    r0, r1, r2, r3, r4 = _rope_operands(rc_ptr, rth_ptr, crow, ROPE_R, ROPE_P, LA1, LB1)
+                    r5 = 0
+            else:
+                LA1: gl.constexpr = LA
+                r0 = 0
+                r1 = 0
+                r2 = 0
+                r3 = 0
+                r4 = 0
+                r5 = 0
             start = SINK
             end = gl.maximum(length - RECENT, SINK)
             per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -624,6 +799,7 @@ if gluon is not None:
                     m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
                         kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
                         m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
+                        t0, r0, r1, r2, r3, r4, r5, ROPE_MODE, LA1,
                     )  # fmt: skip
                 _acp.wait_group(0)
             else:
@@ -655,6 +831,7 @@ if gluon is not None:
                     m_i, l_i, lpz, a0, a1, a2, a3 = _int2_step(
                         kc, vc, ks, kz, vs, vz, ms, qt0, qt1, qt2, qt3, qsum, k_scale_log2,
                         m_i, l_i, lpz, a0, a1, a2, a3, BLOCK_N, Q4, NP, MMA, LA, LB,
+                        t0, r0, r1, r2, r3, r4, r5, ROPE_MODE, LA1,
                     )  # fmt: skip
                     if PREFETCH:
                         pg1 = pg2
@@ -727,12 +904,16 @@ def compile_decode_gluon(
     w_tok: int = WINDOW_TOKENS_PER_PROGRAM,
     async_stages: int = 0,
     async_wide: bool = True,
+    rope_pairs: int = 0,
+    rope_mode: int = 1,
 ):
     """Compile :func:`decode_split_kernel_gluon` for ``sm_<arch>`` without a GPU (PTX and, when
     the wheel ships ``ptxas``, a cubin). For CI (syntax/layout errors) and static counts.
 
     The signature is specialised as the runtime specialises the benchmark shape: every
     pointer and integer divisible by 16 except the scale/zero token stride, which is 1.
+    ``rope_pairs``: ``R`` of the pre-RoPE mean's score term (0: off, the pointers ``None``);
+    ``rope_mode``: how the kernel computes it (``ROPE_MODE``).
     """
     if gluon is None:
         raise RuntimeError(f"triton.experimental.gluon is unavailable ({GLUON_IMPORT_ERROR})")
@@ -743,7 +924,7 @@ def compile_decode_gluon(
     fn = decode_split_kernel_gluon
     ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
     ptr.update(dict.fromkeys(("bt_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
-    ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
+    ptr.update(dict.fromkeys(("po_ptr", "plse_ptr", "rc_ptr", "rth_ptr"), "*fp32"))
     consts = dict(
         H_KV=8,
         GQA=gqa,
@@ -761,11 +942,16 @@ def compile_decode_gluon(
         ASYNC=async_stages,
         ASYNC_WIDE=async_wide,
         num_warps=num_warps,
+        ROPE_R=rope_pairs,
+        ROPE_P=max(8, rope_pairs) if rope_pairs else 0,
+        ROPE_MODE=rope_mode if rope_pairs else 0,
         stride_st=1,
         stride_ct=head_dim // 4,
         page_size=64,
     )
     sig, attrs = {}, {}
+    if not rope_pairs:
+        consts.update(rc_ptr=None, rth_ptr=None)
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"

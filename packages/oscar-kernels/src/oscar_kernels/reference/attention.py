@@ -1,4 +1,10 @@
-"""Torch references of decode and extend attention over the paged cache."""
+"""Torch references of decode and extend attention over the paged cache.
+
+With a pre-RoPE key mean (``ep.rope_pairs > 0``, :mod:`oscar_math.rope_center`) the
+dequantised INT2 rows get ``RoPE_p(m) @ R_K`` added back (``p`` the row's position); BF16
+window rows (sink, ring, an extend chunk's own keys) are stored un-centred and are used as
+they are. The kernels add the same thing as a per-key score term ``q · RoPE_p(m)``.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import math
 import torch
 
 from oscar_math import unpack_int2
+from oscar_math.rope_center import rope_position_mean
 
 from ..layout import PagedKVCache
 from ..params import ExpandedParams
@@ -22,10 +29,25 @@ def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
     return g.reshape(n, h, d)
 
 
+def rope_mean_rows(ep: ExpandedParams | None, length: int, device: torch.device) -> torch.Tensor | None:
+    """``RoPE_p(m) @ R_K`` ``[length, H_kv, d]`` float32 for positions ``[0, length)``: what the
+    write subtracted from INT2 row ``p`` (``None`` without a pre-RoPE mean)."""
+    if ep is None or ep.k_rope_mean is None:
+        return None
+    pos = torch.arange(length, device=device)
+    rm = rope_position_mean(ep.k_rope_mean.to(device), pos, ep.k_rope_inv_freq.to(device))  # [n, H, d]
+    return torch.einsum("nhd,hde->nhe", rm, ep.k_rotation.to(device=device, dtype=torch.float32))
+
+
 def _pages_rotated(
-    cache: PagedKVCache, block_table_row: torch.Tensor, length: int, dtype: torch.dtype
+    cache: PagedKVCache,
+    block_table_row: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+    ep: ExpandedParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantised INT2 rows ``[length, H_kv, d]`` (rotated basis) of positions ``[0, length)``."""
+    """Dequantised INT2 rows ``[length, H_kv, d]`` (rotated basis) of positions ``[0, length)``,
+    with the pre-RoPE mean added back (``ep`` with ``k_rope_mean``)."""
     lo = cache.layout
     j = torch.arange(length, device=cache.device)
     page = block_table_row.long()[j // lo.page_size]
@@ -36,6 +58,9 @@ def _pages_rotated(
     v = _dequant(
         cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group, dtype
     )
+    rm = rope_mean_rows(ep, length, cache.device)
+    if rm is not None:
+        k = k + rm.to(dtype)
     return k, v
 
 
@@ -46,16 +71,18 @@ def gather_rotated_kv(
     length: int,
     window_end: int,
     dtype: torch.dtype = torch.float32,
+    ep: ExpandedParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys/values ``[length, H_kv, d]`` of one sequence, in the rotated basis.
 
     Position ``j`` comes from the sink if ``j < sink``, from the ring if
     ``j >= max(sink, window_end - recent)``, else from the dequantised INT2 pages:
     what a query at position ``window_end - 1`` reads (decode: ``window_end`` is the
-    cache length).
+    cache length). ``ep``: the layer's parameters, for the pre-RoPE mean of the INT2 rows
+    (required when it has one; the windows do not need it).
     """
     lo = cache.layout
-    k, v = _pages_rotated(cache, block_table_row, length, dtype)
+    k, v = _pages_rotated(cache, block_table_row, length, dtype, ep)
     s = lo.sink_tokens
     ns = min(s, length)
     if ns > 0:
@@ -100,7 +127,7 @@ def decode_attention_ref(
         n = int(seq_lens[b])
         if n == 0:
             continue
-        k, v = gather_rotated_kv(cache, block_table[b], int(window_slots[b]), n, n)
+        k, v = gather_rotated_kv(cache, block_table[b], int(window_slots[b]), n, n, ep=ep)
         out[b] = _attend(qr[b : b + 1], k, v, scale, None)[0]
     return unrotate_output(out, ep, q.dtype)
 
@@ -137,8 +164,10 @@ def extend_attention_ref(
         if m == 0:
             continue
         n, ws = p + m, int(window_slots[b])
-        kq, vq = _pages_rotated(cache, block_table[b], n, torch.float32)  # the chunk's rows included
-        kb, vb = kq.clone(), vq.clone()  # BF16 copies: INT2 rows stay only where never read as BF16
+        kq, vq = _pages_rotated(cache, block_table[b], n, torch.float32, ep)  # the chunk's rows included
+        # BF16 copies: INT2 rows stay only where never read as BF16 (the mask ``quant`` below
+        # never picks them there, so their RoPE mean term does not matter)
+        kb, vb = kq.clone(), vq.clone()
         ns = min(s, n)
         if ns > 0:
             kb[:ns] = cache.k_sink[ws, :, :ns].transpose(0, 1).float()
