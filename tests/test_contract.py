@@ -25,7 +25,15 @@ H_Q, H_KV, D, LAYERS = 4, 2, 64, 2
 SINK, RECENT = 8, 16
 
 
-def _random_rotations(tmp_path, group_size: int, granularity: str, feedback: bool = False) -> Rotations:
+#: RoPE inverse frequencies of the version-3 case (float32, as the artifact stores them)
+INV_FREQ = (10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)).float()
+#: frequency pairs carrying its pre-RoPE key mean (high, mid and low frequency)
+ROPE_PAIRS = (1, 9, 20, 27)
+
+
+def _random_rotations(
+    tmp_path, group_size: int, granularity: str, feedback: bool = False, rope: bool = False
+) -> Rotations:
     g = torch.Generator().manual_seed(3)
     G = H_KV if granularity == "kv_head" else 1
     layers = []
@@ -45,6 +53,11 @@ def _random_rotations(tmp_path, group_size: int, granularity: str, feedback: boo
             for kind in ("k", "v"):
                 a = torch.randn(G, D, D, generator=g, dtype=torch.float64) * torch.logspace(0, -2, D)
                 rot[f"{kind}_feedback"] = feedback_matrix(a @ a.transpose(-1, -2))
+        if rope:  # pre-RoPE key mean on a few pairs (format version 3)
+            m = torch.zeros(G, D)
+            for i in ROPE_PAIRS:
+                m[:, i], m[:, i + D // 2] = 3 * torch.randn(G, generator=g), 3 * torch.randn(G, generator=g)
+            rot["k_rope_mean"] = m
         layers.append(rot)
     rotations = Rotations(
         model="contract-test",
@@ -56,6 +69,7 @@ def _random_rotations(tmp_path, group_size: int, granularity: str, feedback: boo
         recent_tokens=RECENT,
         granularity=granularity,
         calibration={"source": "random"},
+        rope_inv_freq=INV_FREQ if rope else None,
         **{name: [layer[name] for layer in layers] for name in layers[0]},
     )
     path = tmp_path / "rot.safetensors"
@@ -63,8 +77,15 @@ def _random_rotations(tmp_path, group_size: int, granularity: str, feedback: boo
     return load_rotations(path, num_layers=LAYERS, num_kv_heads=H_KV, head_dim=D)
 
 
-def _contract_fake_quant(x, rot, mean, clip, group_size, feedback=None):
-    """[T, H, d] → [T, H, d] float64 straight from the documented contract."""
+def _rope_of_mean(m, positions):
+    """``RoPE_p(m)`` written out (rotate-half pairs ``i``, ``i + d/2``): ``[d]`` → ``[T, d]`` float64."""
+    ang = positions.double()[:, None] * INV_FREQ.double()[None, :]  # [T, d/2]
+    a, b = m[: D // 2].double(), m[D // 2 :].double()
+    return torch.cat((a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()), dim=-1)
+
+
+def _contract_fake_quant(x, rot, mean, clip, group_size, feedback=None, rope_mean=None, positions=None):
+    """[T, H, d] → [T, H, d] float64 straight from the documented contract (rows at ``positions``)."""
     from oscar_math.feedback import fake_quantize_int2_feedback
 
     out = torch.empty_like(x, dtype=torch.float64)
@@ -73,12 +94,15 @@ def _contract_fake_quant(x, rot, mean, clip, group_size, feedback=None):
     mean = mean.expand(H, -1) if mean is not None else None
     fb = feedback.expand(H, -1, -1) if feedback is not None else None
     for h in range(H):
-        xr = (x[:, h].double() - (mean[h].double() if mean is not None else 0)) @ rot[h].double()
+        centre = mean[h].double() if mean is not None else torch.zeros(x.shape[-1], dtype=torch.float64)
+        if rope_mean is not None:  # format version 3: the INT2 row of position p is centred by RoPE_p(m) too
+            centre = centre + _rope_of_mean(rope_mean.expand(H, -1)[h], positions)
+        xr = (x[:, h].double() - centre) @ rot[h].double()
         if fb is None:
             xq = fake_quantize_int2(xr.float(), group_size, float(clip[h])).double()
         else:
             xq = fake_quantize_int2_feedback(xr.float(), group_size, fb[h], float(clip[h])).double()
-        out[:, h] = xq @ rot[h].double().T + (mean[h].double() if mean is not None else 0)
+        out[:, h] = xq @ rot[h].double().T + centre
     return out
 
 
@@ -92,13 +116,20 @@ def _attend(q, k, v):
 
 
 @pytest.fixture(
-    params=[(D, "kv_head", False), (32, "kv_head", False), (D, "layer", False), (D, "kv_head", True)],
-    ids=["group=d", "group=32", "granularity=layer", "feedback"],
+    params=[
+        (D, "kv_head", False, False),
+        (32, "kv_head", False, False),
+        (D, "layer", False, False),
+        (D, "kv_head", True, False),
+        (D, "kv_head", True, True),
+        (32, "layer", True, True),
+    ],
+    ids=["group=d", "group=32", "granularity=layer", "feedback", "rope-mean", "rope-mean-layer-group=32"],
 )
 def setup(request, tmp_path):
-    gs, granularity, feedback = request.param
-    rotations = _random_rotations(tmp_path, gs, granularity, feedback)
-    assert rotations.format_version == ("2" if feedback else "1")
+    gs, granularity, feedback, rope = request.param
+    rotations = _random_rotations(tmp_path, gs, granularity, feedback, rope)
+    assert rotations.format_version == ("3" if rope else "2" if feedback else "1")
     g = torch.Generator().manual_seed(11)
     T = SINK + RECENT + 37  # INT2 middle of 37 tokens, crossing a page boundary below
     k = torch.randn(T, H_KV, D, generator=g) * 2
@@ -108,8 +139,9 @@ def setup(request, tmp_path):
     mid = slice(SINK, T - RECENT)
     k_ref, v_ref = k.double().clone(), v.double().clone()
     k_ref[mid] = _contract_fake_quant(
-        k[mid], layer.k_rotation, layer.k_mean, layer.k_clip, gs, layer.k_feedback
-    )
+        k[mid], layer.k_rotation, layer.k_mean, layer.k_clip, gs, layer.k_feedback,
+        layer.k_rope_mean, torch.arange(SINK, T - RECENT),
+    )  # fmt: skip
     v_ref[mid] = _contract_fake_quant(v[mid], layer.v_rotation, None, layer.v_clip, gs, layer.v_feedback)
     return rotations, gs, q, k, v, k_ref, v_ref
 
@@ -122,7 +154,7 @@ def test_calib_scheme_matches_contract(setup):
         SchemeContext(head_dim=D, num_layers=LAYERS, num_kv_heads=H_KV, rotations=rotations)
     )
     mid = slice(SINK, k.shape[0] - RECENT)
-    k_hat = scheme.fake_quantize_keys(1, k[mid].float())
+    k_hat = scheme.fake_quantize_keys_at(1, k[mid].float(), torch.arange(SINK, k.shape[0] - RECENT))
     v_hat = scheme.fake_quantize_values(1, v[mid].float())
     assert ((k_hat.double() - k_ref[mid]).norm() / k_ref[mid].norm()).item() < 1e-4
     assert ((v_hat.double() - v_ref[mid]).norm() / v_ref[mid].norm()).item() < 1e-4

@@ -72,6 +72,11 @@ def nofeedback_label(name: str) -> str:
     return f"nofeedback ({name.removeprefix('oscar2 ')})"
 
 
+def ablation_label(scheme: str, name: str) -> str:
+    """Row label of ``--ablations`` scheme ``scheme`` built from variant ``name``'s artifact."""
+    return f"{scheme.removeprefix('oscar2-')} ({name.removeprefix('oscar2 ')})"
+
+
 def kernels_reason() -> str | None:
     """Why the installed ``oscar_kernels`` cannot serve a pre-RoPE key mean (None: it can).
 
@@ -108,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s", type=float, default=1e9, help="skip the other text and --served past this wall time"
     )
     ap.add_argument("--no-emulation", action="store_true", help="skip the study-4 RopeMeanScheme row")
+    ap.add_argument(
+        "--ablations",
+        nargs="*",
+        default=[],
+        help="schemes built from the picked artifact beside it in the confirmation (e.g. oscar2-noclip)",
+    )
     ap.add_argument("--tiny", action="store_true", help="dry run: a 2-layer random llama on CPU")
     ap.add_argument("--tokens", type=int, default=None, help="calibration tokens (default: the config's)")
     ap.add_argument(
@@ -210,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             s[k] = build_scheme("oscar2", ctxs[k])
             if k == pick:
                 s[nofeedback_label(pick)] = build_scheme("oscar2-nofeedback", ctxs[pick])
+                for a in args.ablations:
+                    s[ablation_label(a, pick)] = build_scheme(a, ctxs[pick])
         return s
 
     for part, text, cs, ns in (

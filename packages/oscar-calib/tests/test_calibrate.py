@@ -375,7 +375,9 @@ def test_select_rope_pairs_rule():
 def test_calibrate_writes_format_3_by_default_and_0_keeps_format_2(tmp_path):
     model, tok = tiny_random_model("llama", num_hidden_layers=2)
     rot = calibrate(model, tok, CalibrationConfig(**SMALL), progress=False)
-    assert rot.format_version == "3" and rot.calibration["rope_mean"]["rope_pairs"] == "all"
+    from oscar_calib.calibrate import ROPE_PAIRS_DEFAULT
+
+    assert rot.format_version == "3" and rot.calibration["rope_mean"]["rope_pairs"] == ROPE_PAIRS_DEFAULT
     back = load_rotations(save_rotations(tmp_path / "r.safetensors", rot))
     assert torch.equal(back.k_rope_mean[1], rot.k_rope_mean[1])
     off = calibrate(model, tok, CalibrationConfig(rope_pairs=0, **SMALL), progress=False)

@@ -340,6 +340,7 @@ def test_calibrate_api_refuses_chunks_past_the_model_context():
 def test_calibrate_rope_pairs_option(monkeypatch, tmp_path, capsys):
     """--rope-pairs R|all|0: format 3 with R pairs per layer (the summary says so), 0 = format 2."""
     from oscar_calib import models
+    from oscar_calib.calibrate import ROPE_PAIRS_DEFAULT
 
     monkeypatch.setattr(models, "load_model", lambda name, **kw: tiny_random_model("llama"))
     out = tmp_path / "t.safetensors"
@@ -360,8 +361,8 @@ def test_calibrate_rope_pairs_option(monkeypatch, tmp_path, capsys):
     rot = load_rotations(out)
     assert rot.format_version == "3" and rot.calibration["rope_mean"]["rope_pairs"] == 3
     assert "pre-RoPE key mean on 3-3 of 16 frequency pairs" in capsys.readouterr().out
-    assert main(args) == 0  # the default: every pair
-    assert load_rotations(out).calibration["rope_mean"]["rope_pairs"] == "all"
+    assert main(args) == 0  # the default, 16 pairs: every pair of this model's d = 32
+    assert load_rotations(out).calibration["rope_mean"]["rope_pairs"] == ROPE_PAIRS_DEFAULT == 16
     assert "on 16-16 of 16" in capsys.readouterr().out
     assert main([*args, "--rope-pairs", "0"]) == 0
     assert load_rotations(out).format_version == "2" and "pre-RoPE" not in capsys.readouterr().out

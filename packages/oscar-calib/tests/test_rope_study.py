@@ -34,7 +34,16 @@ def test_rope_study_tiny_dry_run(rope_study, tmp_path):
         "all",
     ]
     argv += ["--select-contexts", "512", "--select-seqs", "1", "--contexts", "512", "--num-seqs", "2"]
-    argv += ["--other-contexts", "512", "--other-seqs", "1", "--served", "512"]
+    argv += [
+        "--other-contexts",
+        "512",
+        "--other-seqs",
+        "1",
+        "--served",
+        "512",
+        "--ablations",
+        "oscar2-noclip",
+    ]
     assert rope_study.main(argv) == 0
     rep = json.loads((out / "rope_study.json").read_text())
     arts = rep["artifacts"]
@@ -58,6 +67,7 @@ def test_rope_study_tiny_dry_run(rope_study, tmp_path):
         assert len(held["schemes"][name]["kl"]) == 2, name  # per-sequence values
         assert name in held["bits"]
     assert held["bits"]["bf16"] == 16.0
+    assert len(held["schemes"][rope_study.ablation_label("oscar2-noclip", rep["pick"])]["kl"]) == 2
     assert rope_study.nofeedback_label(rep["pick"]) in held["schemes"]
     assert "512" in rep["other"]
     assert "served" in rep or rep["served_skipped"]

@@ -68,14 +68,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rep-ms", type=int, default=200)
+    ap.add_argument(
+        "--pairs", type=int, nargs="+", default=None, help="R values with the default rule (default: CONFIGS)"
+    )
     a = ap.parse_args()
+    configs = CONFIGS if a.pairs is None else tuple((p, {}) for p in dict.fromkeys([0, *a.pairs]))
     os.makedirs(a.out, exist_ok=True)
     rows = []
     for ctx, bsz in SHAPES:
         s = G._int2_decode_setup(ctx, bsz)
         gen = torch.Generator().manual_seed(ctx)
         base_out = None
-        for pairs, knobs in CONFIGS:
+        for pairs, knobs in configs:
             saved = {k: getattr(dec, k) for k in knobs}
             for k, v in knobs.items():
                 setattr(dec, k, v)

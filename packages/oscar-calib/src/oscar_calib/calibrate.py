@@ -57,9 +57,10 @@ CONFIG_VERSION = 1
 CLIP_SEARCHES = ("output", "row", "kl")
 #: which rows are written with error-feedback codes (CalibrationConfig.feedback)
 FEEDBACK_MODES = ("none", "k", "v", "kv")
-#: default ``rope_pairs`` (CalibrationConfig): provisional "all" until the H200 study picks it
-#: (benchmarks/rope_study.py; docs/results.md)
-ROPE_PAIRS_DEFAULT: int | str = "all"
+#: default ``rope_pairs`` (CalibrationConfig): 16, the lowest mean KL over 2k and 8k on the calibration
+#: split of the H200 study (benchmarks/rope_study.py, docs/results.md "sixth study"; 0/4/8/16/all
+#: measured). The decode score term costs per pair (docs/kernels.md): 8 keeps ~80 % of the gain.
+ROPE_PAIRS_DEFAULT: int | str = 16
 #: default key clip power with plain rounding (chosen in issue 13's first study) and with
 #: error-feedback key codes (milder clipping: feedback spreads the rounding error into
 #: directions queries do not read, so clipping buys less; docs/results.md, fourth study)
