@@ -66,6 +66,13 @@ MUTATIONS = (
         (T, "-k", "matches_reference and 64-2-5"),
     ),
     Mutation(
+        "kernel-rope-narrow-rows-sin-sign",  # the d < 32 path (whole rows)
+        KERNEL,
+        "x = x - tl.where(low[None, :], m * cos - mp * sin, m * cos + mp * sin)",
+        "x = x - tl.where(low[None, :], m * cos + mp * sin, m * cos - mp * sin)",
+        (T, "-k", "matches_reference and 16-2-4"),
+    ),
+    Mutation(
         "kernel-rope-range-reduction-2pi-off",
         KERNEL,
         "r = a - k * 6.28125",
