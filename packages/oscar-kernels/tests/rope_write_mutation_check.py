@@ -33,8 +33,8 @@ MUTATIONS = (
     Mutation(
         "kernel-rope-mean-added",
         KERNEL,
-        "xlo = xlo - (a * cos - b * sin)\n    xhi = xhi - (b * cos + a * sin)",
-        "xlo = xlo + (a * cos - b * sin)\n    xhi = xhi + (b * cos + a * sin)",
+        "xlo = xlo - (a * cos - b * sin)\n        xhi = xhi - (b * cos + a * sin)",
+        "xlo = xlo + (a * cos - b * sin)\n        xhi = xhi + (b * cos + a * sin)",
         (T, "-k", "constant_offsets and 64-2-5"),
     ),
     Mutation(
