@@ -73,8 +73,8 @@ def _rotate_rows(
 
 @triton.jit
 def _cos_sin(a):
-    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (the same bits on the GPU
-    and in the interpreter; no library call, whose large-argument path costs registers).
+    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (no FMA fusion in this
+    kernel: the same bits on the GPU and in the interpreter, whatever the backend's cos/sin).
 
     ``a`` is reduced by ``2π`` (Cody–Waite, three float32 parts; ``k·6.28125`` is exact for
     ``|a| < 2^16·2π ≈ 4·10^5``) and then by the quadrant ``j·π/2`` (``|j| ≤ 2``, two parts) to
