@@ -33,8 +33,8 @@ MUTATIONS = (
     Mutation(
         "kernel-rope-mean-added",
         KERNEL,
-        "xlo = xlo - (a * cos - b * sin)\n    xhi = xhi - (b * cos + a * sin)",
-        "xlo = xlo + (a * cos - b * sin)\n    xhi = xhi + (b * cos + a * sin)",
+        "xlo = xlo - (a * cos - b * sin)\n        xhi = xhi - (b * cos + a * sin)",
+        "xlo = xlo + (a * cos - b * sin)\n        xhi = xhi + (b * cos + a * sin)",
         (T, "-k", "constant_offsets and 64-2-5"),
     ),
     Mutation(
@@ -64,6 +64,13 @@ MUTATIONS = (
         "b = tl.load(rmean_ptr + h * stride_rmh + HALF + i)",
         "b = tl.load(rmean_ptr + h * stride_rmh + i)",
         (T, "-k", "matches_reference and 64-2-5"),
+    ),
+    Mutation(
+        "kernel-rope-narrow-rows-sin-sign",  # the d < 32 path (whole rows)
+        KERNEL,
+        "x = x - tl.where(low[None, :], m * cos - mp * sin, m * cos + mp * sin)",
+        "x = x - tl.where(low[None, :], m * cos + mp * sin, m * cos - mp * sin)",
+        (T, "-k", "matches_reference and 16-2-4"),
     ),
     Mutation(
         "kernel-rope-range-reduction-2pi-off",

@@ -73,8 +73,8 @@ def _rotate_rows(
 
 @triton.jit
 def _cos_sin(a):
-    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (the same bits on the GPU
-    and in the interpreter; no library call, whose large-argument path costs registers).
+    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (no FMA fusion in this
+    kernel: the same bits on the GPU and in the interpreter, whatever the backend's cos/sin).
 
     ``a`` is reduced by ``2π`` (Cody–Waite, three float32 parts; ``k·6.28125`` is exact for
     ``|a| < 2^16·2π ≈ 4·10^5``) and then by the quadrant ``j·π/2`` (``|j| ≤ 2``, two parts) to
@@ -107,32 +107,45 @@ def _centred_rotated_rows(
     ``(a, b) = (m_i, m_{i+d/2})``; the angle is one float32 product (its rounding,
     ``2^-24·p·θ_i`` rad, is what the float64 reference does not have). The rows are held as
     their two halves (one angle per pair, no joins) and rotated as
-    ``x_lo @ R[:d/2] + x_hi @ R[d/2:]``."""
+    ``x_lo @ R[:d/2] + x_hi @ R[d/2:]``; for ``d < 32`` (whose halves are too narrow for a
+    ``tl.dot`` on Triton < 3.9: K >= 16) as whole rows, the offset computed per column."""
     HALF: tl.constexpr = HEAD_DIM // 2
     Q4: tl.constexpr = HEAD_DIM // 4
-    i = tl.arange(0, HALF)
-    rows = x_ptr + t[:, None] * stride_xt + h * stride_xh + i[None, :]
-    xlo = tl.load(rows, mask=valid[:, None], other=0.0).to(tl.float32)
-    xhi = tl.load(rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-    if HAS_MEAN:
-        xlo = xlo - tl.load(mean_ptr + h * stride_mh + i).to(tl.float32)[None, :]
-        xhi = xhi - tl.load(mean_ptr + h * stride_mh + HALF + i).to(tl.float32)[None, :]
-    a = tl.load(rmean_ptr + h * stride_rmh + i).to(tl.float32)[None, :]
-    b = tl.load(rmean_ptr + h * stride_rmh + HALF + i).to(tl.float32)[None, :]
-    cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])
-    xlo = xlo - (a * cos - b * sin)
-    xhi = xhi - (b * cos + a * sin)
-    j = tl.arange(0, Q4)
-    rlo = rot_ptr + h * stride_rh + i[:, None] * stride_rr + j[None, :]
-    rhi = rlo + HALF * stride_rr
-    x0 = tl.dot(xlo, tl.load(rlo).to(tl.float32), input_precision=DOT_PRECISION)
-    x0 = tl.dot(xhi, tl.load(rhi).to(tl.float32), acc=x0, input_precision=DOT_PRECISION)
-    x1 = tl.dot(xlo, tl.load(rlo + Q4).to(tl.float32), input_precision=DOT_PRECISION)
-    x1 = tl.dot(xhi, tl.load(rhi + Q4).to(tl.float32), acc=x1, input_precision=DOT_PRECISION)
-    x2 = tl.dot(xlo, tl.load(rlo + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
-    x2 = tl.dot(xhi, tl.load(rhi + 2 * Q4).to(tl.float32), acc=x2, input_precision=DOT_PRECISION)
-    x3 = tl.dot(xlo, tl.load(rlo + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
-    x3 = tl.dot(xhi, tl.load(rhi + 3 * Q4).to(tl.float32), acc=x3, input_precision=DOT_PRECISION)
+    if HALF < 16:
+        # column c of pair c mod d/2: m_c·cos + m'_c·sin with m' = (−m[d/2:], m[:d/2])
+        d = tl.arange(0, HEAD_DIM)
+        low = d < HALF
+        x = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
+        m = tl.load(rmean_ptr + h * stride_rmh + d).to(tl.float32)[None, :]
+        mp = tl.load(rmean_ptr + h * stride_rmh + tl.where(low, d + HALF, d - HALF)).to(tl.float32)[None, :]
+        theta = tl.load(freq_ptr + tl.where(low, d, d - HALF)).to(tl.float32)
+        cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * theta[None, :])
+        x = x - tl.where(low[None, :], m * cos - mp * sin, m * cos + mp * sin)
+        x0, x1, x2, x3 = _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+    else:
+        i = tl.arange(0, HALF)
+        rows = x_ptr + t[:, None] * stride_xt + h * stride_xh + i[None, :]
+        xlo = tl.load(rows, mask=valid[:, None], other=0.0).to(tl.float32)
+        xhi = tl.load(rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            xlo = xlo - tl.load(mean_ptr + h * stride_mh + i).to(tl.float32)[None, :]
+            xhi = xhi - tl.load(mean_ptr + h * stride_mh + HALF + i).to(tl.float32)[None, :]
+        a = tl.load(rmean_ptr + h * stride_rmh + i).to(tl.float32)[None, :]
+        b = tl.load(rmean_ptr + h * stride_rmh + HALF + i).to(tl.float32)[None, :]
+        cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])
+        xlo = xlo - (a * cos - b * sin)
+        xhi = xhi - (b * cos + a * sin)
+        j = tl.arange(0, Q4)
+        rlo = rot_ptr + h * stride_rh + i[:, None] * stride_rr + j[None, :]
+        rhi = rlo + HALF * stride_rr
+        x0 = tl.dot(xlo, tl.load(rlo).to(tl.float32), input_precision=DOT_PRECISION)
+        x0 = tl.dot(xhi, tl.load(rhi).to(tl.float32), acc=x0, input_precision=DOT_PRECISION)
+        x1 = tl.dot(xlo, tl.load(rlo + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+        x1 = tl.dot(xhi, tl.load(rhi + Q4).to(tl.float32), acc=x1, input_precision=DOT_PRECISION)
+        x2 = tl.dot(xlo, tl.load(rlo + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+        x2 = tl.dot(xhi, tl.load(rhi + 2 * Q4).to(tl.float32), acc=x2, input_precision=DOT_PRECISION)
+        x3 = tl.dot(xlo, tl.load(rlo + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+        x3 = tl.dot(xhi, tl.load(rhi + 3 * Q4).to(tl.float32), acc=x3, input_precision=DOT_PRECISION)
     return x0, x1, x2, x3
 
 
