@@ -361,9 +361,9 @@ def test_calibrate_rope_pairs_option(monkeypatch, tmp_path, capsys):
     rot = load_rotations(out)
     assert rot.format_version == "3" and rot.calibration["rope_mean"]["rope_pairs"] == 3
     assert "pre-RoPE key mean on 3-3 of 16 frequency pairs" in capsys.readouterr().out
-    assert main(args) == 0  # the default, 16 pairs: every pair of this model's d = 32
-    assert load_rotations(out).calibration["rope_mean"]["rope_pairs"] == ROPE_PAIRS_DEFAULT == 16
-    assert "on 16-16 of 16" in capsys.readouterr().out
+    assert main(args) == 0  # the default, 8 pairs of this model's 16
+    assert load_rotations(out).calibration["rope_mean"]["rope_pairs"] == ROPE_PAIRS_DEFAULT == 8
+    assert "on 8-8 of 16" in capsys.readouterr().out
     assert main([*args, "--rope-pairs", "0"]) == 0
     assert load_rotations(out).format_version == "2" and "pre-RoPE" not in capsys.readouterr().out
     assert main([*args, "--no-key-centering"]) == 0  # the default follows the centering

@@ -225,9 +225,13 @@ def test_zero_rope_mean_changes_nothing(impl):
     a = decode_attention(q, cache, ep0, bt, sl, ws, **kw)
     b = decode_attention(q, cache, epz, bt, sl, ws, **kw)
     if impl == "tl" and DEVICE.type == "cuda":
-        # a different compiled kernel: the compiler may contract the score epilogue differently
-        # (this test failed on the H200 for tl as bit-exact, 2026-12-01; the bound is not re-run)
-        assert rel(b, a) < 1e-5
+        # a different compiled kernel: the compiler may contract the score epilogue differently,
+        # and one float32 ulp moved flips bf16 roundings of the output (one bf16 ulp is 2^-8
+        # relative): bit-exact and 1e-5 both failed on the H200 (2026-12-01); the term's
+        # correctness on the GPU is checked against the reference by the tests above
+        d = rel(b, a)
+        print(f"tl on the GPU: rel(zero mean, no mean) = {d:.3e}")
+        assert d < 4e-3, d
     else:
         assert torch.equal(a, b)
     if impl == "gluon":  # the term's code really ran in the second call

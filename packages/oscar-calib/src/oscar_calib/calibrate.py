@@ -57,10 +57,11 @@ CONFIG_VERSION = 1
 CLIP_SEARCHES = ("output", "row", "kl")
 #: which rows are written with error-feedback codes (CalibrationConfig.feedback)
 FEEDBACK_MODES = ("none", "k", "v", "kv")
-#: default ``rope_pairs`` (CalibrationConfig): 16, the lowest mean KL over 2k and 8k on the calibration
-#: split of the H200 study (benchmarks/rope_study.py, docs/results.md "sixth study"; 0/4/8/16/all
-#: measured). The decode score term costs per pair (docs/kernels.md): 8 keeps ~80 % of the gain.
-ROPE_PAIRS_DEFAULT: int | str = 16
+#: default ``rope_pairs`` (CalibrationConfig): 8. The H200 study (benchmarks/rope_study.py, docs/results.md
+#: "sixth study") ranked 16 first on the calibration split (mean KL 0.0146 vs 0.0157 for 8, 0.0201 without),
+#: but its decode score term costs x1.48-1.57 at 32k-128k against x1.04-1.20 for 8 (docs/kernels.md);
+#: on held-out text 8 and 16 are within 1-7 % in KL. ``--rope-pairs 16`` for accuracy first, 0 for format 2.
+ROPE_PAIRS_DEFAULT: int | str = 8
 #: default key clip power with plain rounding (chosen in issue 13's first study) and with
 #: error-feedback key codes (milder clipping: feedback spreads the rounding error into
 #: directions queries do not read, so clipping buys less; docs/results.md, fourth study)
