@@ -42,9 +42,15 @@ LOCAL_DEPS = {
     "sglang": ["math", "kernels"],
 }
 EXTRAS = {"math": "test", "kernels": "test,triton", "calib": "test,smollm2"}
-# Run after a package's tests, in the same environment: the kernels' mutation check
-# plants known bugs in a copy and requires the suite to catch each (1.5-2.5 min on 2 cores).
-AFTER_TESTS = {"kernels": ["python", "packages/oscar-kernels/tests/mutation_check.py"]}
+# Run after a package's tests, in the same environment: the kernels' mutation checks
+# plant known bugs in a copy and require the suite to catch each (attention and write: a few
+# minutes on 2 cores; the pre-RoPE write's plants ~4 min).
+AFTER_TESTS = {
+    "kernels": [
+        ["python", "packages/oscar-kernels/tests/mutation_check.py"],
+        ["python", "packages/oscar-kernels/tests/rope_write_mutation_check.py"],
+    ]
+}
 ENV = {
     # Triton kernels run through the interpreter on CPU machines.
     "kernels": {"TRITON_INTERPRET": "1"},
@@ -74,8 +80,9 @@ def _package_session(name: str) -> None:
     def session(session: nox.Session) -> None:
         _install(session, [*LOCAL_DEPS.get(name, ["math"]), name])
         _pytest(session, f"packages/oscar-{name}/tests", env=ENV.get(name))
-        if name in AFTER_TESTS and not session.posargs:  # posargs narrow the run: skip the extra check
-            session.run(*AFTER_TESTS[name], env=ENV.get(name) or {})
+        if name in AFTER_TESTS and not session.posargs:  # posargs narrow the run: skip the extra checks
+            for cmd in AFTER_TESTS[name]:
+                session.run(*cmd, env=ENV.get(name) or {})
 
     session.__doc__ = f"Install oscar-{name} alone (with its repo deps) and run its tests."
 

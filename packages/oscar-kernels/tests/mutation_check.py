@@ -241,10 +241,11 @@ def _imports_copy(root: Path) -> bool:
     return out.startswith(str(root))
 
 
-def main(argv: list[str]) -> int:
-    chosen = [m for m in MUTATIONS if not argv or any(a in m.name for a in argv)]
+def main(argv: list[str], mutations: tuple[Mutation, ...] = MUTATIONS) -> int:
+    """Run the ``mutations`` whose names contain one of ``argv`` (all without ``argv``); 0 iff all caught."""
+    chosen = [m for m in mutations if not argv or any(a in m.name for a in argv)]
     if not chosen:
-        print(f"no mutation matches {argv}; names: {[m.name for m in MUTATIONS]}")
+        print(f"no mutation matches {argv}; names: {[m.name for m in mutations]}")
         return 2
     failed = []
     with tempfile.TemporaryDirectory(prefix="oscar-mutants-") as tmp:

@@ -11,12 +11,11 @@ replacement, the named tests must fail on the mutant and pass on an unmutated co
 from __future__ import annotations
 
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mutation_check import Mutation, _apply, _copy, _imports_copy, _pytest  # noqa: E402
+import mutation_check  # noqa: E402
+from mutation_check import Mutation  # noqa: E402
 
 KERNEL = "src/oscar_kernels/kernels/paged_write.py"
 REF = "src/oscar_kernels/reference/paged_write.py"
@@ -104,35 +103,7 @@ MUTATIONS = (
 
 
 def main(argv: list[str]) -> int:
-    chosen = [m for m in MUTATIONS if not argv or any(a in m.name for a in argv)]
-    if not chosen:
-        print(f"no mutation matches {argv}; names: {[m.name for m in MUTATIONS]}")
-        return 2
-    failed = []
-    with tempfile.TemporaryDirectory(prefix="oscar-rope-mutants-") as tmp:
-        control = _copy(Path(tmp) / "control")
-        if not _imports_copy(control):
-            print("the copy is not what `import oscar_kernels` loads (PYTHONPATH is shadowed)")
-            return 2
-        for m in chosen:
-            _apply(_copy(Path(tmp) / m.name), m)
-        for m in chosen:
-            t0 = time.time()
-            rc, last = _pytest(control, m.tests)
-            if rc != 0:
-                print(f"CONTROL FAILED  {m.name}: the unmutated tests fail ({last})")
-                failed.append(m.name)
-                continue
-            rc, last = _pytest(Path(tmp) / m.name / "oscar-kernels", m.tests)
-            caught = rc == 1
-            print(f"{'caught   ' if caught else 'SURVIVED '} {m.name:<38} {time.time() - t0:6.1f} s  {last}")
-            if not caught:
-                failed.append(m.name)
-    if failed:
-        print(f"{len(failed)} of {len(chosen)} mutations not caught: {failed}")
-        return 1
-    print(f"all {len(chosen)} mutations caught")
-    return 0
+    return mutation_check.main(argv, MUTATIONS)
 
 
 if __name__ == "__main__":
