@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import DEVICE, fill_cache, needs_triton
+from conftest import DEVICE, assert_one_step_rarely, fill_cache, needs_triton
 
 from oscar_kernels import CacheLayout, PagedKVCache
 from oscar_math import quantize_int2, unpack_int2
@@ -23,20 +23,6 @@ def test_reference_write_matches_quantize_int2():
     assert torch.equal(cache.k_sink[ws[0], :, :3].transpose(0, 1), kr[:3].bfloat16())
     rows = torch.arange(16, 21) % 5
     assert torch.equal(cache.k_recent[ws[0], :, rows].transpose(0, 1), kr[16:].bfloat16())
-
-
-def assert_one_step_rarely(name, x, y, frac):
-    """At most ``frac`` of the elements differ, each by one code / one bf16 step."""
-    if name.endswith("codes"):
-        diff = unpack_int2(x).int() - unpack_int2(y).int()
-        assert (diff != 0).float().mean() <= frac and diff.abs().max() <= 1, name
-        return
-    xf, yf = x.float(), y.float()
-    off = xf != yf
-    assert off.float().mean() <= frac, (name, int(off.sum()))
-    # one bf16 step is 2^-7 relative; near zero the fp32 rotation's cancellation error is
-    # absolute (~1e-6 of the inputs' size, which is O(1) here), hence the 1e-4 floor
-    assert ((xf - yf).abs() <= 2**-7 * yf.abs() + 1e-4)[off].all(), name
 
 
 @needs_triton

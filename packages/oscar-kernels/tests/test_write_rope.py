@@ -22,10 +22,12 @@ the positions they write.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import conftest
 import pytest
 import torch
-from conftest import DEVICE, dyadic, needs_triton, rand_orth, random_feedback, signed_hadamard
+from conftest import DEVICE, assert_one_step_rarely, dyadic, needs_triton
 
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, allocate_cache, paged_write
 from oscar_math import Int2Quantized, dequantize_int2, quantize_int2, unpack_int2
@@ -61,30 +63,18 @@ def make_params(
     reference, which test_kernel_offset_is_float64_rope_within_float32_angle_rounding bounds).
     ``rope``: ``"freq"`` (real inverse frequencies), ``"zero"`` (all ``θ = 0``: the offset is
     ``m`` at every position) or ``""``."""
-    shape = (d, d) if granularity == "layer" else (h, d, d)
-    rot = signed_hadamard if exact else rand_orth
-    rk, rv = rot(*shape, gen=gen), rot(*shape, gen=gen)
-    mean = dyadic(h, d, gen=gen, scale=16, span=8) if exact else 0.5 * torch.randn(h, d, generator=gen)
-    kw = {}
-    if rope:
-        half = d // 2
-        kw["k_rope_mean"] = rope_mean(h, d, [half // 2, half - 2, half - 1], gen, exact)
-        kw["k_rope_inv_freq"] = inv_freq(d).float() if rope == "freq" else torch.zeros(half)
-    return LayerQuantParams(
-        rk,
-        rv,
-        k_mean=mean,
-        k_clip=0.8 + 0.2 * torch.rand(h, generator=gen),
-        v_clip=0.9,
-        k_feedback=random_feedback(*shape, gen=gen) if "k" in feedback else None,
-        v_feedback=random_feedback(*shape, gen=gen) if "v" in feedback else None,
-        **kw,
+    params = conftest.make_params(h, d, granularity, gen, exact=exact, feedback=feedback)
+    if not rope:
+        return params
+    half = d // 2
+    return replace(
+        params,
+        k_rope_mean=rope_mean(h, d, [half // 2, half - 2, half - 1], gen, exact),
+        k_rope_inv_freq=inv_freq(d).float() if rope == "freq" else torch.zeros(half),
     )
 
 
 def without_rope(p: LayerQuantParams) -> LayerQuantParams:
-    from dataclasses import replace
-
     return replace(p, k_rope_mean=None, k_rope_inv_freq=None)
 
 
@@ -177,18 +167,6 @@ class Scenario:
         return torch.tensor(pos), dequantize_int2(q)
 
 
-def assert_rarely_one_step(name: str, x: torch.Tensor, y: torch.Tensor, frac: float) -> None:
-    """At most ``frac`` of the elements differ, each by one code / one bf16 step."""
-    if name.endswith("codes"):
-        diff = unpack_int2(x).int() - unpack_int2(y).int()
-        assert (diff != 0).float().mean() <= frac and diff.abs().max() <= 1, name
-        return
-    xf, yf = x.float(), y.float()
-    off = xf != yf
-    assert off.float().mean() <= frac, (name, int(off.sum()))
-    assert ((xf - yf).abs() <= 2**-7 * yf.abs() + 1e-4)[off].all(), name
-
-
 def assert_same(a: PagedKVCache, b: PagedKVCache, fields=FIELDS) -> None:
     for f in fields:
         x, y = getattr(a, f), getattr(b, f)
@@ -257,7 +235,7 @@ def test_triton_rope_write_matches_reference(d, h, page, group, sink, recent, fe
     b = sc.fill(params, "torch", cuts=[4], steps=2)
     assert_same(a, b, [f for f in FIELDS if f not in KEY_INT2])
     for f in KEY_INT2:
-        assert_rarely_one_step(f, getattr(a, f), getattr(b, f), 5e-3)
+        assert_one_step_rarely(f, getattr(a, f), getattr(b, f), 5e-3)
 
 
 @needs_triton
