@@ -52,7 +52,8 @@ def test_inspect_table(artifact, capsys):
         "granularity   kv_head",
         "8 sink + 16 recent",
         "key mean      yes",
-        "pre-RoPE mean yes, 16-16 of 16 frequency pairs per layer",
+        # the default's pairs per layer (ROPE_PAIRS_DEFAULT, 8) of this model's d/2 = 16
+        "pre-RoPE mean yes, 8-8 of 16 frequency pairs per layer",
         "(format version 3)",
         "tokens 256",
         "bits/element  1k:",
