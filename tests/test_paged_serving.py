@@ -111,7 +111,10 @@ def test_loop_does_not_depend_on_the_chunk_size(tiny):
     for chunk in (1, 7, RECENT - 1, RECENT + 3):
         got = _lm(model, rot, chunk).final_hidden([seq])[0]
         err = float(((got - want).norm(dim=-1) / want.norm(dim=-1)).max())
-        assert err < (1e-4 if DEVICE == "cpu" else 2e-2), (chunk, err)
+        # CPU: float32 summation order only. 5e-4, not 1e-4, since the default artifact is format 3:
+        # INT2 keys are dequantised + RoPE_p(m)@R_K, a term larger than the residual row, so the same
+        # float32 reorderings move more (1.5e-4 measured in CI at chunk 1; the INT2 effect is ~1e-1)
+        assert err < (5e-4 if DEVICE == "cpu" else 2e-2), (chunk, err)
 
 
 def test_chunked_region_is_the_chunk_granular_rule():
