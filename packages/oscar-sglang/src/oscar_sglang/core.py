@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from oscar_kernels import CacheLayout, ExpandedParams, LayerQuantParams, PagedKVCache, page_bytes
+from oscar_kernels.reference.attention import rope_mean_at
 from oscar_math import unpack_int2
 from oscar_math.artifact import Rotations, load_rotations
 from oscar_math.errors import OscarError
-from oscar_math.rope_center import rope_position_mean
 
 __all__ = [
     "ENV_ROTATIONS",
@@ -351,8 +351,7 @@ def rebuild_windows(
         cache.v_codes[page, :, off], cache.v_scale[page, :, off], cache.v_zero[page, :, off], lo.group
     )
     if params is not None and params.rope_pairs:
-        mu = rope_position_mean(params.k_rope_mean, j, params.k_rope_inv_freq)  # [n, H, d]
-        k = k + torch.einsum("nhd,hde->nhe", mu.to(k.device), params.k_rotation)
+        k = k + rope_mean_at(params, j)  # the term the write took out of INT2 key rows
     k, v = k.to(torch.bfloat16).transpose(0, 1), v.to(torch.bfloat16).transpose(0, 1)  # [H, n, d]
     in_sink = j < s
     if bool(in_sink.any()):

@@ -34,9 +34,14 @@ def rope_mean_rows(ep: ExpandedParams | None, length: int, device: torch.device)
     write subtracted from INT2 row ``p`` (``None`` without a pre-RoPE mean)."""
     if ep is None or ep.k_rope_mean is None:
         return None
-    pos = torch.arange(length, device=device)
-    rm = rope_position_mean(ep.k_rope_mean.to(device), pos, ep.k_rope_inv_freq.to(device))  # [n, H, d]
-    return torch.einsum("nhd,hde->nhe", rm, ep.k_rotation.to(device=device, dtype=torch.float32))
+    return rope_mean_at(ep, torch.arange(length, device=device))
+
+
+def rope_mean_at(ep: ExpandedParams, positions: torch.Tensor) -> torch.Tensor:
+    """``RoPE_p(m) @ R_K`` ``[N, H_kv, d]`` float32 at the INT2 rows' ``positions [N]``."""
+    dev = positions.device
+    rm = rope_position_mean(ep.k_rope_mean.to(dev), positions, ep.k_rope_inv_freq.to(dev))  # [N, H, d]
+    return torch.einsum("nhd,hde->nhe", rm, ep.k_rotation.to(device=dev, dtype=torch.float32))
 
 
 def _pages_rotated(
