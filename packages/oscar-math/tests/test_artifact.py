@@ -298,3 +298,16 @@ def test_save_to_a_folder_names_the_folder_not_a_temp_file(tmp_path):
     with pytest.raises(ArtifactError, match="expected a file name, got the folder") as info:
         save_rotations(tmp_path, identity_rotations("m", 1, 1, 64))
     assert ".tmp" not in str(info.value) and list(tmp_path.iterdir()) == []
+
+
+def test_loads_under_another_default_device(tmp_path):
+    """vLLM builds models (and so loads the artifact) under a CUDA default device; the artifact
+    is host data. The meta device stands in for CUDA on a CPU machine: any factory call without
+    an explicit device would land there and fail beside the CPU tensors read from the file."""
+    path = save_rotations(tmp_path / "r.safetensors", make_rotations())
+    with torch.device("meta"):
+        rot = load_rotations(path)
+        again = dataclasses.replace(rot, model=rot.model + "-copy")  # revalidates
+    for r in (rot, again):
+        assert r.k_rotation[0].device.type == "cpu" and r.v_clip[0].device.type == "cpu"
+    assert torch.equal(rot.k_rotation[0], load_rotations(path).k_rotation[0])

@@ -217,7 +217,9 @@ class Rotations:
                 if kind.endswith("_rotation"):
                     r = t.double()
                     err = (
-                        (r.transpose(-1, -2) @ r - torch.eye(d, dtype=torch.float64)).abs().amax(dim=(-1, -2))
+                        (r.transpose(-1, -2) @ r - torch.eye(d, dtype=torch.float64, device=r.device))
+                        .abs()
+                        .amax(dim=(-1, -2))
                     )
                     worst = int(err.argmax())
                     if float(err[worst]) > ORTHOGONALITY_TOL:
@@ -509,7 +511,10 @@ def load_rotations(
     if not p.is_file():
         raise ArtifactError(f"{p}: not a regular file")
     try:
-        rot = _read(p)
+        # an artifact is host data: engines build models under a CUDA default device
+        # (vLLM does), where a bare torch.eye/zeros would land beside CPU tensors
+        with torch.device("cpu"):
+            rot = _read(p)
     except ArtifactError as e:
         raise ArtifactError(f"{p}: {e}") from e.__cause__
     for key, want in (

@@ -100,7 +100,9 @@ def _artifact_for(vllm_config: Any):  # noqa: ANN202 - Rotations
     hf = mc.hf_text_config
     num_layers = int(hf.num_hidden_layers)
     total_kv = int(mc.get_total_num_kv_heads())
-    return load_checked(settings, num_layers, total_kv, int(mc.get_head_size()))
+    # vLLM builds the layers under its device as the default device; the artifact is host data
+    with torch.device("cpu"):
+        return load_checked(settings, num_layers, total_kv, int(mc.get_head_size()))
 
 
 class _OscarBackendBase(AttentionBackend):
@@ -355,6 +357,7 @@ class OscarAttentionImpl(AttentionImpl):
         if self.cached:
             self._add_window_layers()
         if not self.excluded:
+            self._prepare_params(compat.layer_of_impl(self._cfg, self)[0])
             return
         name, layer = compat.layer_of_impl(self._cfg, self)
         if compat.layer_index(name) in self.excluded:
@@ -362,8 +365,20 @@ class OscarAttentionImpl(AttentionImpl):
                 self._cfg, layer, self._impl_args, self._impl_kwargs, act_dtype
             )
             log.info("OSCAR: %s is excluded: BF16 KV cache through vLLM's %s", name, backend.get_name())
-        elif self.windows is None:
-            self._allocate_windows()
+        else:
+            if self.windows is None:
+                self._allocate_windows()
+            self._prepare_params(name)
+
+    def _prepare_params(self, layer_name: str) -> None:
+        """This layer's rotations etc. on the device, once, at load time: their preparation
+        makes host copies and checks, which a CUDA-graph capture must not meet."""
+        if self._params is not None:
+            return
+        idx = compat.layer_index(layer_name)
+        with torch.device("cpu"):
+            params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
+        self._params = params.expand(self.num_kv_heads, self.head_size, self.device)
 
     def _add_window_layers(self) -> None:
         """Register this layer's window layers (docs/vllm.md, "Prefix caching").
@@ -441,7 +456,8 @@ class OscarAttentionImpl(AttentionImpl):
                     "implementation's process_weights_after_loading), so exclude_layers cannot be honoured; "
                     "serve without exclude_layers"
                 )
-            params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
+            with torch.device("cpu"):
+                params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
             self._params = params.expand(self.num_kv_heads, self.head_size, kv_cache.device)
         if self._cache is None or self._cache_src != kv_cache.data_ptr():
             lo = self.layout
@@ -477,7 +493,7 @@ class OscarAttentionImpl(AttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise OscarError("the OSCAR attention backend does not support fused output quantization")
         assert output is not None
-        if attn_metadata is None:  # profiling / warm-up run without a cache
+        if attn_metadata is None or kv_cache.numel() == 0:  # profiling / warm-up run without a cache
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens

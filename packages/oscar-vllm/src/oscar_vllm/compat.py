@@ -28,6 +28,7 @@ __all__ = [
     "register_backend",
     "register_cpu_override",
     "guard_prefix_caching",
+    "default_max_num_seqs",
     "guard_possible",
     "check_prefix_caching",
     "exact_prefix_caching",
@@ -198,6 +199,80 @@ def guard_prefix_caching() -> None:
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
     cls._initialize_kv_caches = _initialize_kv_caches
+
+
+def default_max_num_seqs() -> None:
+    """Give OSCAR engines a ``max_num_seqs`` default sized to the windows (idempotent).
+
+    vLLM fills in ``max_num_seqs`` in ``EngineArgs`` when the user gave none (1024 on an
+    H100/H200). OSCAR allocates BF16 windows per sequence slot, so that default would take
+    ~45 GiB at Qwen3-8B's shape; :func:`oscar_vllm.settings.default_max_num_seqs` picks the
+    slots whose windows fit in a few percent of the device instead. A user's value is kept.
+    """
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    original = getattr(EngineArgs, "_set_default_max_num_seqs_and_batched_tokens_args", None)
+    if original is None or getattr(original, "_oscar_default", False):
+        return
+
+    def _set_defaults(self: Any, usage_context: Any, model_config: Any, parallel_config: Any) -> Any:
+        user_set = self.max_num_seqs is not None
+        out = original(self, usage_context, model_config, parallel_config)
+        if not user_set and _args_select_oscar(self):
+            engine_default = int(self.max_num_seqs)
+            n = _oscar_max_num_seqs(self, engine_default, model_config, parallel_config)
+            if n < engine_default:
+                log.info(
+                    "OSCAR: max_num_seqs defaults to %d (vLLM's default %d): each sequence slot holds "
+                    "BF16 windows; pass --max-num-seqs to choose",
+                    n,
+                    engine_default,
+                )
+                self.max_num_seqs = n
+        return out
+
+    _set_defaults._oscar_default = True  # type: ignore[attr-defined]
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = _set_defaults
+
+
+def _args_select_oscar(args: Any) -> bool:
+    for value in (
+        getattr(args, "attention_backend", None),
+        getattr(getattr(args, "attention_config", None), "backend", None),
+    ):
+        if getattr(value, "name", value) == BACKEND_NAME:
+            return True
+    return False
+
+
+def _oscar_max_num_seqs(args: Any, engine_default: int, model_config: Any, parallel_config: Any) -> int:
+    from .settings import default_max_num_seqs, settings_from, window_bytes_per_slot
+
+    try:
+        settings = settings_from(getattr(args, "additional_config", None))
+        num_layers = int(model_config.hf_text_config.num_hidden_layers)
+        with torch.device("cpu"):
+            rot = _load_for_defaults(settings, model_config, num_layers)
+        kv = int(model_config.get_num_kv_heads(parallel_config))
+        slot = window_bytes_per_slot(
+            num_layers - len(settings.exclude_layers), kv, rot.head_dim, rot.sink_tokens, rot.recent_tokens
+        )
+        from vllm.platforms import current_platform
+
+        device = int(current_platform.get_device_total_memory())
+    except Exception:  # a bad artifact is reported by the layers at start-up; keep vLLM's default
+        return engine_default
+    return default_max_num_seqs(engine_default, device, slot)
+
+
+def _load_for_defaults(settings: Any, model_config: Any, num_layers: int) -> Any:
+    from .settings import load_checked
+
+    return load_checked(
+        settings, num_layers, int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size())
+    )
 
 
 def _dense_window_checkpoints(cache_config: Any) -> None:

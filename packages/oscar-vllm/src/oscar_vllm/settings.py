@@ -45,6 +45,8 @@ __all__ = [
     "load_checked",
     "shard_kv_heads",
     "check_head_dim",
+    "window_bytes_per_slot",
+    "default_max_num_seqs",
 ]
 
 ENV_ROTATIONS = "OSCAR_ROTATIONS"
@@ -125,6 +127,32 @@ def check_head_dim(head_dim: int) -> None:
         raise OscarError(
             f"the OSCAR kernels need a head dim that is a multiple of 16; this model has head dim {head_dim}"
         )
+
+
+#: share of the device's memory that OSCAR's default ``max_num_seqs`` lets the BF16 windows take
+WINDOW_MEMORY_SHARE = 0.04
+#: OSCAR's default never goes below this many sequences (or the engine's own default)
+MIN_DEFAULT_SEQS = 16
+
+
+def window_bytes_per_slot(int2_layers: int, kv_heads: int, head_dim: int, sink: int, recent: int) -> int:
+    """Bytes of one sequence slot's BF16 windows (K and V, sink + recent rows, every INT2 layer)."""
+    return int2_layers * kv_heads * (sink + recent) * 2 * head_dim * 2
+
+
+def default_max_num_seqs(engine_default: int, device_bytes: int, slot_bytes: int) -> int:
+    """OSCAR's default ``max_num_seqs`` when the user set none.
+
+    Every sequence slot owns BF16 windows allocated up front (45 MiB at Qwen3-8B's shape), so
+    vLLM's own GPU default (1024 slots on an H100/H200) would hand a third of the memory to
+    windows that long requests never fill. The default is the number of slots whose windows
+    take at most :data:`WINDOW_MEMORY_SHARE` of the device, within
+    ``[min(MIN_DEFAULT_SEQS, engine_default), engine_default]``.
+    """
+    if device_bytes <= 0 or slot_bytes <= 0:
+        return engine_default
+    fit = int(WINDOW_MEMORY_SHARE * device_bytes) // slot_bytes
+    return max(min(engine_default, fit), min(engine_default, MIN_DEFAULT_SEQS))
 
 
 @functools.lru_cache(maxsize=4)

@@ -27,6 +27,7 @@ def register() -> None:
         if compat.version_supported(compat.vllm_version()):
             compat.register_cpu_override()
             compat.guard_prefix_caching()
+            compat.default_max_num_seqs()
     except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
         log.warning(
             "oscar-vllm could not register the OSCAR backend with vLLM %s: %s", compat.vllm_version(), e

@@ -1,0 +1,530 @@
+"""vLLM with OSCAR on a GPU, beside vLLM's own BF16 backends in the same run: correctness,
+KV capacity and speed, each engine in its own process.
+
+    python gpu_engine.py suite --out DIR [--only NAME,...] [--qwen CONFIG_DIR] [--smol MODEL_DIR]
+    python gpu_engine.py case '{"name": ..., ...}'        # one engine (what the suite runs)
+
+The suite prints one table and writes ``DIR/gpu_engine.json`` (every case's result, vLLM's
+capacity lines, errors) and ``DIR/gpu_engine.log`` (the tail of every case's log). Models:
+``--qwen`` a folder with the Qwen3-8B-shaped ``config.json`` (dummy weights), ``--smol`` the
+real SmolLM2-135M folder (converted by ``oscar_calib.models``; its artifact is calibrated on
+the GPU by ``oscar calibrate``). ``--tp 2`` runs the Qwen3 cases with tensor parallelism.
+
+Workloads (random token ids, distinct per run unless said otherwise; greedy, ``ignore_eos``):
+
+* ``capacity``: vLLM's own ``KV cache size`` and ``Maximum concurrency`` lines.
+* ``decode CTX BATCH GEN``: ``BATCH`` prompts of ``CTX`` tokens generating ``GEN`` tokens, and
+  other prompts of the same shape generating 1; decode tokens/s = ``BATCH·(GEN-1) / (t_GEN - t_1)``,
+  prefill time = ``t_1``.
+* ``shared CTX BATCH GEN``: one ``CTX``-token prefix computed once, then ``BATCH`` requests of
+  that prefix + 16 own tokens (prefix-cache hits) — decode at a batch no backend could prefill
+  within the device budget; every backend gets the same treatment.
+* ``greedy``: token ids of fixed prompts (compared across cases by the suite).
+* ``ppl``: prompt-logprob perplexity of fixed text windows (real weights only).
+* ``repeat``: a prompt twice (the second a prefix-cache hit) and its continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULT = "RESULT "
+CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
+CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+OSCAR_SEQS = re.compile(r"OSCAR: max_num_seqs defaults to (\d+)")
+
+
+# ---- one engine (runs in its own process) ---------------------------------------------------
+
+
+def _prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def _timed(llm, prompts: list[list[int]], sp) -> tuple[float, list]:  # noqa: ANN001
+    t = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return time.perf_counter() - t, out
+
+
+def _diagnostics(llm) -> dict:  # noqa: ANN001
+    """OSCAR's own counters from the in-process worker (restores, records checked, mode)."""
+    try:
+        from vllm.config import get_current_vllm_config  # noqa: F401
+
+        core = llm.llm_engine.engine_core.engine_core  # in-process engine core (no multiprocessing)
+        runner = core.model_executor.driver_worker.worker.model_runner
+        ctx = runner.vllm_config.compilation_config.static_forward_context
+    except Exception as e:  # another executor layout: diagnostics are optional
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+    impls = [
+        layer.impl
+        for layer in ctx.values()
+        if type(getattr(layer, "impl", None)).__name__ == "OscarAttentionImpl"
+    ]
+    out: dict = {"oscar_layers": len(impls)}
+    if impls:
+        i = impls[0]
+        out.update(cached=bool(i.cached), transient=bool(i.transient), max_seqs=int(i.max_seqs))
+        out["window_bytes_per_layer"] = sum(w.numel() * w.element_size() for w in (i.windows or ()))
+    groups = getattr(runner, "attn_groups", None)
+    if groups:
+        for gs in groups:
+            for g in gs:
+                b = g.get_metadata_builder() if hasattr(g, "get_metadata_builder") else None
+                tr = getattr(b, "tracker", None)
+                if tr is not None:
+                    out["restores"] = int(tr.restores)
+                st = getattr(b, "stamps", None)
+                if st is not None:
+                    out["records_checked"] = int(st.checked)
+    return out
+
+
+def run_case(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+
+    res: dict = {"name": spec["name"]}
+    kw = dict(model=spec["model"], **spec.get("llm", {}))
+    if spec.get("dummy", True):
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
+    if spec["backend"] == "OSCAR":
+        import oscar_vllm
+
+        kw.update(oscar_vllm.llm_kwargs(spec["artifact"], **spec.get("oscar", {})))
+    else:
+        kw["attention_config"] = {"backend": spec["backend"]}
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    res["start_s"] = round(time.perf_counter() - t, 1)
+    cfg = llm.llm_engine.vllm_config
+    res["max_num_seqs"] = int(cfg.scheduler_config.max_num_seqs)
+    res["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
+    res["kv_cache_size_tokens"] = getattr(cfg.cache_config, "kv_cache_size_tokens", None)
+    res["num_gpu_blocks"] = getattr(cfg.cache_config, "num_gpu_blocks", None)
+    res["v2_runner"] = bool(getattr(cfg, "use_v2_model_runner", False))
+    vocab = int(cfg.model_config.get_vocab_size())
+    greedy = dict(temperature=0, ignore_eos=True, detokenize=False)
+    seed = 1000
+    for w in spec.get("work", []):
+        kind = w[0]
+        seed += 17
+        try:
+            if kind == "decode":
+                _, ctx, batch, gen = w
+                t_gen, out = _timed(
+                    llm, _prompts(batch, ctx, seed, vocab), SamplingParams(max_tokens=gen, **greedy)
+                )
+                t_one, _ = _timed(
+                    llm, _prompts(batch, ctx, seed + 1, vocab), SamplingParams(max_tokens=1, **greedy)
+                )
+                ok = all(len(o.outputs[0].token_ids) == gen for o in out)
+                res[f"decode_{ctx}x{batch}"] = dict(
+                    t_gen=round(t_gen, 3),
+                    t_prefill=round(t_one, 3),
+                    decode_tok_s=round(batch * (gen - 1) / max(t_gen - t_one, 1e-9), 1),
+                    all_tokens=ok,
+                )
+            elif kind == "shared":
+                _, ctx, batch, gen = w
+                prefix = _prompts(1, ctx, seed, vocab)[0]
+                tails = _prompts(2 * batch + 1, 16, seed + 1, vocab)
+                _timed(
+                    llm, [prefix + tails[-1]], SamplingParams(max_tokens=1, **greedy)
+                )  # computes the prefix
+                t_gen, out = _timed(
+                    llm, [prefix + x for x in tails[:batch]], SamplingParams(max_tokens=gen, **greedy)
+                )
+                t_one, _ = _timed(
+                    llm,
+                    [prefix + x for x in tails[batch : 2 * batch]],
+                    SamplingParams(max_tokens=1, **greedy),
+                )
+                res[f"shared_{ctx}x{batch}"] = dict(
+                    t_gen=round(t_gen, 3),
+                    t_hits=round(t_one, 3),
+                    decode_tok_s=round(batch * (gen - 1) / max(t_gen - t_one, 1e-9), 1),
+                    all_tokens=all(len(o.outputs[0].token_ids) == gen for o in out),
+                )
+            elif kind == "greedy":
+                _, lens, gen = w
+                prompts = [_prompts(1, n, 7 + n, vocab)[0] for n in lens]  # the same in every case
+                _, out = _timed(llm, prompts, SamplingParams(max_tokens=gen, **greedy))
+                res["greedy"] = [list(o.outputs[0].token_ids) for o in out]
+            elif kind == "ppl":
+                _, windows = w
+                sp = SamplingParams(max_tokens=1, prompt_logprobs=0, **greedy)
+                _, out = _timed(llm, windows, sp)
+                nll = []
+                for o, ids in zip(out, windows, strict=True):
+                    lp = o.prompt_logprobs
+                    nll.append([-lp[i][ids[i]].logprob for i in range(1, len(ids))])
+                flat = [x for row in nll for x in row]
+                res["ppl"] = math.exp(sum(flat) / len(flat))
+                res["ppl_per_window"] = [math.exp(sum(r) / len(r)) for r in nll]
+            elif kind == "repeat":
+                _, length, gen = w
+                p = _prompts(1, length, 4242, vocab)[0]
+                sp = SamplingParams(max_tokens=gen, prompt_logprobs=0, logprobs=0, **greedy)
+                _, a = _timed(llm, [p], sp)
+                other = _prompts(1, length, 4343, vocab)[0]
+                _timed(llm, [other], SamplingParams(max_tokens=gen, **greedy))  # takes the window slot
+                _, b = _timed(llm, [p], sp)
+                cont = p + list(a[0].outputs[0].token_ids)
+                _, c = _timed(llm, [cont], SamplingParams(max_tokens=gen, **greedy))
+
+                def plp(o) -> list[float]:  # noqa: ANN001
+                    return [
+                        d[t].logprob
+                        for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:], strict=True)
+                    ]
+
+                res["repeat"] = dict(
+                    cached_tokens=[getattr(x[0], "num_cached_tokens", None) for x in (a, b, c)],
+                    tokens_equal=list(a[0].outputs[0].token_ids) == list(b[0].outputs[0].token_ids),
+                    max_prompt_logprob_diff=max(
+                        abs(x - y) for x, y in zip(plp(a[0]), plp(b[0]), strict=True)
+                    ),
+                    continuation=list(c[0].outputs[0].token_ids),
+                )
+            elif kind == "many":  # more requests than the KV budget holds at once: vLLM preempts
+                _, n, length, gen = w
+                prompts = [_prompts(1, length, 900 + i, vocab)[0] for i in range(n)]
+                _, out = _timed(llm, prompts, SamplingParams(max_tokens=gen, **greedy))
+                res["many"] = [list(o.outputs[0].token_ids) for o in out]
+            else:
+                raise ValueError(f"unknown workload {kind}")
+        except Exception as e:  # keep the engine's other workloads
+            res.setdefault("errors", []).append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    res["oscar"] = _diagnostics(llm) if spec["backend"] == "OSCAR" else None
+    return res
+
+
+# ---- the suite --------------------------------------------------------------------------------
+
+
+def _cases(a: argparse.Namespace) -> list[dict]:
+    q, s, tp = a.qwen, a.smol, a.tp
+    cases: list[dict] = []
+    smol_art = str(Path(a.out) / "smollm2.oscar.safetensors")
+    qwen_art = str(Path(a.out) / "qwen3-8b-shape.identity.safetensors")
+    # SmolLM2, real weights: the same prompts through every configuration
+    g = ["greedy", [40, 300, 700, 1500], 24]
+    small = {"max_model_len": 4096, "gpu_memory_utilization": 0.25}
+    if s:
+        base = dict(model=s, dummy=False, artifact=smol_art)
+        ppl = ["ppl", a.ppl_windows]
+        for name, backend, eager, cache in (
+            ("smol-bf16-eager", "TRITON_ATTN", True, True),
+            ("smol-oscar-eager-nocache", "OSCAR", True, False),
+            ("smol-oscar-eager-cache", "OSCAR", True, True),
+            ("smol-oscar-graph-cache", "OSCAR", False, True),
+            ("smol-oscar-graph-nocache", "OSCAR", False, False),
+        ):
+            work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
+            llm = dict(small, enforce_eager=eager, enable_prefix_caching=cache)
+            cases.append(dict(base, name=name, backend=backend, llm=llm, work=work))
+        # preemption: 24 requests of 1,500 + 64 tokens in a KV budget of ~8k tokens
+        tight = dict(small, enforce_eager=False, kv_cache_memory_bytes=8 << 20, max_num_seqs=16)
+        cases.append(
+            dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
+        )
+        cases.append(
+            dict(
+                base,
+                name="smol-oscar-many-roomy",
+                backend="OSCAR",
+                llm=dict(small, max_num_seqs=16),
+                work=[["many", 24, 1500, 64]],
+            )
+        )
+        cases.append(
+            dict(
+                base,
+                name="smol-bad-artifact",
+                backend="OSCAR",
+                artifact="/nonexistent/rot.safetensors",
+                llm=dict(small, enforce_eager=True),
+                work=[],
+                expect_fail=True,
+            )
+        )
+    if q:
+        big = {"tensor_parallel_size": tp} if tp > 1 else {}
+        if a.capture_sizes:
+            big["compilation_config"] = {"cudagraph_capture_sizes": a.capture_sizes}
+        w = [["decode", 32768, 8, 64], ["decode", 130000, 1, 64]]
+        for name, backend, cache, extra in (
+            ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
+            ("qwen-oscar-cache", "OSCAR", True, {}),
+            ("qwen-oscar-nocache", "OSCAR", False, {}),
+            ("qwen-bf16-triton", "TRITON_ATTN", True, {}),
+        ):
+            if a.skip_triton and backend == "TRITON_ATTN":
+                continue
+            llm = dict(big, enable_prefix_caching=cache, **extra)
+            cases.append(
+                dict(
+                    name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w), shared=True
+                )
+            )
+    only = set(filter(None, (a.only or "").split(",")))
+    return [c for c in cases if not only or c["name"] in only]
+
+
+def _run_one(spec: dict, timeout: float, log) -> dict:  # noqa: ANN001
+    cmd = [sys.executable, __file__, "case", json.dumps(spec)]
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text += (
+            (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        )
+        rc = "timeout"
+    wall = round(time.perf_counter() - t, 1)
+    res: dict = {"name": spec["name"], "rc": rc, "wall_s": wall}
+    for line in text.splitlines():
+        if line.startswith(RESULT):
+            res.update(json.loads(line[len(RESULT) :]))
+    cap = CAPACITY.findall(text)
+    if cap:
+        res["log_kv_tokens"] = int(cap[-1].replace(",", ""))
+    conc = CONCURRENCY.findall(text)
+    if conc:
+        res["log_concurrency"] = [int(conc[-1][0].replace(",", "")), float(conc[-1][1])]
+    m = OSCAR_SEQS.findall(text)
+    if m:
+        res["oscar_default_max_num_seqs"] = int(m[-1])
+    tail_lines = text.splitlines()
+    res["oscar_lines"] = [ln[-300:] for ln in tail_lines if "OSCAR" in ln and "Traceback" not in ln][:12]
+    if rc not in (0,):
+        errs = [ln for ln in tail_lines if "Error" in ln or "error" in ln][-6:]
+        res["error_lines"] = [e[-400:] for e in errs]
+        res["last_line"] = tail_lines[-1][-400:] if tail_lines else ""
+        res["log_lines"] = len(tail_lines)
+        res["tracebacks"] = text.count("Traceback (most recent call last)")
+    log.write(f"\n===== {spec['name']} rc={rc} wall={wall}s =====\n")
+    log.write("\n".join(tail_lines[-(60 if rc else 25) :]) + "\n")
+    log.flush()
+    return res
+
+
+def _artifacts(a: argparse.Namespace) -> None:
+    """The SmolLM2 artifact (``oscar calibrate`` on the GPU) and a Qwen3-shape identity artifact."""
+    out = Path(a.out)
+    if a.qwen:
+        from oscar_math.artifact import save_rotations
+
+        save_rotations(
+            out / "qwen3-8b-shape.identity.safetensors", _qwen_artifact(Path(a.qwen) / "config.json")
+        )
+    if a.smol and not (out / "smollm2.oscar.safetensors").exists():
+        t = time.perf_counter()
+        subprocess.run(
+            [
+                "oscar",
+                "calibrate",
+                a.smol,
+                "--device",
+                "cuda",
+                "--tokens",
+                "16384",
+                "--out",
+                str(out / "smollm2.oscar.safetensors"),
+            ],
+            check=True,
+        )
+        print(f"calibrated SmolLM2 on the GPU in {time.perf_counter() - t:.1f}s", flush=True)
+
+
+def _qwen_artifact(config: Path):  # noqa: ANN202 - Rotations
+    """A format-3 artifact of the dummy model's shape with what the default serves: per-KV-head
+    rotations (identity: dummy weights have no statistics), a key mean and a pre-RoPE key mean on
+    8 frequency pairs (the default's decode cost), clip 0.9."""
+    import dataclasses
+
+    import torch
+
+    from oscar_math.artifact import identity_rotations
+
+    cfg = json.loads(config.read_text())
+    n, h, d = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    rot = identity_rotations("qwen3-8b-shape", n, h, d, granularity="kv_head", k_clip=0.9, v_clip=0.9)
+    g = torch.Generator().manual_seed(0)
+    rope = []
+    for _ in range(n):
+        m = torch.zeros(h, d)
+        pairs = torch.arange(8)
+        m[:, pairs] = torch.randn(h, 8, generator=g)
+        m[:, pairs + d // 2] = torch.randn(h, 8, generator=g)
+        rope.append(m)
+    inv_freq = 1.0 / (
+        float(cfg.get("rope_theta", 10000.0)) ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    )
+    return dataclasses.replace(
+        rot,
+        k_mean=[0.1 * torch.randn(h, d, generator=g) for _ in range(n)],
+        k_rope_mean=rope,
+        rope_inv_freq=inv_freq,
+    )
+
+
+def _ppl_windows(model: str, n: int, length: int) -> list[list[int]]:
+    """Held-out text windows (the harness's evaluation text) as token ids."""
+    from transformers import AutoTokenizer
+
+    from oscar_calib.text import builtin_text, split_text
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok(split_text(builtin_text())[1], return_tensors=None)["input_ids"]
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
+
+
+def _compare(results: dict) -> dict:
+    """Cross-case checks: greedy agreement with BF16, preemption outputs, capacity ratios."""
+    out: dict = {}
+    ref = results.get("smol-bf16-eager", {}).get("greedy")
+    for name, r in results.items():
+        gr = r.get("greedy")
+        if ref and gr and name != "smol-bf16-eager":
+            agree = []
+            for x, y in zip(ref, gr, strict=False):
+                k = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), len(x))
+                agree.append(k)
+            out[f"greedy_first_divergence[{name}]"] = agree
+    oscar_graph = results.get("smol-oscar-graph-cache", {}).get("greedy")
+    oscar_eager = results.get("smol-oscar-eager-cache", {}).get("greedy")
+    if oscar_graph and oscar_eager:
+        out["oscar_graph_vs_eager_equal"] = oscar_graph == oscar_eager
+    a, b = (
+        results.get("smol-oscar-preempt", {}).get("many"),
+        results.get("smol-oscar-many-roomy", {}).get("many"),
+    )
+    if a and b:
+        out["preempt_requests_equal"] = sum(x == y for x, y in zip(a, b, strict=True))
+        out["preempt_requests"] = len(a)
+    bf = results.get("qwen-bf16-fa3", {})
+    for name in ("qwen-oscar-cache", "qwen-oscar-nocache", "qwen-bf16-triton"):
+        r = results.get(name, {})
+        if bf.get("log_kv_tokens") and r.get("log_kv_tokens"):
+            out[f"capacity_ratio[{name}]"] = round(r["log_kv_tokens"] / bf["log_kv_tokens"], 2)
+        for k, v in r.items():
+            if k.startswith(("decode_", "shared_")) and isinstance(v, dict):
+                base = bf.get(k)
+                if base and base.get("decode_tok_s"):
+                    out[f"{k}_ratio[{name}]"] = round(v["decode_tok_s"] / base["decode_tok_s"], 2)
+                if base and k.startswith("decode_") and base.get("t_prefill"):
+                    out[f"{k}_prefill_ratio[{name}]"] = round(v["t_prefill"] / base["t_prefill"], 2)
+    return out
+
+
+def suite(a: argparse.Namespace) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _artifacts(a)
+    if a.smol and a.ppl_n:
+        a.ppl_windows = _ppl_windows(a.smol, a.ppl_n, a.ppl_len)
+    else:
+        a.ppl_windows = None
+    cases = _cases(a)
+    results: dict = {}
+    t0 = time.perf_counter()
+    with open(out / "gpu_engine.log", "w") as log:
+        for spec in cases:
+            left = a.budget_s - (time.perf_counter() - t0)
+            if left < 30:
+                results[spec["name"]] = {"name": spec["name"], "rc": "skipped: budget"}
+                continue
+            if spec.get("shared") and spec["name"] != "qwen-bf16-triton":
+                spec = dict(spec, work=spec["work"] + [["shared", 100000, _shared_batch(spec, results), 64]])
+            r = _run_one(spec, min(a.case_timeout, left), log)
+            if spec.get("expect_fail"):
+                r["ok"] = r["rc"] not in (0, "timeout")
+            results[spec["name"]] = r
+            errs = r.get("errors") or r.get("error_lines")
+            print(
+                f"{spec['name']}: rc={r['rc']} wall={r['wall_s']}s kv={r.get('log_kv_tokens')} errors={errs}",
+                flush=True,
+            )
+            (out / "gpu_engine.json").write_text(json.dumps({"results": results}, indent=1))
+    summary = _compare(results)
+    (out / "gpu_engine.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1))
+    _table(results, summary)
+    return 0
+
+
+def _shared_batch(spec: dict, results: dict) -> int:
+    """The largest batch of 100k-token requests the backend's own capacity line allows (the
+    OSCAR cases run after BF16, whose number is known; their own is read from a plan)."""
+    kv = {"qwen-bf16-fa3": 741_392}.get(spec["name"])
+    if spec["backend"] == "OSCAR":
+        return 48 if spec["llm"].get("enable_prefix_caching", True) else 48
+    return max(1, (results.get(spec["name"], {}).get("log_kv_tokens") or kv or 741_392) // 100_064)
+
+
+def _table(results: dict, summary: dict) -> None:
+    print(f"\n{'case':28} {'rc':>7} {'start':>6} {'KV tokens':>10} {'seqs':>5}  workloads")
+    for name, r in results.items():
+        w = []
+        for k, v in r.items():
+            if isinstance(v, dict) and "decode_tok_s" in v:
+                w.append(
+                    f"{k}={v['decode_tok_s']} tok/s"
+                    + (f" (prefill {v['t_prefill']}s)" if "t_prefill" in v else "")
+                )
+        if "ppl" in r:
+            w.append(f"ppl={r['ppl']:.4f}")
+        if "repeat" in r:
+            rp, dl = r["repeat"], "max_prompt_logprob_diff"
+            w.append(f"repeat: cached={rp['cached_tokens']} equal={rp['tokens_equal']} dlp={rp[dl]:.3g}")
+        cols = [str(r.get(k, "")) for k in ("rc", "start_s", "log_kv_tokens", "max_num_seqs")]
+        print(f"{name:28} {cols[0]:>7} {cols[1]:>6} {cols[2]:>10} {cols[3]:>5}  {'; '.join(w)}")
+        for e in (r.get("errors") or []) + (r.get("error_lines") or [])[-2:]:
+            print(f"{'':28}   ! {e[:200]}")
+    print()
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("suite")
+    s.add_argument("--out", required=True)
+    s.add_argument("--only", default="")
+    s.add_argument("--qwen", default="")
+    s.add_argument("--smol", default="")
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--budget-s", type=float, default=540)
+    s.add_argument("--case-timeout", type=float, default=300)
+    s.add_argument("--capture-sizes", type=lambda x: [int(v) for v in x.split(",")], default=None)
+    s.add_argument("--skip-triton", action="store_true")
+    s.add_argument("--ppl-n", type=int, default=4)
+    s.add_argument("--ppl-len", type=int, default=2048)
+    c = sub.add_parser("case")
+    c.add_argument("spec")
+    a = p.parse_args()
+    if a.cmd == "case":
+        res = run_case(json.loads(a.spec))
+        print(RESULT + json.dumps(res), flush=True)
+        return 0
+    return suite(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
