@@ -236,8 +236,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
             llm = dict(small, enforce_eager=eager, enable_prefix_caching=cache)
             cases.append(dict(base, name=name, backend=backend, llm=llm, work=work))
-        # preemption: 24 requests of 1,500 + 64 tokens in a KV budget of ~8k tokens
-        tight = dict(small, enforce_eager=False, kv_cache_memory_bytes=8 << 20, max_num_seqs=16)
+        # preemption: 24 requests of 1,500 + 64 tokens; 160 MiB = 16 slots' windows (118 MB) + ~10k INT2 tokens
+        tight = dict(small, enforce_eager=True, kv_cache_memory_bytes=160 << 20, max_num_seqs=16)
         cases.append(
             dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
         )
@@ -450,7 +450,12 @@ def suite(a: argparse.Namespace) -> int:
             if left < 30:
                 results[spec["name"]] = {"name": spec["name"], "rc": "skipped: budget"}
                 continue
-            if spec.get("shared") and spec["name"] != "qwen-bf16-triton":
+            # prefix-cache hits stand in for prefills only where caching is on
+            if (
+                spec.get("shared")
+                and spec["llm"].get("enable_prefix_caching", True)
+                and "triton" not in spec["name"]
+            ):
                 spec = dict(spec, work=spec["work"] + [["shared", 100000, _shared_batch(spec, results), 64]])
             r = _run_one(spec, min(a.case_timeout, left), log)
             if spec.get("expect_fail"):
