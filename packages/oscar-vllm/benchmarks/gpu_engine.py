@@ -236,7 +236,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
             llm = dict(small, enforce_eager=eager, enable_prefix_caching=cache)
             cases.append(dict(base, name=name, backend=backend, llm=llm, work=work))
-        # preemption: 24 requests of 1,500 + 64 tokens; 160 MiB = 16 slots' windows (118 MB) + ~10k INT2 tokens
+        # preemption: 24 requests of 1,500 + 64 tokens; 160 MiB = 16 slots' windows (118 MB) + ~10k tokens
         tight = dict(small, enforce_eager=True, kv_cache_memory_bytes=160 << 20, max_num_seqs=16)
         cases.append(
             dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
@@ -246,7 +246,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
                 base,
                 name="smol-oscar-many-roomy",
                 backend="OSCAR",
-                llm=dict(small, max_num_seqs=16),
+                llm=dict(small, enforce_eager=True, max_num_seqs=16),
                 work=[["many", 24, 1500, 64]],
             )
         )
