@@ -17,10 +17,17 @@ __all__ = ["rotate_queries", "rotate_chunk", "unrotate_output"]
 
 
 def _per_head_matmul(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """``x[..., H_kv, G, d] @ rot[H_kv, d, d]``; one matmul when ``rot`` is shared."""
+    """``x[..., H_kv, G, d] @ rot[H_kv, d, d]``; one matmul when ``rot`` is shared.
+
+    One batched matmul over the heads: ``x @ rot`` would broadcast ``rot`` to every leading
+    index and materialise it (8 GiB for a 16k-token chunk at 8 KV heads × 128).
+    """
     if rot.stride(0) == 0:  # one rotation per layer, expanded with stride 0
         return x @ rot[0]
-    return x @ rot
+    *lead, h, g, d = x.shape
+    xt = x.reshape(-1, h, g, d).transpose(0, 1).reshape(h, -1, d)  # [H, N·G, d]
+    y = torch.bmm(xt, rot)
+    return y.reshape(h, -1, g, d).transpose(0, 1).reshape(*lead, h, g, d)
 
 
 def rotate_queries(q: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
