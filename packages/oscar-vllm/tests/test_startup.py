@@ -153,6 +153,16 @@ def test_launching_process_ends_with_the_oscar_line(tmp_path, method):
     assert sum(line.startswith("OSCAR: ") for line in lines) == 1
 
 
+def test_no_line_when_the_launching_process_handled_the_failure(tmp_path):
+    """A test that expects an engine to fail (or a script that retries) ends without the line."""
+    script = tmp_path / "launch.py"
+    script.write_text(_LAUNCH.replace("raise RuntimeError(", "print("))
+    r = subprocess.run([sys.executable, str(script), "spawn"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "WorkerProc failed to start." in r.stderr  # the child did record it
+    assert "OSCAR:" not in r.stderr + r.stdout
+
+
 def test_no_line_without_an_oscar_error(tmp_path):
     script = tmp_path / "launch.py"
     script.write_text(
@@ -161,3 +171,11 @@ def test_no_line_without_an_oscar_error(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "ValueError: something else" in r.stderr
     assert "OSCAR:" not in r.stderr
+
+
+def test_the_packages_records_go_through_vllms_logger():
+    pytest.importorskip("vllm", reason="vLLM is not installed (run the nox session 'vllm')")
+    from oscar_vllm import register
+
+    register()
+    assert logging.getLogger("oscar_vllm").parent is logging.getLogger("vllm")

@@ -13,10 +13,13 @@ cause is easy to miss. The plugin (loaded by vLLM in every process) therefore:
   handlers do, and vLLM's own factory wraps whatever is installed);
 * in the launching process (the one that is not a ``multiprocessing`` child: ``vllm serve``,
   the api_server, a script building ``LLM``), names that file in ``$OSCAR_VLLM_ERROR_FILE``
-  (inherited by the engine processes it starts), notes an uncaught OscarError of its own
-  (``sys.excepthook``, after the usual traceback), and at exit prints each recorded message once
-  as ``OSCAR: <message>`` on stderr, then removes the file. The atexit hook is registered when
-  vLLM loads plugins, before vLLM's own, so it runs after them: the line comes last.
+  (inherited by the engine processes it starts) and wraps ``sys.excepthook``: when the process
+  dies of an uncaught exception (vLLM's server raises ``Engine core initialization failed`` out of
+  ``main``; so does a script whose ``LLM(...)`` fails), it notes an OscarError in that exception's
+  own chain, and at exit prints each recorded message once as ``OSCAR: <message>`` on stderr. The
+  file is removed at exit either way. A process that handled the failure (a test expecting it,
+  a script retrying) prints nothing. The atexit hook is registered when vLLM loads plugins,
+  before vLLM's own, so it runs after them: the line comes last.
 
 Nothing is hidden or changed: tracebacks and exit statuses stay vLLM's, and an error that is
 not an OscarError produces no line.
@@ -42,6 +45,7 @@ ENV = "OSCAR_VLLM_ERROR_FILE"
 PREFIX = "OSCAR: "
 
 _installed = False
+_dying = False  # the launching process is exiting on an uncaught exception
 
 
 def oscar_error_in(exc: BaseException | None) -> OscarError | None:
@@ -75,10 +79,10 @@ def note(exc: BaseException | None, path: str | None = None) -> None:
         pass
 
 
-def report(path: str, stream: Any = None) -> list[str]:
-    """Print each distinct recorded message once as ``OSCAR: <message>``; remove the file.
+def report(path: str, stream: Any = None, show: bool = True) -> list[str]:
+    """Print (if ``show``) each distinct recorded message once as ``OSCAR: <message>``; remove the file.
 
-    Returns the printed lines.
+    Returns the recorded lines.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -93,7 +97,7 @@ def report(path: str, stream: Any = None) -> list[str]:
     except OSError:
         return []
     out = [PREFIX + m for m in messages]
-    if out:
+    if out and show:
         stream = stream or sys.stderr
         print("\n".join(out), file=stream, flush=True)
     return out
@@ -115,10 +119,16 @@ class _RecordFactory:
 
 def _excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        global _dying
         previous(exc_type, exc, tb)  # the usual traceback first
+        _dying = True
         note(exc)
 
     return hook
+
+
+def _at_exit(path: str) -> None:
+    report(path, show=_dying)
 
 
 def _path_for(pid: int) -> str:
@@ -141,7 +151,7 @@ def install() -> None:
                 pass
         os.environ[ENV] = path
         sys.excepthook = _excepthook(sys.excepthook)
-        atexit.register(report, path)
+        atexit.register(_at_exit, path)
     factory = logging.getLogRecordFactory()
     if not isinstance(factory, _RecordFactory):
         logging.setLogRecordFactory(_RecordFactory(factory))

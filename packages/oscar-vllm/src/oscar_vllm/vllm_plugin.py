@@ -26,6 +26,11 @@ def register() -> None:
     if _done:
         return
     _done = True
+    # The package's own records (compat, backend) go through vLLM's handler, format and level: a
+    # logger outside the "vllm" tree has no handler in a vLLM process (its INFO lines were lost and
+    # its warnings printed bare, looking like exit_report's "OSCAR: ..." line). "oscar_vllm" has no
+    # dot, so no logger created later can become its parent instead.
+    log.parent = logging.getLogger("vllm")
     try:
         exit_report.install()
         compat.register_backend()
