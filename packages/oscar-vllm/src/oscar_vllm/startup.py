@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .settings import cell_bytes
+from .settings import cell_bytes, window_bytes_per_slot
 
 __all__ = [
     "bits_per_element",
@@ -106,7 +106,7 @@ def kv_line(
     bf16_token = num_layers * kv_heads * head_dim * 4  # K and V, 2 bytes each
     oscar_token = int2 * kv_heads * cell_bytes(head_dim, group) + num_excluded * kv_heads * head_dim * 4
     pages = num_blocks * block_size * oscar_token
-    windows = int2 * max_seqs * kv_heads * window_tokens * head_dim * 4
+    windows = max_seqs * window_bytes_per_slot(int2, kv_heads, head_dim, window_tokens, 0)
     # BF16 would have both: no windows, so their memory would hold pages too (whole blocks). vLLM's
     # unused remainder (under one OSCAR block) is not known here: "about", low by at most ~1 block
     bf16_tokens = (pages + windows) // bf16_token // block_size * block_size
