@@ -12,10 +12,12 @@ from oscar_vllm import compat
 from oscar_vllm.settings import (
     OscarSettings,
     check_head_dim,
+    default_max_num_seqs,
     load_checked,
     settings_from,
     shard_kv_heads,
     shard_params,
+    window_bytes_per_slot,
 )
 
 
@@ -238,3 +240,69 @@ def test_window_records_mode_follows_the_model_runner_unless_chosen():
     assert compat.window_records_mode(cfg(v2=True, caching=False)) is None
     with pytest.raises(OscarError, match="window_records"):
         settings_from({"oscar": {"rotations": "r", "window_records": "sometimes"}})
+
+
+# ---- OSCAR's max_num_seqs default: windows per slot, a share of the device --------------------
+
+
+def test_window_bytes_per_slot_counts_k_and_v_sink_and_recent_rows_of_every_int2_layer():
+    # Qwen3-8B: 36 layers x 8 KV heads x (64 + 256) rows x (K, V) x 128 x 2 bytes = 45 MiB
+    assert window_bytes_per_slot(36, 8, 128, 64, 256) == 36 * 8 * 320 * 2 * 128 * 2 == 47_185_920
+    assert window_bytes_per_slot(33, 8, 128, 64, 256) < window_bytes_per_slot(36, 8, 128, 64, 256)
+
+
+def test_default_max_num_seqs_fits_the_windows_in_a_share_of_the_device():
+    h200, slot = 150_754_820_096, window_bytes_per_slot(36, 8, 128, 64, 256)
+    n = default_max_num_seqs(1024, h200, slot)
+    assert n == int(0.04 * h200) // slot == 127  # what vLLM 0.33 logged on the H200
+    assert n * slot <= 0.04 * h200 < (n + 1) * slot
+    assert default_max_num_seqs(100, h200, slot) == 100  # never above the engine's default
+    assert default_max_num_seqs(1024, 10 * slot, slot) == 16  # never below 16 ...
+    assert default_max_num_seqs(8, 10 * slot, slot) == 8  # ... unless the engine's default is lower
+    assert default_max_num_seqs(256, 0, slot) == 256  # device size unknown: the engine's default
+
+
+class _Args:
+    """Stands in for vLLM's EngineArgs: the method vLLM uses to fill in max_num_seqs."""
+
+    def __init__(self, max_num_seqs, backend, rotations):
+        self.max_num_seqs = max_num_seqs
+        self.attention_backend = None
+        self.attention_config = type("A", (), {"backend": backend})()
+        self.additional_config = {"oscar": {"rotations": rotations}}
+
+    def _set_default_max_num_seqs_and_batched_tokens_args(self, usage_context, model_config, parallel_config):
+        if self.max_num_seqs is None:
+            self.max_num_seqs = 1024
+
+
+class _ModelConfig:
+    hf_text_config = type("H", (), {"num_hidden_layers": 4})()
+
+    def get_num_kv_heads(self, parallel_config):
+        return 2
+
+    def get_total_num_kv_heads(self):
+        return 2
+
+    def get_head_size(self):
+        return 64
+
+
+def test_oscar_engines_get_the_window_sized_default_and_a_users_value_is_kept(tmp_path, monkeypatch):
+    path = str(save_rotations(tmp_path / "r.safetensors", identity_rotations("m", 4, 2, 64)))
+    slot = window_bytes_per_slot(4, 2, 64, 64, 256)
+    monkeypatch.setattr(compat, "_device_total_memory", lambda: 50 * slot * 25)  # 4 % = 50 slots
+    cls = type("Args", (_Args,), {})
+    compat.wrap_max_num_seqs_default(cls)
+    compat.wrap_max_num_seqs_default(cls)  # idempotent: wrapped once
+
+    def run(seqs, backend="OSCAR", rotations=path):
+        a = cls(seqs, backend, rotations)
+        a._set_default_max_num_seqs_and_batched_tokens_args(None, _ModelConfig(), None)
+        return a.max_num_seqs
+
+    assert run(None) == 50
+    assert run(300) == 300  # the user's value
+    assert run(None, backend="FLASH_ATTN") == 1024  # other backends: vLLM's default
+    assert run(None, rotations=str(tmp_path / "missing.safetensors")) == 1024  # reported at start-up instead

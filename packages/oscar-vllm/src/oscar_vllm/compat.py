@@ -29,6 +29,7 @@ __all__ = [
     "register_cpu_override",
     "guard_prefix_caching",
     "default_max_num_seqs",
+    "wrap_max_num_seqs_default",
     "guard_possible",
     "check_prefix_caching",
     "exact_prefix_caching",
@@ -213,8 +214,16 @@ def default_max_num_seqs() -> None:
         from vllm.engine.arg_utils import EngineArgs
     except ImportError:
         return
-    original = getattr(EngineArgs, "_set_default_max_num_seqs_and_batched_tokens_args", None)
+    wrap_max_num_seqs_default(EngineArgs)
+
+
+def wrap_max_num_seqs_default(cls: type) -> None:
+    """Wrap ``cls._set_default_max_num_seqs_and_batched_tokens_args`` (vLLM's ``EngineArgs``, or a
+    stand-in in tests) so that OSCAR engines get :func:`oscar_vllm.settings.default_max_num_seqs`."""
+    original = getattr(cls, "_set_default_max_num_seqs_and_batched_tokens_args", None)
     if original is None or getattr(original, "_oscar_default", False):
+        if original is None:
+            log.warning("OSCAR: this vLLM sets max_num_seqs elsewhere; OSCAR keeps vLLM's default")
         return
 
     def _set_defaults(self: Any, usage_context: Any, model_config: Any, parallel_config: Any) -> Any:
@@ -234,7 +243,7 @@ def default_max_num_seqs() -> None:
         return out
 
     _set_defaults._oscar_default = True  # type: ignore[attr-defined]
-    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = _set_defaults
+    cls._set_default_max_num_seqs_and_batched_tokens_args = _set_defaults
 
 
 def _args_select_oscar(args: Any) -> bool:
@@ -259,12 +268,16 @@ def _oscar_max_num_seqs(args: Any, engine_default: int, model_config: Any, paral
         slot = window_bytes_per_slot(
             num_layers - len(settings.exclude_layers), kv, rot.head_dim, rot.sink_tokens, rot.recent_tokens
         )
-        from vllm.platforms import current_platform
-
-        device = int(current_platform.get_device_total_memory())
+        device = _device_total_memory()
     except Exception:  # a bad artifact is reported by the layers at start-up; keep vLLM's default
         return engine_default
     return default_max_num_seqs(engine_default, device, slot)
+
+
+def _device_total_memory() -> int:
+    from vllm.platforms import current_platform
+
+    return int(current_platform.get_device_total_memory())
 
 
 def _load_for_defaults(settings: Any, model_config: Any, num_layers: int) -> Any:
