@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 RESULT = "RESULT "
+PARTIAL = "PARTIAL "
 CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 OSCAR_SEQS = re.compile(r"OSCAR: max_num_seqs defaults to (\d+)")
@@ -208,6 +209,8 @@ def run_case(spec: dict) -> dict:
                 raise ValueError(f"unknown workload {kind}")
         except Exception as e:  # keep the engine's other workloads
             res.setdefault("errors", []).append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        # what is done so far survives a case that runs out of time
+        print(PARTIAL + json.dumps(res), flush=True)
     res["oscar"] = _diagnostics(llm) if spec["backend"] == "OSCAR" else None
     return res
 
@@ -298,9 +301,10 @@ def _run_one(spec: dict, timeout: float, log) -> dict:  # noqa: ANN001
         rc = "timeout"
     wall = round(time.perf_counter() - t, 1)
     res: dict = {"name": spec["name"], "rc": rc, "wall_s": wall}
-    for line in text.splitlines():
-        if line.startswith(RESULT):
-            res.update(json.loads(line[len(RESULT) :]))
+    for line in text.splitlines():  # the last partial result, then the final one if it came
+        for tag in (PARTIAL, RESULT):
+            if line.startswith(tag):
+                res.update(json.loads(line[len(tag) :]))
     cap = CAPACITY.findall(text)
     if cap:
         res["log_kv_tokens"] = int(cap[-1].replace(",", ""))
