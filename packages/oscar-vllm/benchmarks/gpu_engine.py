@@ -200,6 +200,18 @@ def run_case(spec: dict) -> dict:
                     ),
                     continuation=list(c[0].outputs[0].token_ids),
                 )
+            elif kind == "lp":  # prompt logprobs + greedy tokens of fixed prompts (TP = 1 vs 2)
+                _, lens, gen = w
+                prompts = [_prompts(1, n, 11 + n, vocab)[0] for n in lens]
+                sp = SamplingParams(max_tokens=gen, prompt_logprobs=0, **greedy)
+                _, out = _timed(llm, prompts, sp)
+                res["lp"] = [
+                    dict(
+                        tokens=list(o.outputs[0].token_ids),
+                        prompt_lp=[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:], strict=True)],
+                    )
+                    for o, p in zip(out, prompts, strict=True)
+                ]
             elif kind == "many":  # more requests than the KV budget holds at once: vLLM preempts
                 _, n, length, gen = w
                 prompts = [_prompts(1, length, 900 + i, vocab)[0] for i in range(n)]
@@ -283,6 +295,25 @@ def _cases(a: argparse.Namespace) -> list[dict]:
                     name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w), shared=True
                 )
             )
+    if q and a.tp_cases:
+        # tensor parallelism (issue 26): TP = 1 vs TP = 2 on the same dummy weights and prompts, at
+        # 8 KV heads (each rank holds 4) and at 1 KV head (replicated on both ranks)
+        for kv in (8, 1):
+            model = str(Path(a.out) / f"qwen3-8b-shape-kv{kv}")
+            for tp_size in (1, 2):
+                llm = {"tensor_parallel_size": tp_size, "max_model_len": 40000, "enable_prefix_caching": True}
+                work = [["lp", [300, 1200], 16], ["decode", 32768, 8, 64]]
+                cases.append(
+                    dict(
+                        name=f"tp{tp_size}-kv{kv}",
+                        model=model,
+                        backend="OSCAR",
+                        artifact=str(Path(a.out) / f"qwen3-8b-shape-kv{kv}.safetensors"),
+                        llm=llm,
+                        work=work,
+                        kv_heads=kv,
+                    )
+                )
     only = set(filter(None, (a.only or "").split(",")))
     return [c for c in cases if not only or c["name"] in only]
 
@@ -337,6 +368,14 @@ def _artifacts(a: argparse.Namespace) -> None:
         save_rotations(
             out / "qwen3-8b-shape.identity.safetensors", _qwen_artifact(Path(a.qwen) / "config.json")
         )
+    if a.qwen and a.tp_cases:
+        for kv in (8, 1):
+            folder = out / f"qwen3-8b-shape-kv{kv}"
+            folder.mkdir(exist_ok=True)
+            cfg = json.loads((Path(a.qwen) / "config.json").read_text())
+            cfg["num_key_value_heads"] = kv
+            (folder / "config.json").write_text(json.dumps(cfg))
+            save_rotations(out / f"qwen3-8b-shape-kv{kv}.safetensors", _qwen_artifact(folder / "config.json"))
     if a.smol and not (out / "smollm2.oscar.safetensors").exists():
         t = time.perf_counter()
         subprocess.run(
@@ -422,6 +461,23 @@ def _compare(results: dict) -> dict:
     if a and b:
         out["preempt_requests_equal"] = sum(x == y for x, y in zip(a, b, strict=True))
         out["preempt_requests"] = len(a)
+    for kv in (8, 1):
+        one, two = results.get(f"tp1-kv{kv}", {}).get("lp"), results.get(f"tp2-kv{kv}", {}).get("lp")
+        if one and two:
+            out[f"tp2_vs_tp1_kv{kv}"] = dict(
+                tokens_equal=[x["tokens"] == y["tokens"] for x, y in zip(one, two, strict=True)],
+                max_prompt_logprob_diff=max(
+                    abs(u - v)
+                    for x, y in zip(one, two, strict=True)
+                    for u, v in zip(x["prompt_lp"], y["prompt_lp"], strict=True)
+                ),
+            )
+            r1, r2 = results[f"tp1-kv{kv}"], results[f"tp2-kv{kv}"]
+            if r1.get("log_kv_tokens") and r2.get("log_kv_tokens"):
+                out[f"tp2_vs_tp1_kv{kv}_kv_tokens"] = [r1["log_kv_tokens"], r2["log_kv_tokens"]]
+            d1, d2 = r1.get("decode_32768x8", {}), r2.get("decode_32768x8", {})
+            if d1.get("decode_tok_s") and d2.get("decode_tok_s"):
+                out[f"tp2_vs_tp1_kv{kv}_decode"] = round(d2["decode_tok_s"] / d1["decode_tok_s"], 2)
     bf = results.get("qwen-bf16-fa3", {})
     for name in ("qwen-oscar-cache", "qwen-oscar-nocache", "qwen-bf16-triton"):
         r = results.get(name, {})
@@ -523,6 +579,7 @@ def main() -> int:
     s.add_argument("--case-timeout", type=float, default=300)
     s.add_argument("--capture-sizes", type=lambda x: [int(v) for v in x.split(",")], default=None)
     s.add_argument("--skip-triton", action="store_true")
+    s.add_argument("--tp-cases", action="store_true", help="TP = 1 vs 2 at 8 and 1 KV heads (two GPUs)")
     s.add_argument("--ppl-n", type=int, default=4)
     s.add_argument("--ppl-len", type=int, default=2048)
     c = sub.add_parser("case")
