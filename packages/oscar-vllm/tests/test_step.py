@@ -437,3 +437,53 @@ def test_a_slot_whose_block_is_written_through_another_slot_is_forgotten():
     s, r = t.plan([6], [20], [6], [21], [{6}], [True])
     assert s == s_b and r == [False]
     assert t.key[s_a[0]] is None  # A's slot was forgotten when B wrote block 6
+
+
+def test_a_steps_index_tensors_are_checked_by_its_first_layer_only(monkeypatch):
+    """Bounds checks synchronise with the device: the step's first layer runs them (and catches a
+    bad table), the step's other layers (same index tensors) skip them."""
+    import oscar_kernels._validate as validate
+    from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
+
+    seen: list[bool] = []
+    real = validate.bounds_checks_enabled
+    monkeypatch.setattr(validate, "bounds_checks_enabled", lambda cb=None: seen.append(real(cb)) or seen[-1])
+    lo = CacheLayout(2, 32, page_size=16, group_size=16, sink_tokens=8, recent_tokens=16)
+    pg = torch.Generator().manual_seed(1)
+    rk, rv = (torch.linalg.qr(torch.randn(2, 32, 32, generator=pg))[0] for _ in range(2))
+    params = LayerQuantParams(rk, rv, None, 0.9, 0.9).expand(2, 32, "cpu")
+    caches = [
+        cache_from_page_buffer(
+            lo, torch.randint(0, 256, (4, page_bytes(lo)), dtype=torch.uint8, generator=pg), 2
+        )
+        for _ in range(3)
+    ]
+    q, k, v = torch.randn(20, 4, 32), torch.randn(20, 2, 32), torch.randn(20, 2, 32)
+    qsl = torch.tensor([0, 20], dtype=torch.int32)
+    seq = torch.tensor([20], dtype=torch.int32)
+
+    def step(table: list[int]):
+        t = torch.tensor([table], dtype=torch.int32)
+        slot = torch.tensor([table[i // 16] * 16 + i % 16 for i in range(20)])
+        return build_step(qsl, qsl, seq, seq, t, slot, 1, torch.tensor([0], dtype=torch.int32), None)
+
+    md = step([1, 2])
+    for c in caches:  # three layers of one step
+        run_layer(c, params, q, k, v, md, 32**-0.5)
+    on = [x for x in seen if x]
+    assert on and len(seen) > len(on)  # the first layer checked (write + attention), the others did not
+    assert seen[: len(on)] == on  # ... and it was the first layer
+    # a decode step (decode_attention's checks) of the same request: again the first layer only
+    seen.clear()
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    dec = build_step(
+        one, one, seq + 1, seq + 1, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([2 * 16 + 4]), 1,
+        torch.tensor([0], dtype=torch.int32), None,
+    )  # fmt: skip
+    assert dec.all_decode
+    for c in caches:
+        run_layer(c, params, q[:1], k[:1], v[:1], dec, 32**-0.5)
+    assert seen[:2] == [True, True] and not any(seen[2:]) and len(seen) == 6  # write + attention per layer
+    bad = step([1, 9])  # page 9 of a 4-page cache: caught by the step's first layer
+    with pytest.raises(OscarError):
+        run_layer(caches[0], params, q, k, v, bad, 32**-0.5)

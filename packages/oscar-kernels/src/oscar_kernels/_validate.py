@@ -111,10 +111,14 @@ def _slot_failure(cache: PagedKVCache, window_slots: torch.Tensor, active: torch
 
 
 def check_decode_bounds(
-    cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, window_slots: torch.Tensor
+    cache: PagedKVCache,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+    check_bounds: bool | None = None,
 ) -> None:
     """Bounds of decode's index tensors (shapes already checked)."""
-    if not bounds_checks_enabled():
+    if not bounds_checks_enabled(check_bounds):
         return
     failures = _page_failures(cache, block_table, seq_lens, "seq_lens")
     failures.append(_slot_failure(cache, window_slots, seq_lens > 0))

@@ -287,6 +287,7 @@ def decode_attention(
     unpack: str = "asm",
     programs_per_sm: int | None = None,
     impl: str = "auto",
+    check_bounds: bool | None = None,
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -311,6 +312,9 @@ def decode_attention(
         impl: ``auto`` (Gluon where :func:`gluon_unavailable_reason` is ``None``, else
             ``tl``), ``gluon`` (error where it cannot run) or ``tl``. Same results up to
             float rounding.
+        check_bounds: check page ids and window rows against the cache (one host
+            synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s setting, off
+            while a CUDA graph is captured). An engine checks once per step, not per layer.
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -325,7 +329,7 @@ def decode_attention(
         (bsz, block_table.shape[-1] if block_table.dim() == 2 else -1),
         cache.device,
     )
-    check_decode_bounds(cache, block_table, seq_lens, window_slots)  # off under graph capture, see _validate
+    check_decode_bounds(cache, block_table, seq_lens, window_slots, check_bounds)  # off under graph capture
     check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
     unpack_mode(unpack)  # validates the name
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)

@@ -8,7 +8,7 @@ machine without vLLM.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -59,6 +59,9 @@ class StepMetadata:
     #: step by the first layer, :class:`RecordStamps`)
     stamps: RecordStamps | None = None
     step_no: int = 0
+    #: set by the first layer that checked the step's index tensors against its cache: every layer
+    #: of a step shares them, so the others skip the checks (each is a host synchronisation)
+    bounds_checked: list[bool] = field(default_factory=lambda: [False])
 
 
 class WindowSlots:
@@ -240,6 +243,7 @@ def write_step(
     md: StepMetadata,
     backend: str = "auto",
     parts: str = "all",
+    check_bounds: bool | None = None,
 ) -> None:
     """Quantise the step's ``k``/``v`` (``[T, H_kv, d]``) into ``cache`` (INT2 pages + BF16 windows).
 
@@ -259,6 +263,7 @@ def write_step(
         ws,
         backend=backend,
         parts=parts,
+        check_bounds=check_bounds,
     )
 
 
@@ -271,6 +276,7 @@ def attend_step(
     md: StepMetadata,
     scale: float,
     backend: str = "auto",
+    check_bounds: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over the cache (after :func:`write_step`).
 
@@ -289,6 +295,7 @@ def attend_step(
             md.window_slots,
             softmax_scale=scale,
             backend=backend,
+            check_bounds=check_bounds,
         )
     return extend_attention(
         q,
@@ -303,6 +310,7 @@ def attend_step(
         md.max_query_len,
         softmax_scale=scale,
         backend=backend,
+        check_bounds=check_bounds,
     )
 
 
@@ -319,12 +327,17 @@ def run_layer(
     """One layer's step (what the backend runs): write, attend, and for an extend step the
     ring rows last — the windows apply per query token (``oscar_kernels.extend_attention``),
     and a chunk's ring rows overwrite rows its first queries still read."""
+    # the step's index tensors are the same for every layer: the first layer checks them against
+    # its cache (host synchronisations), the others skip the checks
+    cb = False if md.bounds_checked[0] else None
     if md.all_decode:
-        write_step(cache, params, k, v, md, backend)
-        return attend_step(cache, params, q, k, v, md, scale, backend)
-    write_step(cache, params, k, v, md, backend, parts="pages")
-    out = attend_step(cache, params, q, k, v, md, scale, backend)
-    write_step(cache, params, k, v, md, backend, parts="ring")
+        write_step(cache, params, k, v, md, backend, check_bounds=cb)
+        out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb)
+    else:
+        write_step(cache, params, k, v, md, backend, parts="pages", check_bounds=cb)
+        out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb)
+        write_step(cache, params, k, v, md, backend, parts="ring", check_bounds=cb)
+    md.bounds_checked[0] = True
     return out
 
 
@@ -509,6 +522,7 @@ def write_window_pages(
             ),
             backend,
             parts="ring",
+            check_bounds=False,  # a scratch ring sized for this step's own rows
         )
         rows_of, k_src, v_src = sidx, scratch.k_recent, scratch.v_recent
     tables = tables.to(dev).long()
