@@ -102,3 +102,60 @@ def test_window_record_plan_for_the_engines_geometries():
     # Qwen3-8B shape on GPU: block 16, 8 KV heads of 128, group 128 -> 72 B cells, 36 rows a page
     p = plan_window_records(8, 16, 64, 256, 8 * 16 * 72 // 256, 2048)
     assert (p.block_size, p.sink_parts, p.sink_part, p.groups) == (16, 16, 4, 9)
+
+
+def test_step_exchange_runs_each_layers_restores_once_when_every_window_table_arrived(monkeypatch):
+    """With prefix caching the window groups' builders run the step's restores before the model
+    (backend._StepExchange): once every window group's table is in, for every prepared layer, once;
+    not for a CUDA-graph capture's dummy step; and a window table for a step the INT2 builder did not
+    plan first is an error, never a skipped restore."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from oscar_math.errors import OscarError
+    from oscar_vllm import backend
+    from oscar_vllm.step import StepMetadata
+
+    calls = []
+    monkeypatch.setattr(
+        backend,
+        "restore_windows",
+        lambda cache, slot, pages, t, prefix: calls.append((cache, slot, prefix, t.tolist())),
+    )
+
+    def impl(name):
+        i = backend.OscarAttentionImpl.__new__(backend.OscarAttentionImpl)
+        i.window_names, i._cache, i._pages = (
+            [f"{name}.oscar_window_0", f"{name}.oscar_window_1"],
+            name,
+            "pages",
+        )
+        return i
+
+    layers = [impl("l0"), impl("l1")]
+    unprepared = impl("l2")
+    unprepared._cache = None  # no forward ran yet: it restores in its own forward
+    ctx = {f"l{i}": SimpleNamespace(impl=x) for i, x in enumerate([*layers, unprepared])}
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
+    ex = backend._exchange(cfg)
+    assert backend._exchange(cfg) is ex and ex.groups == 2
+
+    def md(restore):
+        z = torch.zeros(2, dtype=torch.int32)
+        return StepMetadata(2, 1, z, z, z, z, z, z, z, z, True, restore=restore)
+
+    step = md(((1, 5, 300),))
+    ex.plan(step)
+    ex.table(0, torch.tensor([[1, 2], [3, 4]]))
+    assert calls == []  # window group 1's table is not in yet
+    ex.table(1, torch.tensor([[5, 6], [7, 8]]))
+    assert calls == [("l0", 5, 300, [[3, 4], [7, 8]]), ("l1", 5, 300, [[3, 4], [7, 8]])]
+    assert step.restored_by == {id(layers[0]), id(layers[1])}  # l2 restores in its forward
+    calls.clear()
+    ex.plan(md(()))  # a step without restores
+    ex.table(0, torch.zeros(2, 2, dtype=torch.int32))
+    ex.table(1, torch.zeros(2, 2, dtype=torch.int32))
+    assert calls == []
+    with pytest.raises(OscarError, match="window group 0"):
+        ex.table(0, torch.zeros(2, 2, dtype=torch.int32))  # no INT2 plan for this step

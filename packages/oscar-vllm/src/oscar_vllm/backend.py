@@ -189,7 +189,13 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         self.cached = compat.exact_prefix_caching(vllm_config)
         self.tracker = SlotTracker(self.max_seqs)
         # transient window records (records.py): the restores are checked against record stamps
-        self.stamps = RecordStamps() if compat.window_records_mode(vllm_config) == "transient" else None
+        # transient records are safe by construction on the V2 runner (a running request never
+        # restores; vLLM accepts a hit only while its records are cached); the V1 runner's
+        # content-keyed slots can be lost, so there every restore is checked against record stamps
+        transient = compat.window_records_mode(vllm_config) == "transient"
+        self.stamps = RecordStamps() if transient and not compat.uses_v2_runner(vllm_config) else None
+        # with prefix caching the window groups' builders run the step's restores (_StepExchange)
+        self.exchange = _exchange(vllm_config) if self.cached else None
         self._step_no = 0
         self.block_size = int(getattr(kv_cache_spec, "block_size", vllm_config.cache_config.block_size))
         # CUDA graphs replay the addresses seen at capture: every step's metadata is copied into
@@ -243,6 +249,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         md = replace(md, restore=tuple(restore), stamps=self.stamps, step_no=self._step_no)
         if self.buffers is not None:
             md = self.buffers.hold(md)
+        if self.exchange is not None and not self._capturing:
+            self.exchange.plan(md)
         path = os.environ.get(STEP_LOG_ENV)
         if path:
             with open(path, "a") as f:
@@ -427,6 +435,18 @@ class OscarAttentionImpl(AttentionImpl):
         for n in self.window_names:
             compat.add_window_layer(self._cfg, n, OscarWindowLayer(spec))
 
+    def restore_before_forward(self, md: StepMetadata, tables: torch.Tensor) -> None:
+        """Run this layer's restores of the step from the metadata builders (:class:`_StepExchange`),
+        before the model runs: nothing of it is then left to a forward pass that a CUDA graph
+        replays. A layer not prepared yet (no forward has run) restores in its forward instead."""
+        if self._cache is None or self._pages is None or id(self) in md.restored_by:
+            return
+        if md.stamps is not None:
+            self._check_records(md, tables)
+        for row, slot, prefix in md.restore:
+            restore_windows(self._cache, slot, self._pages, tables[:, row], prefix)
+        md.restored_by.add(id(self))
+
     def _check_records(self, md: StepMetadata, tables: torch.Tensor) -> None:
         """Run the step's record-stamp check once (first layer; host lists, one copy per step)."""
         stamps = md.stamps
@@ -515,9 +535,11 @@ class OscarAttentionImpl(AttentionImpl):
             )  # [groups, B, max_blocks]
             if md.stamps is not None:  # transient records: refuse a restore from records that are gone
                 self._check_records(md, tables)
-            # only rows whose slot does not already hold their windows (the builder's SlotTracker)
-            for row, slot, prefix in md.restore:
-                restore_windows(cache, slot, self._pages, tables[:, row], prefix)
+            # only rows whose slot does not already hold their windows (the builder's SlotTracker),
+            # and only if the window groups' builders did not restore this layer already
+            if id(self) not in md.restored_by:
+                for row, slot, prefix in md.restore:
+                    restore_windows(cache, slot, self._pages, tables[:, row], prefix)
             out = run_layer(cache, params, q, k, v, md, self.scale)
             write_window_pages(cache, params, k, v, md, self._pages, tables)
         output[:n].view(n, h, d).copy_(out)
@@ -581,12 +603,109 @@ class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # which window page of a record this group holds: the index in its layers' names
+        self.window_index = int(layer_names[0].rpartition(WINDOW_SUFFIX)[2]) if layer_names else 0
+        self.exchange = _exchange(vllm_config)
+        self.max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        # a FULL CUDA graph replays the table's address seen at capture: keep it in one buffer
+        self._buf: torch.Tensor | None = None
+        self._persistent = torch.device(device).type == "cuda"
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> OscarWindowMetadata:
+        return OscarWindowMetadata(self._table(common_attn_metadata))  # dummy rows: no step to serve
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> OscarWindowMetadata:
-        cm = common_attn_metadata
-        return OscarWindowMetadata(cm.block_table_tensor[: cm.num_reqs].to(torch.int32))
+        table = self._table(common_attn_metadata)
+        self.exchange.table(self.window_index, table)
+        return OscarWindowMetadata(table)
+
+    def _table(self, cm: CommonAttentionMetadata) -> torch.Tensor:
+        t = cm.block_table_tensor[: cm.num_reqs].to(torch.int32)
+        if not self._persistent:
+            return t
+        if self._buf is None or self._buf.shape[1] != t.shape[1]:
+            self._buf = torch.zeros(
+                max(self.max_seqs, t.shape[0]), t.shape[1], dtype=torch.int32, device=t.device
+            )
+        view = self._buf[: t.shape[0]]
+        view.copy_(t, non_blocking=True)
+        return view
+
+
+class _StepExchange:
+    """One engine's hand-over between its metadata builders, with prefix caching.
+
+    vLLM builds each step's metadata group by group, the INT2 group first, then the window groups
+    (the order of the KV-cache config: layers in the order they were registered). The step's
+    restores need every window group's block table, which only those groups' builders see: the
+    INT2 builder leaves its plan here (:meth:`plan`), each window builder its table
+    (:meth:`table`), and the last one runs every prepared layer's restores before the model runs.
+    No host synchronisation is then left to the forward pass, so pure decode steps replay FULL
+    CUDA graphs with prefix caching on. A window table that arrives for a step the INT2 builder did
+    not plan first is an error (a vLLM that builds the groups in another order), never a skipped
+    restore.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.cfg = vllm_config
+        self._layers: list[OscarAttentionImpl] | None = None
+        self.pending: StepMetadata | None = None
+        self.tables: dict[int, torch.Tensor] = {}
+        self.int2_steps = 0
+        self.window_steps: dict[int, int] = {}
+
+    @property
+    def layers(self) -> list[OscarAttentionImpl]:
+        """The INT2 layers with window records, from the forward context the model runs with."""
+        if self._layers is None:
+            ctx = self.cfg.compilation_config.static_forward_context
+            impls = [getattr(x, "impl", None) for x in ctx.values()]
+            self._layers = [i for i in impls if isinstance(i, OscarAttentionImpl) and i.window_names]
+        return self._layers
+
+    @property
+    def groups(self) -> int:
+        return len(self.layers[0].window_names) if self.layers else 0
+
+    def plan(self, md: StepMetadata) -> None:
+        self.int2_steps += 1
+        self.pending, self.tables = md, {}
+
+    def table(self, g: int, table: torch.Tensor) -> None:
+        n = self.window_steps.get(g, 0) + 1
+        self.window_steps[g] = n
+        if n != self.int2_steps:
+            raise OscarError(
+                f"OSCAR: vLLM {compat.vllm_version()} built window group {g}'s metadata for step {n} "
+                f"while the INT2 group's is at step {self.int2_steps}; serve with --no-enable-prefix-caching"
+            )
+        if self.pending is None:
+            return
+        self.tables[g] = table
+        if len(self.tables) < self.groups:
+            return
+        md, self.pending = self.pending, None
+        if md.restore or md.stamps is not None:
+            b = md.seq_lens.shape[0]
+            tables = torch.stack([self.tables[i][:b] for i in range(self.groups)])
+            for impl in self.layers:
+                impl.restore_before_forward(md, tables)
+        self.tables = {}
+
+
+#: one exchange per engine configuration in this process (the builders' and the layers' config)
+_EXCHANGES: dict[int, _StepExchange] = {}
+
+
+def _exchange(vllm_config: Any) -> _StepExchange:
+    ex = _EXCHANGES.get(id(vllm_config))
+    if ex is None or ex.cfg is not vllm_config:  # a new engine (an id can be reused after one ends)
+        ex = _EXCHANGES[id(vllm_config)] = _StepExchange(vllm_config)
+    return ex
 
 
 class OscarWindowBackend(_OscarBackendBase):

@@ -407,13 +407,16 @@ def cudagraph_support(vllm_config: Any) -> Any:
     with zero-token rows, and runs other batches with attention outside the graphs) when prefix
     caching is off: the decode step (``paged_write`` + ``decode_attention``) makes no host
     synchronisation, its launch sizes depend on host-known sizes only, and the builder keeps the
-    metadata in persistent buffers. ``NEVER`` with exact prefix caching: the window restore and
-    the slot bookkeeping run host logic per row, so vLLM keeps attention out of its graphs
-    (piecewise graphs still capture everything else).
+    metadata in persistent buffers. With exact prefix caching the same on vLLM's V2 model runner:
+    the slot bookkeeping runs in the INT2 group's metadata builder and the window restores in the
+    window groups' builders, before the model runs (``backend._StepExchange``), and the window
+    pages' write of a decode step makes no host synchronisation either. ``NEVER`` with prefix
+    caching on the V1 runner, whose content-keyed slots are checked against record stamps in the
+    forward pass (piecewise graphs still capture everything else).
     """
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    if exact_prefix_caching(vllm_config):
+    if exact_prefix_caching(vllm_config) and not uses_v2_runner(vllm_config):
         return AttentionCGSupport.NEVER
     return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 

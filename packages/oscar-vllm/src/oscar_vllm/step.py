@@ -62,6 +62,8 @@ class StepMetadata:
     #: set by the first layer that checked the step's index tensors against its cache: every layer
     #: of a step shares them, so the others skip the checks (each is a host synchronisation)
     bounds_checked: list[bool] = field(default_factory=lambda: [False])
+    #: the layers (ids) whose windows the metadata builders already restored for this step
+    restored_by: set[int] = field(default_factory=set)
 
 
 class WindowSlots:
