@@ -38,35 +38,6 @@ NUM_LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 SOME_EXCLUDED = (0, 5, NUM_LAYERS - 1)  # first, one inside, last
 
 
-def _model_folder() -> str:
-    try:
-        from oscar_calib.models import resolve_model
-
-        return str(resolve_model("smollm2"))
-    except Exception as e:  # OscarError (no GGUF / cache), ImportError (no oscar-calib)
-        pytest.skip(f"SmolLM2 is not available: {e}")
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return _model_folder()
-
-
-@pytest.fixture(scope="module")
-def artifact(model_dir, tmp_path_factory) -> str:
-    """Calibrated by oscar-calib's `oscar calibrate` code path (256 tokens: ~50 s on 2 cores)."""
-    from oscar_calib.calibrate import CalibrationConfig, calibrate
-    from oscar_calib.models import load_model
-    from oscar_math.artifact import save_rotations
-
-    model, tok = load_model(model_dir)
-    rot = calibrate(
-        model, tok, CalibrationConfig(tokens=256, seq_len=256), model_name="smollm2", progress=False
-    )
-    del model
-    return str(save_rotations(tmp_path_factory.mktemp("oscar") / "rot.safetensors", rot))
-
-
 @pytest.fixture(scope="module")
 def texts(model_dir):
     """Prompts (token ids) of several lengths and one perplexity sequence, from held-out text."""

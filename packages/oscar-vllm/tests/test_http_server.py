@@ -47,15 +47,6 @@ SINK, RECENT = 64, 256  # the artifact's BF16 windows (oscar calibrate's default
 NUM_LAYERS = 30  # SmolLM2-135M
 
 
-def _model_folder() -> str:
-    try:
-        from oscar_calib.models import resolve_model
-
-        return str(resolve_model(MODEL))
-    except Exception as e:  # OscarError (no GGUF / cache), ImportError (no oscar-calib)
-        pytest.skip(f"SmolLM2 is not available: {e}")
-
-
 def _oscar_command() -> str:
     oscar = Path(sys.executable).with_name("oscar")
     if not oscar.exists():
@@ -92,24 +83,6 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return _model_folder()
-
-
-@pytest.fixture(scope="module")
-def artifact(model_dir, tmp_path_factory) -> str:
-    """Calibrated by oscar-calib's `oscar calibrate` code path (256 tokens, as test_engine does)."""
-    from oscar_calib.calibrate import CalibrationConfig, calibrate
-    from oscar_calib.models import load_model
-    from oscar_math.artifact import save_rotations
-
-    model, tok = load_model(model_dir)
-    rot = calibrate(model, tok, CalibrationConfig(tokens=256, seq_len=256), model_name=MODEL, progress=False)
-    del model
-    return str(save_rotations(tmp_path_factory.mktemp("oscar") / "rot.safetensors", rot))
 
 
 @pytest.fixture(scope="module")
