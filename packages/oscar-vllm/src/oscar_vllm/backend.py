@@ -603,8 +603,16 @@ class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
         self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # which window page of a record this group holds: the index in its layers' names
-        self.window_index = int(layer_names[0].rpartition(WINDOW_SUFFIX)[2]) if layer_names else 0
+        # which window page of a record this group holds: the index in its layers' names (vLLM
+        # splits the window layers into groups by stride, one index per group; a group that mixed
+        # indices would hand the restores the wrong tables, so it is refused)
+        indices = {n.rpartition(WINDOW_SUFFIX)[2] for n in layer_names}
+        if len(indices) > 1:
+            raise OscarError(
+                f"OSCAR: vLLM {compat.vllm_version()} put window pages {sorted(indices)} in one "
+                "KV-cache group; serve with --no-enable-prefix-caching"
+            )
+        self.window_index = int(indices.pop()) if indices else 0
         self.exchange = _exchange(vllm_config)
         self.max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         # a FULL CUDA graph replays the table's address seen at capture: keep it in one buffer
