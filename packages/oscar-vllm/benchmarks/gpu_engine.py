@@ -282,8 +282,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             big["compilation_config"] = {"cudagraph_capture_sizes": a.capture_sizes}
         w = [["decode", 32768, 8, 64], ["decode", 130000, 1, 64]]
         for name, backend, cache, extra in (
+            ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
-            ("qwen-oscar-cache", "OSCAR", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),
         ):
