@@ -544,8 +544,11 @@ def test_some_layers_excluded_lie_between_int2_and_bf16(bf16, oscar, some_exclud
     # so the output is neither engine's (both halves are really served) ...
     assert some_excluded["tokens"] != oscar["tokens"] or some_excluded["nll"] != oscar["nll"]
     assert some_excluded["nll"] != pytest.approx(bf16["nll"], abs=1e-6)
-    # ... and its perplexity lies between them (0.2 % slack: one 1024-token text)
-    assert bf16["ppl"] * 0.998 < some_excluded["ppl"] < oscar["ppl"] * 1.002
+    # ... and its perplexity is above BF16's and not far above all-INT2's. Their order is noise on
+    # one 1024-token text: float32 rounding of the rotations (1e-6) flips INT2 codes and moved the
+    # two OSCAR engines from 4.885 / 4.880 to 4.904 / 4.874 (BF16 4.840); 1 % slack covers that and
+    # still catches excluded layers that are broken rather than BF16
+    assert bf16["ppl"] * 0.998 < some_excluded["ppl"] < oscar["ppl"] * 1.01
 
 
 def test_bad_exclude_layers_fail_at_start_up(model_dir, artifact, capfd, some_excluded):
