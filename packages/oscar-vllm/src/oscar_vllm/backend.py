@@ -100,9 +100,7 @@ def _artifact_for(vllm_config: Any):  # noqa: ANN202 - Rotations
     hf = mc.hf_text_config
     num_layers = int(hf.num_hidden_layers)
     total_kv = int(mc.get_total_num_kv_heads())
-    # vLLM builds the layers under its device as the default device; the artifact is host data
-    with torch.device("cpu"):
-        return load_checked(settings, num_layers, total_kv, int(mc.get_head_size()))
+    return load_checked(settings, num_layers, total_kv, int(mc.get_head_size()))
 
 
 class _OscarBackendBase(AttentionBackend):
@@ -477,9 +475,7 @@ class OscarAttentionImpl(AttentionImpl):
                     "implementation's process_weights_after_loading), so exclude_layers cannot be honoured; "
                     "serve without exclude_layers"
                 )
-            with torch.device("cpu"):
-                params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
-            self._params = params.expand(self.num_kv_heads, self.head_size, kv_cache.device)
+            self._prepare_params(getattr(layer, "layer_name", ""))
         if self._cache is None or self._cache_src != kv_cache.data_ptr():
             lo = self.layout
             if kv_cache.shape[2] != lo.page_size:  # kernel blocks may be smaller than vLLM's

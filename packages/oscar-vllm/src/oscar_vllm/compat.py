@@ -257,13 +257,13 @@ def _args_select_oscar(args: Any) -> bool:
 
 
 def _oscar_max_num_seqs(args: Any, engine_default: int, model_config: Any, parallel_config: Any) -> int:
-    from .settings import default_max_num_seqs, settings_from, window_bytes_per_slot
+    from .settings import default_max_num_seqs, load_checked, settings_from, window_bytes_per_slot
 
     try:
         settings = settings_from(getattr(args, "additional_config", None))
         num_layers = int(model_config.hf_text_config.num_hidden_layers)
-        with torch.device("cpu"):
-            rot = _load_for_defaults(settings, model_config, num_layers)
+        total_kv, head_dim = int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size())
+        rot = load_checked(settings, num_layers, total_kv, head_dim)  # cached: the layers reuse it
         kv = int(model_config.get_num_kv_heads(parallel_config))
         slot = window_bytes_per_slot(
             num_layers - len(settings.exclude_layers), kv, rot.head_dim, rot.sink_tokens, rot.recent_tokens
@@ -278,14 +278,6 @@ def _device_total_memory() -> int:
     from vllm.platforms import current_platform
 
     return int(current_platform.get_device_total_memory())
-
-
-def _load_for_defaults(settings: Any, model_config: Any, num_layers: int) -> Any:
-    from .settings import load_checked
-
-    return load_checked(
-        settings, num_layers, int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size())
-    )
 
 
 def _dense_window_checkpoints(cache_config: Any) -> None:
