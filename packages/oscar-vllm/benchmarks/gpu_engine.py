@@ -41,6 +41,8 @@ RESULT = "RESULT "
 PARTIAL = "PARTIAL "
 CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+GRAPH_LINE = re.compile(r"Capturing CUDA graphs|cudagraph_mode|CUDAGraphMode|Graph capturing finished")
+QWEN_LAYERS = 36
 OSCAR_SEQS = re.compile(r"OSCAR: max_num_seqs defaults to (\d+)")
 
 
@@ -159,6 +161,10 @@ def run_case(spec: dict) -> dict:
                     decode_tok_s=round(batch * (gen - 1) / max(t_gen - t_one, 1e-9), 1),
                     all_tokens=all(len(o.outputs[0].token_ids) == gen for o in out),
                 )
+            elif kind == "prefill":  # one CTX-token prompt, one token generated: time to first token
+                _, ctx = w
+                t_one, _ = _timed(llm, _prompts(1, ctx, seed, vocab), SamplingParams(max_tokens=1, **greedy))
+                res[f"prefill_{ctx}"] = dict(t_prefill=round(t_one, 3))
             elif kind == "greedy":
                 _, lens, gen = w
                 prompts = [_prompts(1, n, 7 + n, vocab)[0] for n in lens]  # the same in every case
@@ -280,16 +286,33 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         big = {"tensor_parallel_size": tp} if tp > 1 else {}
         if a.capture_sizes:
             big["compilation_config"] = {"cudagraph_capture_sizes": a.capture_sizes}
-        w = [["decode", 32768, 8, 64], ["decode", 130000, 1, 64]]
+        # a short decode first (step time at batch 1: FULL graph or not), then the targets' shapes
+        w = [
+            ["decode", 2048, 1, 128],
+            ["prefill", 32768],
+            ["decode", 32768, 8, 128],
+            ["decode", 130000, 1, 128],
+        ]
+        # eager: the per-layer host cost (OSCAR's decode step minus FA3's, over 36 layers)
+        w_eager = [["decode", 2048, 1, 64], ["decode", 2048, 16, 64]]
         for name, backend, cache, extra in (
             ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),
+            ("qwen-oscar-eager", "OSCAR", True, {"enforce_eager": True}),
+            ("qwen-bf16-eager", "FLASH_ATTN", True, {"enforce_eager": True}),
+            ("qwen-oscar-eager-nocache", "OSCAR", False, {"enforce_eager": True}),
         ):
             if a.skip_triton and backend == "TRITON_ATTN":
                 continue
             llm = dict(big, enable_prefix_caching=cache, **extra)
+            if extra.get("enforce_eager"):
+                llm.pop("compilation_config", None)
+                cases.append(
+                    dict(name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w_eager))
+                )
+                continue
             cases.append(
                 dict(
                     name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w), shared=True
@@ -342,6 +365,7 @@ def _run_one(spec: dict, timeout: float, log) -> dict:  # noqa: ANN001
     conc = CONCURRENCY.findall(text)
     if conc:
         res["log_concurrency"] = [int(conc[-1][0].replace(",", "")), float(conc[-1][1])]
+    res["graph_lines"] = [ln[-240:] for ln in text.splitlines() if GRAPH_LINE.search(ln)][:8]
     m = OSCAR_SEQS.findall(text)
     if m:
         res["oscar_default_max_num_seqs"] = int(m[-1])
@@ -478,18 +502,37 @@ def _compare(results: dict) -> dict:
             d1, d2 = r1.get("decode_32768x8", {}), r2.get("decode_32768x8", {})
             if d1.get("decode_tok_s") and d2.get("decode_tok_s"):
                 out[f"tp2_vs_tp1_kv{kv}_decode"] = round(d2["decode_tok_s"] / d1["decode_tok_s"], 2)
-    bf = results.get("qwen-bf16-fa3", {})
-    for name in ("qwen-oscar-cache", "qwen-oscar-nocache", "qwen-bf16-triton"):
-        r = results.get(name, {})
-        if bf.get("log_kv_tokens") and r.get("log_kv_tokens"):
-            out[f"capacity_ratio[{name}]"] = round(r["log_kv_tokens"] / bf["log_kv_tokens"], 2)
-        for k, v in r.items():
-            if k.startswith(("decode_", "shared_")) and isinstance(v, dict):
-                base = bf.get(k)
-                if base and base.get("decode_tok_s"):
+    for base_name, names in (
+        ("qwen-bf16-fa3", ("qwen-oscar-cache", "qwen-oscar-nocache", "qwen-bf16-triton")),
+        ("qwen-bf16-eager", ("qwen-oscar-eager", "qwen-oscar-eager-nocache")),
+    ):
+        bf = results.get(base_name, {})
+        bf_shared = next((v for k, v in bf.items() if k.startswith("shared_")), None)
+        for name in names:
+            r = results.get(name, {})
+            if bf.get("log_kv_tokens") and r.get("log_kv_tokens"):
+                out[f"capacity_ratio[{name}]"] = round(r["log_kv_tokens"] / bf["log_kv_tokens"], 2)
+            for k, v in r.items():
+                if not isinstance(v, dict):
+                    continue
+                # the largest batch each holds at 100k differs: compare the shared rows whatever the batch
+                base = bf_shared if k.startswith("shared_") else bf.get(k)
+                if not base:
+                    continue
+                if v.get("decode_tok_s") and base.get("decode_tok_s"):
                     out[f"{k}_ratio[{name}]"] = round(v["decode_tok_s"] / base["decode_tok_s"], 2)
-                if base and k.startswith("decode_") and base.get("t_prefill"):
+                if k.startswith(("decode_", "prefill_")) and v.get("t_prefill") and base.get("t_prefill"):
                     out[f"{k}_prefill_ratio[{name}]"] = round(v["t_prefill"] / base["t_prefill"], 2)
+    # eager decode at batch 1 and 2k context is host-bound: the step-time difference per layer is
+    # OSCAR's extra host cost per attention layer
+    e_o, e_b = results.get("qwen-oscar-eager", {}), results.get("qwen-bf16-eager", {})
+    for k in ("decode_2048x1", "decode_2048x16"):
+        o, b = e_o.get(k, {}).get("decode_tok_s"), e_b.get(k, {}).get("decode_tok_s")
+        if o and b:
+            batch = int(k.rsplit("x", 1)[1])
+            step_o, step_b = batch / o, batch / b
+            out[f"eager_step_ms[{k}]"] = [round(step_o * 1e3, 2), round(step_b * 1e3, 2)]
+            out[f"eager_extra_us_per_layer[{k}]"] = round((step_o - step_b) / QWEN_LAYERS * 1e6, 1)
     return out
 
 
@@ -544,6 +587,8 @@ def _table(results: dict, summary: dict) -> None:
     for name, r in results.items():
         w = []
         for k, v in r.items():
+            if isinstance(v, dict) and k.startswith("prefill_"):
+                w.append(f"{k}={v['t_prefill']}s")
             if isinstance(v, dict) and "decode_tok_s" in v:
                 w.append(
                     f"{k}={v['decode_tok_s']} tok/s"

@@ -8,6 +8,7 @@
 #        (needs ../shared/gpu-vllm/build_parts.sh and the SmolLM2 GGUF: OSCAR_SMOLLM2_GGUF=...)
 #   device call N=1..4, carry .gpu/cN:  bash packages/oscar-vllm/benchmarks/gpu_engine.sh stash N
 #   device call 5.., carry .gpu/c5:     bash packages/oscar-vllm/benchmarks/gpu_engine.sh run [suite args]
+#                                        bash packages/oscar-vllm/benchmarks/gpu_engine.sh test [pytest args]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 G="$ROOT/.gpu"
@@ -46,7 +47,7 @@ unpack() {  # device: vLLM + its missing dependencies into $SITE (the recipe of 
     echo "unpacked vLLM into $SITE"
 }
 
-run() {  # device: the GGUF, this tree's packages, SmolLM2 converted, then the suite
+setup() {  # device: the GGUF, this tree's packages, the environment every action runs in
     [[ -f "$SITE/vllm/__init__.py" ]] || { echo "no vLLM in $SITE: run stash 1..4 first (machine went cold?)" >&2; exit 3; }
     if [[ ! -f "$ST/$GGUF_NAME" ]]; then
         cp "$G/c5/$GGUF_NAME.ab" "$G/c5/SHA256" "$ST/" 2>/dev/null || true
@@ -59,15 +60,26 @@ run() {  # device: the GGUF, this tree's packages, SmolLM2 converted, then the s
         "$ROOT"/packages/oscar-math "$ROOT"/packages/oscar-kernels "$ROOT"/packages/oscar-calib "$ROOT"/packages/oscar-vllm
     export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH" VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
     export OSCAR_SMOLLM2_GGUF="$ST/$GGUF_NAME" OSCAR_CACHE_DIR=/tmp/oscar-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+}
+
+run() {  # device: SmolLM2 converted, then the suite
+    setup
     local smol qwen=/tmp/qwen3-8b-shape
     smol=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
     mkdir -p "$qwen" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$qwen/config.json"
     python3 "$ROOT/packages/oscar-vllm/benchmarks/gpu_engine.py" suite --smol "$smol" --qwen "$qwen" --out "${OUT:-/tmp/gpu-out}" "$@"
 }
 
+tests() {  # device: pytest on this tree with the same environment (e.g. the HTTP server tests)
+    setup
+    unset VLLM_ENABLE_V1_MULTIPROCESSING  # servers run as users run them: engine core in its own process
+    cd "$ROOT" && python3 -m pytest -p no:cacheprovider "$@"
+}
+
 case "${1:-}" in
     pack) pack ;;
     stash) stash "$2" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: gpu_engine.sh pack | stash N | run [suite args]" >&2; exit 2 ;;
+    test) shift; tests "$@" ;;
+    *) echo "usage: gpu_engine.sh pack | stash N | run [suite args] | test [pytest args]" >&2; exit 2 ;;
 esac

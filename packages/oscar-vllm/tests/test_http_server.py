@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,10 +49,18 @@ NUM_LAYERS = 30  # SmolLM2-135M
 
 
 def _oscar_command() -> str:
+    # beside the interpreter in a venv; on PATH where packages were installed with --target (GPU machine)
     oscar = Path(sys.executable).with_name("oscar")
-    if not oscar.exists():
+    found = str(oscar) if oscar.exists() else shutil.which("oscar")
+    if not found:
         pytest.skip("the oscar command (oscar-calib) is not installed in this environment")
-    return str(oscar)
+    return found
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _free_port() -> int:
@@ -289,9 +298,11 @@ def test_log_says_oscar_is_active(server):
     active = [line for line in log.splitlines() if "OSCAR active: " in line]
     # one worker process on the CPU build: one line, however many layers it built
     assert len(active) == 1, active
+    # vLLM's V1 runner (CPU build) keeps window records; the V2 GPU runner's are transient
+    records = "transient" if _on_gpu() else "held"
     assert active[0].endswith(
         f"OSCAR active: artifact {server.artifact} (format version 3), {NUM_LAYERS} INT2 layers, "
-        "2.50 bits/element, window records held"
+        f"2.50 bits/element, window records {records}"
     )
     kv = [line for line in log.splitlines() if "OSCAR KV cache: " in line]
     assert len(kv) == 1, kv
@@ -303,7 +314,8 @@ def test_log_says_oscar_is_active(server):
     assert oscar_tokens > bf16_tokens > 0
     # vLLM's misleading CPU message is replaced, and the CPU build's missing `vllm` metadata is no issue
     assert "Cannot use AttentionBackendEnum.OSCAR backend on CPU" not in log
-    assert "OSCAR selected: vLLM's CPU platform names CPU_ATTN" in log
+    if not _on_gpu():
+        assert "OSCAR selected: vLLM's CPU platform names CPU_ATTN" in log
     assert "PackageNotFoundError" not in log
     # no bare "OSCAR..." line: the package's records carry vLLM's prefix, and a good start has no
     # exit report
