@@ -67,19 +67,20 @@ def test_api_check_passes_on_the_installed_vllm(monkeypatch, capsys):
 def test_cudagraph_support_is_decode_only_without_prefix_caching_and_none_with_it():
     """vLLM captures FULL graphs only for batches every builder supports: OSCAR's builder answers
     UNIFORM_SINGLE_TOKEN_DECODE with caching off and NEVER with exact prefix caching (host logic
-    per row); the window layers' builder keeps vLLM's default NEVER."""
+    per row) on the V1 runner; the window layers' builder answers the same."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from oscar_vllm import backend, compat
 
-    def cfg(caching: bool, hybrid: bool = True):
+    def cfg(caching: bool, hybrid: bool = True, v2: bool = False):
         return SimpleNamespace(
             attention_config=SimpleNamespace(backend=SimpleNamespace(name="OSCAR")),
             cache_config=SimpleNamespace(enable_prefix_caching=caching),
             scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=not hybrid),
             additional_config={"oscar": {"rotations": "x.safetensors"}},
+            use_v2_model_runner=v2,
         )
 
     get = backend.OscarMetadataBuilder.get_cudagraph_support
@@ -88,6 +89,13 @@ def test_cudagraph_support_is_decode_only_without_prefix_caching_and_none_with_i
     # caching requested but not served exactly (no hybrid manager: the guard turns it off)
     assert get(cfg(True, hybrid=False), None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert backend.OscarWindowBuilder.get_cudagraph_support(cfg(True), None) == AttentionCGSupport.NEVER
+    # vLLM's V2 runner (its default on GPUs): the restores run in the builders, so pure decode
+    # batches replay FULL graphs with caching on too — and vLLM takes the lowest answer over every
+    # KV-cache group, so the window groups' builder must give the same (its default is NEVER: the
+    # first H200 run fell back to piecewise graphs for that reason)
+    for builder in (backend.OscarMetadataBuilder, backend.OscarWindowBuilder):
+        got = builder.get_cudagraph_support(cfg(True, v2=True), None)
+        assert got == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, builder
     assert compat.cudagraph_support(cfg(False)) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 

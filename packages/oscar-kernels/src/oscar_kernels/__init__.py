@@ -7,6 +7,7 @@ from ._backend import Backend, KernelUnavailableError, triton_available
 from ._validate import set_bounds_checks
 from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention, paged_bf16_decode
 from .extend_attention import extend_attention
+from .extend_dense import DenseAttention, dense_attention_ref, extend_attention_dense
 from .layout import (
     CacheLayout,
     PagedKVCache,
@@ -42,6 +43,9 @@ __all__ = [
     "choose_num_splits",
     "paged_bf16_decode",
     "extend_attention",
+    "extend_attention_dense",
+    "dense_attention_ref",
+    "DenseAttention",
     "decode_attention_op",
     "register_ops",
     "ExpandedParams",

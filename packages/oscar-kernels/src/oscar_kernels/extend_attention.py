@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -12,6 +13,7 @@ from oscar_math.rope_center import rope_score_coef
 from ._backend import Backend, dot_dtype, interpreting, unpack_mode, use_triton
 from ._validate import check_extend_bounds, check_index_tensor, check_queries
 from .decode_attention import rope_slots
+from .extend_dense import DenseAttention, extend_attention_dense
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import extend_attention_ref
@@ -48,6 +50,8 @@ def extend_attention(
     num_stages: int = 2,
     unpack: str = "asm",
     check_bounds: bool | None = None,
+    dense: DenseAttention | None = None,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Causal attention of new chunks (varlen batch) over their cached prefixes.
 
@@ -75,6 +79,12 @@ def extend_attention(
         check_bounds: check that chunk offsets, prefix pages and window rows are in range
             (one host synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s
             setting, off while a CUDA graph is captured). Raises :class:`OscarError`.
+        dense: a dense flash-attention kernel (:data:`oscar_kernels.extend_dense.DenseAttention`,
+            e.g. the engine's FlashAttention): chunks of more than one token then run through it
+            (:func:`oscar_kernels.extend_dense.extend_attention_dense`), leading one-token rows
+            (decodes of a mixed batch) through the Triton kernel. GPU only; ignored elsewhere.
+        host_lens: ``(query_lens, seq_len_bounds)`` on the host for ``dense``: the chunk lengths
+            and upper bounds of ``prefix + chunk`` (else read back: one host synchronisation).
     Returns:
         ``[T, H_q, d]`` in ``q.dtype``.
     """
@@ -114,6 +124,10 @@ def extend_attention(
     from .kernels.attention import extend_kernel
 
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
+    if dense is not None and t > 0 and max_query_len > 1:
+        return _extend_split(
+            q, k, v, cache, ep, cu_seqlens_q, prefix_lens, block_table, window_slots, scale, dense, host_lens
+        )
     q_rot = rotate_queries(q, ep)
     k_rot, v_rot = rotate_chunk(k, v, ep)
     out = _empty(*q.shape, dtype=torch.float32, device=q.device)
@@ -159,3 +173,39 @@ def extend_attention(
         **opts,
     )
     return unrotate_output(out, ep, q.dtype)
+
+
+def _extend_split(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    cu: torch.Tensor,
+    prefix: torch.Tensor,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    scale: float,
+    dense: DenseAttention,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None,
+) -> torch.Tensor:
+    """Leading one-token rows through the Triton kernel (no prefix to materialise), the chunks
+    after them through ``dense`` (engines put a batch's decodes first)."""
+    if host_lens is None:
+        qlens = (cu[1:] - cu[:-1]).tolist()
+        bounds = [p + m for p, m in zip(prefix.tolist(), qlens, strict=True)]
+    else:
+        qlens, bounds = list(host_lens[0]), list(host_lens[1])
+    nd = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
+    out = _empty(*q.shape, dtype=q.dtype, device=q.device)
+    if nd:  # row i's token is token i
+        out[:nd] = extend_attention(
+            q[:nd], k[:nd], v[:nd], cache, ep, cu[: nd + 1], prefix[:nd], block_table[:nd],
+            window_slots[:nd], 1, scale, check_bounds=False,
+        )  # fmt: skip
+    if nd < len(qlens):
+        out[nd:] = extend_attention_dense(
+            q[nd:], k[nd:], v[nd:], cache, ep, cu[nd:] - nd, prefix[nd:], block_table[nd:],
+            window_slots[nd:], qlens[nd:], bounds[nd:], scale, dense,
+        )  # fmt: skip
+    return out

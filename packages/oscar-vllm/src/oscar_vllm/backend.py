@@ -348,6 +348,8 @@ class OscarAttentionImpl(AttentionImpl):
         self._cache: PagedKVCache | None = None
         self._cache_src: int | None = None
         self._params = None
+        # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense) where it runs
+        self._dense = compat.dense_attention(head_size) if self.device.type == "cuda" else None
 
     def _allocate_windows(self) -> None:
         # Allocated (and touched) while the model is loaded, so they count as non-KV memory.
@@ -522,7 +524,7 @@ class OscarAttentionImpl(AttentionImpl):
         k = key[:n].view(n, hk, d)
         v = value[:n].view(n, hk, d)
         if not self.cached:
-            out = run_layer(cache, params, q, k, v, md, self.scale)
+            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense)
         else:
             assert self._pages is not None
             b = md.seq_lens.shape[0]
@@ -536,7 +538,7 @@ class OscarAttentionImpl(AttentionImpl):
             if id(self) not in md.restored_by:
                 for row, slot, prefix in md.restore:
                     restore_windows(cache, slot, self._pages, tables[:, row], prefix)
-            out = run_layer(cache, params, q, k, v, md, self.scale)
+            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense)
             write_window_pages(cache, params, k, v, md, self._pages, tables)
         output[:n].view(n, h, d).copy_(out)
         return output
@@ -614,6 +616,11 @@ class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
         # a FULL CUDA graph replays the table's address seen at capture: keep it in one buffer
         self._buf: torch.Tensor | None = None
         self._persistent = torch.device(device).type == "cuda"
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
+        """As the INT2 group's builder (vLLM takes the lowest support over all groups)."""
+        return compat.cudagraph_support(vllm_config)
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata

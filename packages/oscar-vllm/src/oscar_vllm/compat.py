@@ -413,6 +413,31 @@ def cudagraph_support(vllm_config: Any) -> Any:
     return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
+def dense_attention(head_size: int) -> Any:
+    """vLLM's FlashAttention varlen kernel as an ``oscar_kernels.DenseAttention`` (the version vLLM's
+    own ``FLASH_ATTN`` backend picks: FA3 on Hopper), or ``None`` where vLLM has none (CPU build,
+    unsupported GPU): prefill then runs through OSCAR's Triton extend kernel."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+        version = get_flash_attn_version(head_size=head_size)
+    except Exception as e:  # no FlashAttention in this build: the Triton path serves
+        log.info("OSCAR: prefill through the Triton extend kernel (vLLM's FlashAttention: %s)", e)
+        return None
+    if version is None:
+        return None
+
+    def attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):  # noqa: ANN001, ANN202
+        out, lse = flash_attn_varlen_func(
+            q, k, v, max_q, cu_q, max(int(max_k), 1), cu_seqlens_k=cu_k, softmax_scale=scale, causal=True,
+            window_size=[int(window_left), 0] if window_left >= 0 else None,
+            return_softmax_lse=True, fa_version=version,
+        )  # fmt: skip
+        return out, lse
+
+    return attn
+
+
 def add_window_layer(vllm_config: Any, name: str, layer: Any) -> None:
     """Register a window layer where vLLM collects attention layers (``static_forward_context``)
     before it asks them for KV-cache specs; the model never calls it."""

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from oscar_kernels import PagedKVCache, allocate_cache, decode_attention, extend_attention, paged_write
+from oscar_kernels import (
+    DenseAttention,
+    PagedKVCache,
+    allocate_cache,
+    decode_attention,
+    extend_attention,
+    paged_write,
+)
 from oscar_math.errors import OscarError
 
 __all__ = [
@@ -64,6 +71,10 @@ class StepMetadata:
     bounds_checked: list[bool] = field(default_factory=lambda: [False])
     #: the layers (ids) whose windows the metadata builders already restored for this step
     restored_by: set[int] = field(default_factory=set)
+    #: per row on the host: query tokens (exact) and an upper bound of ``seq_lens`` (vLLM's V2
+    #: runner gives bounds): they size a dense prefill's packed keys without a synchronisation
+    query_lens_host: tuple[int, ...] = ()
+    seq_lens_bound_host: tuple[int, ...] = ()
 
 
 class WindowSlots:
@@ -171,6 +182,8 @@ def build_step(
         # padding rows (no tokens: vLLM's CUDA-graph padding) do not make a batch an extend;
         # a one-token first step is a decode too (the decode kernel attends its own key)
         all_decode=bool(b) and bool((q_lens_cpu <= 1).all()) and bool((q_lens_cpu == 1).any()),
+        query_lens_host=tuple(q_lens_cpu.tolist()),
+        seq_lens_bound_host=tuple(seq_lens_cpu[:b].tolist()),
     )
 
 
@@ -279,6 +292,7 @@ def attend_step(
     scale: float,
     backend: str = "auto",
     check_bounds: bool | None = None,
+    dense: DenseAttention | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over the cache (after :func:`write_step`).
 
@@ -313,6 +327,8 @@ def attend_step(
         softmax_scale=scale,
         backend=backend,
         check_bounds=check_bounds,
+        dense=dense,
+        host_lens=(md.query_lens_host, md.seq_lens_bound_host) if md.query_lens_host else None,
     )
 
 
@@ -325,6 +341,7 @@ def run_layer(
     md: StepMetadata,
     scale: float,
     backend: str = "auto",
+    dense: DenseAttention | None = None,
 ) -> torch.Tensor:
     """One layer's step (what the backend runs): write, attend, and for an extend step the
     ring rows last — the windows apply per query token (``oscar_kernels.extend_attention``),
@@ -337,7 +354,7 @@ def run_layer(
         out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb)
     else:
         write_step(cache, params, k, v, md, backend, parts="pages", check_bounds=cb)
-        out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb)
+        out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb, dense=dense)
         write_step(cache, params, k, v, md, backend, parts="ring", check_bounds=cb)
     md.bounds_checked[0] = True
     return out

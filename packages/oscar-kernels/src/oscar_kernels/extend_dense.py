@@ -1,0 +1,224 @@
+"""Prefill / extend attention through a dense flash-attention kernel (the engine's own).
+
+The window rule splits the keys query ``t`` reads into two disjoint sets, each a plain
+causal attention with an offset, so a dense varlen kernel (FlashAttention, what the engine
+already runs for BF16) computes both and a log-sum-exp merge joins them:
+
+* *far*: positions ``j <= t - recent`` — the sink rows in BF16 (``j < sink``) and the
+  dequantised INT2 rows (``sink <= j``) with the pre-RoPE mean added back. Per sequence the
+  keys are positions ``[0, L)``, ``L = prefix + chunk - recent``; causal aligned to the bottom
+  right gives query ``i`` of the chunk the keys ``j <= i + L - chunk = t - recent``.
+* *near*: positions ``t - recent < j <= t`` in BF16 — the ring (or sink) rows of the prefix
+  and the chunk's own rotated keys; causal with a left window of ``recent - 1``.
+
+Every key is in exactly one set, so the result is :func:`oscar_kernels.extend_attention_ref`'s
+up to the rounding of the dequantised rows to the kernel's input dtype (bf16) and of the two
+partial outputs. The INT2 rows of the prefix are materialised per call (``L·H_kv·d`` bf16 for
+keys and values; processed in row blocks to bound the float32 temporaries).
+
+``DenseAttention`` is the kernel's signature: ``attn(q, k, v, cu_q, cu_k, max_q, max_k, scale,
+window_left) -> (out [T, H_q, d] in q.dtype, lse [H_q, T] float32)``; causal aligned to the bottom
+right; ``window_left = -1`` for no window; a row with no key gives ``out = 0`` and an infinite
+``lse`` (FlashAttention returns ``+inf``). :func:`dense_attention_ref` is its torch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from oscar_math import unpack_int2
+
+from .layout import PagedKVCache
+from .params import ExpandedParams
+from .reference.attention import rope_mean_at
+from .rotate import rotate_chunk, rotate_queries, unrotate_output
+
+__all__ = ["DenseAttention", "dense_attention_ref", "extend_attention_dense"]
+
+DenseAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+#: rows dequantised at once (bounds the float32 temporaries: ~16 MiB per 1k rows at 8 x 128 x 2)
+DEQUANT_ROWS = 32768
+
+
+def dense_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    window_left: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of a :data:`DenseAttention` kernel (FlashAttention's varlen semantics).
+
+    ``q [T, H_q, d]``, ``k/v [N, H_kv, d]``; sequence ``b`` has queries ``cu_q[b]:cu_q[b+1]`` and
+    keys ``cu_k[b]:cu_k[b+1]``; query ``i`` reads key ``j`` iff ``j <= i + n_k - n_q`` and, with
+    ``window_left >= 0``, ``j >= i + n_k - n_q - window_left``. Returns ``(out, lse)``:
+    ``[T, H_q, d]`` in ``q.dtype`` and ``[H_q, T]`` float32; a row without keys: 0 and ``+inf``.
+    """
+    t, hq, d = q.shape
+    out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((hq, t), float("inf"), dtype=torch.float32, device=q.device)
+    g = hq // k.shape[1]
+    for b in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        m, n = q1 - q0, k1 - k0
+        if m == 0 or n == 0:
+            continue
+        kk = k[k0:k1].float().repeat_interleave(g, dim=1)
+        vv = v[k0:k1].float().repeat_interleave(g, dim=1)
+        s = torch.einsum("mhd,nhd->hmn", q[q0:q1].float(), kk) * scale
+        i = torch.arange(m, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        ok = j <= i + n - m
+        if window_left >= 0:
+            ok &= j >= i + n - m - window_left
+        s = s.masked_fill(~ok[None], float("-inf"))
+        has = ok.any(dim=1)  # [m]
+        row_lse = torch.logsumexp(s, dim=-1)  # [H, m]; -inf where no key
+        p = torch.exp(s - torch.where(has[None, :], row_lse, 0.0)[..., None])
+        out[q0:q1] = torch.einsum("hmn,nhd->mhd", p, vv) * has[:, None, None]
+        lse[:, q0:q1] = torch.where(has[None, :], row_lse, float("inf"))
+    return out.to(q.dtype), lse
+
+
+def _segments(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed segments of device ``lens [B]`` in ``total >= sum(lens)`` rows, without a host
+    synchronisation: ``(cu [B+1] int32, seq [total] long, idx [total] long)``; rows past the
+    segments get ``seq = B - 1`` and an index past its segment (read, never attended)."""
+    b = lens.shape[0]
+    cu = torch.zeros(b + 1, dtype=torch.long, device=lens.device)
+    cu[1:] = lens.long().cumsum(0)
+    row = torch.arange(total, device=lens.device)
+    seq = torch.searchsorted(cu[1:], row, right=True).clamp_(max=max(b - 1, 0))
+    return cu.to(torch.int32), seq, row - cu[seq]
+
+
+def _far_rows(
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``(seq, pos)`` as the far set reads them, in the rotated basis: the sink row for
+    ``pos < sink``, else the dequantised INT2 row plus ``RoPE_pos(m) @ R_K`` (as the reference).
+    Rows past a sequence's end read some page of the table (their values are never attended)."""
+    lo = cache.layout
+    n, h, d, s = pos.shape[0], lo.num_kv_heads, lo.head_dim, lo.sink_tokens
+    k_out = torch.empty(n, h, d, dtype=dtype, device=cache.device)
+    v_out = torch.empty(n, h, d, dtype=dtype, device=cache.device)
+    last_page = max(block_table.shape[1] - 1, 0)
+    for a in range(0, n, DEQUANT_ROWS):
+        s_, p_ = seq[a : a + DEQUANT_ROWS], pos[a : a + DEQUANT_ROWS]
+        page = block_table[s_, (p_ // lo.page_size).clamp(max=last_page)].long()
+        off = p_ % lo.page_size
+        in_sink = (p_ < s)[:, None, None]
+        ws, sp = window_slots[s_].long(), p_.clamp(max=max(s - 1, 0))
+        for codes, sc, zr, sink, dst in (
+            (cache.k_codes, cache.k_scale, cache.k_zero, cache.k_sink, k_out),
+            (cache.v_codes, cache.v_scale, cache.v_zero, cache.v_sink, v_out),
+        ):
+            c = unpack_int2(codes[page, :, off]).float()  # [r, H, d]
+            r = c.shape[0]
+            x = c.view(r, h, d // lo.group, lo.group) * sc[page, :, off].float()[..., None]
+            x = (x + zr[page, :, off].float()[..., None]).view(r, h, d)
+            if dst is k_out and ep.k_rope_mean is not None:
+                x = x + rope_mean_at(ep, p_)
+            if s > 0:  # the sink rows in BF16 (their INT2 copies are never read)
+                x = torch.where(in_sink, sink[ws, :, sp].float(), x)
+            dst[a : a + r] = x.to(dtype)
+    return k_out, v_out
+
+
+def _near_rows(
+    cache: PagedKVCache,
+    k_rot: torch.Tensor,
+    v_rot: torch.Tensor,
+    window_slots: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    prefix: torch.Tensor,
+    chunk_start: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 rows ``(seq, pos)``: the chunk's own rotated keys for ``pos >= prefix[seq]``, else the
+    sink row (``pos < sink``) or the ring row of the window slot."""
+    lo = cache.layout
+    s = lo.sink_tokens
+    pre = prefix[seq]
+    mine = (pos >= pre)[:, None, None]
+    tok = (chunk_start[seq] + (pos - pre)).clamp(min=0, max=max(k_rot.shape[0] - 1, 0))
+    ws = window_slots[seq].long()
+    ring = pos % max(lo.recent_tokens, 1)
+    out = []
+    for rot, recent, sink in ((k_rot, cache.k_recent, cache.k_sink), (v_rot, cache.v_recent, cache.v_sink)):
+        old = recent[ws, :, ring]
+        if s > 0:
+            old = torch.where((pos < s)[:, None, None], sink[ws, :, pos.clamp(max=s - 1)], old)
+        out.append(torch.where(mine, rot[tok], old.to(rot.dtype)))
+    return out[0], out[1]
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Two partial attentions over disjoint key sets → their union's output (float32)."""
+    # a set without keys for a row: FlashAttention says lse = +inf (others -inf), its output 0
+    ok1, ok2 = torch.isfinite(l1).t()[..., None], torch.isfinite(l2).t()[..., None]  # [T, H, 1]
+    l1 = torch.where(ok1, l1.t()[..., None], float("-inf"))
+    l2 = torch.where(ok2, l2.t()[..., None], float("-inf"))
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    den = (w1 + w2).clamp_min(1e-30)
+    o1 = torch.where(ok1, o1.float(), 0.0)
+    o2 = torch.where(ok2, o2.float(), 0.0)
+    return (o1 * w1 + o2 * w2) / den
+
+
+def extend_attention_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    query_lens_host: Sequence[int],
+    seq_lens_bound_host: Sequence[int],
+    scale: float,
+    attn: DenseAttention,
+) -> torch.Tensor:
+    """:func:`oscar_kernels.extend_attention` through ``attn`` (module docstring); same arguments,
+    plus on the host the chunk lengths and upper bounds of ``prefix + chunk`` (they size the
+    packed key sets; the exact lengths stay on the device: no host synchronisation). Writes as
+    there: the chunk's INT2 and sink rows before, its ring rows after. Returns ``[T, H_q, d]``."""
+    lo = cache.layout
+    r = lo.recent_tokens
+    q_rot = rotate_queries(q, ep)
+    k_rot, v_rot = rotate_chunk(k, v, ep)
+    mq = max(query_lens_host, default=0)
+    pre = prefix_lens.long()
+    qlen = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    bound_far = [max(0, n - r) for n in seq_lens_bound_host]
+    cu_f, seq_f, pos_f = _segments((pre + qlen - r).clamp(min=0), sum(bound_far))
+    kf, vf = _far_rows(cache, ep, block_table, window_slots, seq_f, pos_f.clamp(min=0), q_rot.dtype)
+    o1, l1 = attn(q_rot, kf, vf, cu_seqlens_q, cu_f, mq, max(bound_far, default=0), scale, -1)
+    if r == 0:  # no BF16 ring: every key but the sink is read as INT2, the query's own included
+        out = _merge(o1, l1, torch.zeros_like(o1), torch.full_like(l1, float("-inf")))
+        return unrotate_output(out, ep, q.dtype)
+    first = (pre - r + 1).clamp(min=0)
+    bound_near = [min(n, m + r - 1) for n, m in zip(seq_lens_bound_host, query_lens_host, strict=True)]
+    cu_n, seq_n, idx_n = _segments(pre + qlen - first, sum(bound_near))
+    kn, vn = _near_rows(
+        cache, k_rot, v_rot, window_slots, seq_n, idx_n + first[seq_n], pre, cu_seqlens_q[:-1].long()
+    )
+    o2, l2 = attn(q_rot, kn, vn, cu_seqlens_q, cu_n, mq, max(bound_near, default=0), scale, r - 1)
+    return unrotate_output(_merge(o1, l1, o2, l2), ep, q.dtype)

@@ -1,0 +1,123 @@
+"""Extend attention through a dense flash-attention kernel (``extend_dense``) against the torch
+reference of the window rule, with the dense kernel's torch reference standing in for
+FlashAttention (the GPU tests of oscar-vllm run the real one)."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import DEVICE, fill_cache, needs_triton
+
+from oscar_kernels import CacheLayout, dense_attention_ref, extend_attention, extend_attention_ref
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _brute(q, k, v, scale, allowed):
+    """One sequence, ``allowed [m, n]``: softmax attention and its log-sum-exp, GQA by repeat."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("mhd,nhd->hmn", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hmn,nhd->mhd", p, v.double().repeat_interleave(g, 1)), lse
+
+
+@pytest.mark.parametrize("window", [-1, 0, 3])
+def test_dense_reference_is_bottom_right_causal_with_a_left_window(window):
+    gen = torch.Generator().manual_seed(3 + window)
+    qlens, klens = [5, 1, 4, 3], [9, 6, 2, 0]  # keys > queries, one query, fewer keys, no keys
+    cu_q = torch.tensor([0, 5, 6, 10, 13], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 15, 17, 17], dtype=torch.int32)
+    q = torch.randn(13, 4, 8, generator=gen)
+    k, v = torch.randn(17, 2, 8, generator=gen), torch.randn(17, 2, 8, generator=gen)
+    out, lse = dense_attention_ref(q, k, v, cu_q, cu_k, 5, 9, 0.3, window)
+    for b, (m, n) in enumerate(zip(qlens, klens, strict=True)):
+        i = torch.arange(m)[:, None]
+        j = torch.arange(n)[None, :]
+        ok = j <= i + n - m
+        if window >= 0:
+            ok &= j >= i + n - m - window
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        want, want_lse = _brute(q[q0 : q0 + m], k[k0 : k0 + n], v[k0 : k0 + n], 0.3, ok)
+        torch.testing.assert_close(out[q0 : q0 + m].double(), want, atol=1e-5, rtol=1e-5)
+        has = ok.any(1)
+        got = lse[:, q0 : q0 + m]
+        assert torch.isinf(got[:, ~has]).all() and (got[:, ~has] > 0).all()  # FlashAttention's +inf
+        assert (out[q0 : q0 + m][~has] == 0).all()
+        torch.testing.assert_close(got[:, has].double(), want_lse[:, has], atol=1e-5, rtol=1e-5)
+
+
+def _with_rope(params, h, d, pairs, gen):
+    m = torch.zeros(h, d)
+    idx = torch.arange(pairs)
+    m[:, idx] = 3 * torch.randn(h, pairs, generator=gen)
+    m[:, idx + d // 2] = 3 * torch.randn(h, pairs, generator=gen)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    return dataclasses.replace(params, k_rope_mean=m, k_rope_inv_freq=inv)
+
+
+CASES = {
+    # lens (after the step), chunks: prefill from 0 shorter / longer than recent, a chunk whose
+    # prefix is shorter than recent, a chunk after a long prefix, page-boundary crossings
+    "prefills": ([7, 45, 70, 33], [7, 20, 33, 33]),
+    # the engine's mixed batch: decodes first (Triton), then chunks (dense)
+    "mixed": ([26, 9, 1, 50, 17], [1, 1, 1, 24, 17]),
+    "one-chunk": ([130], [64]),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "sink, recent, rope, granularity", [(4, 10, 0, "layer"), (0, 16, 4, "kv_head"), (5, 1, 0, "kv_head")]
+)
+def test_dense_extend_matches_reference(case, sink, recent, rope, granularity):
+    lens, chunks = CASES[case]
+    h, g, d = 2, 2, 64
+    gen = torch.Generator().manual_seed(len(lens) * 7 + sink + recent)
+    lo = CacheLayout(h, d, page_size=16, sink_tokens=sink, recent_tokens=recent)
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, granularity, pending=chunks)
+    if rope:
+        params = _with_rope(params, h, d, rope, gen)
+    ep = params.expand(h, d, cache.device)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
+    pre = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    ref = extend_attention_ref(q, k, v, cache, ep, cu, pre, bt, ws, max(chunks))
+    out = extend_attention(
+        q, k, v, cache, ep, cu, pre, bt, ws, max(chunks), backend="triton",
+        dense=dense_attention_ref, host_lens=(chunks, [n + 3 for n in lens]),  # loose bounds
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    for b in range(len(lens)):  # per sequence and per token: a batch norm hides one wrong row
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])
+        per_token = (out[s0:s1].float() - ref[s0:s1].float()).norm(dim=(1, 2)) / ref[s0:s1].float().norm(
+            dim=(1, 2)
+        )
+        assert float(per_token.max()) < 3e-2, (b, per_token)
+
+
+@needs_triton
+def test_dense_extend_reads_lengths_back_when_not_given():
+    lens, chunks = [40, 19], [22, 19]
+    gen = torch.Generator().manual_seed(11)
+    lo = CacheLayout(1, 64, page_size=16, sink_tokens=3, recent_tokens=8)
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, pending=chunks)
+    cu = torch.tensor([0, 22, 41], dtype=torch.int32, device=DEVICE)
+    pre = torch.tensor([18, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(41, 4, 64, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[0][18:], keys[1]])
+    v = torch.cat([values[0][18:], values[1]])
+    args = (q, k, v, cache, params, cu, pre, bt, ws, 22)
+    a = extend_attention(*args, backend="triton", dense=dense_attention_ref)
+    b = extend_attention(*args, backend="triton", dense=dense_attention_ref, host_lens=([22, 19], [40, 19]))
+    assert torch.equal(a, b)
+    ref = extend_attention_ref(q, k, v, cache, params.expand(1, 64, cache.device), cu, pre, bt, ws, 22)
+    assert rel(a, ref) < 1e-2
