@@ -81,7 +81,8 @@ def _random_cache(lo, lens, pending, gen):
         slots = (bt[b_idx, pos // ps].long() * ps + pos % ps).to(DEV)
         k = torch.stack([keys[b][p] for b, p in rows])
         v = torch.stack([vals[b][p] for b, p in rows])
-        paged_write(cache, params, k, v, slots, pos.int().to(DEV), b_idx.int().to(DEV), seq_lens, ws, parts=parts)
+        pos, b_idx = pos.int().to(DEV), b_idx.int().to(DEV)
+        paged_write(cache, params, k, v, slots, pos, b_idx, seq_lens, ws, parts=parts)
 
     done = [n - c for n, c in zip(lens, pending, strict=True)]
     if any(done):
