@@ -60,6 +60,36 @@ def _timed(llm, prompts: list[list[int]], sp) -> tuple[float, list]:  # noqa: AN
     return time.perf_counter() - t, out
 
 
+def _stepped(llm, prompts: list[list[int]], sp, tag: str) -> dict:  # noqa: ANN001
+    """One pass through the engine's step loop: prefill time (until every request has its first
+    token) and decode tokens/s over the steps where every request decodes (median step time too),
+    so neither a second prefill nor a one-time kernel compile is subtracted from the decode."""
+    eng = llm.llm_engine
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, pr in zip(ids, prompts, strict=True):
+        eng.add_request(rid, {"prompt_token_ids": pr}, sp)
+    got = dict.fromkeys(ids, 0)
+    t0 = time.perf_counter()
+    marks: list[tuple[float, int, int]] = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id in got:
+                got[o.request_id] = len(o.outputs[0].token_ids)
+        marks.append((time.perf_counter(), min(got.values()), sum(got.values())))
+    first = next((m for m in marks if m[1] >= 1), marks[-1])
+    dec = [m for m in marks if m[1] >= 2]
+    out = dict(t_prefill=round(first[0] - t0, 3), t_total=round(marks[-1][0] - t0, 3), steps=len(marks))
+    if len(dec) >= 2:
+        span, toks = dec[-1][0] - first[0], dec[-1][2] - first[2]
+        gaps = sorted(b[0] - a[0] for a, b in zip(dec, dec[1:], strict=False))
+        out.update(
+            decode_tok_s=round(toks / max(span, 1e-9), 1),
+            median_step_ms=round(1e3 * gaps[len(gaps) // 2], 2),
+            all_tokens=all(n == sp.max_tokens for n in got.values()),
+        )
+    return out
+
+
 def _diagnostics(llm) -> dict:  # noqa: ANN001
     """OSCAR's own counters from the in-process worker (restores, records checked, mode)."""
     try:
@@ -125,7 +155,15 @@ def run_case(spec: dict) -> dict:
         kind = w[0]
         seed += 17
         try:
-            if kind == "decode":
+            if kind == "decode" and spec.get("stepped", True):
+                _, ctx, batch, gen = w
+                res[f"decode_{ctx}x{batch}"] = _stepped(
+                    llm,
+                    _prompts(batch, ctx, seed, vocab),
+                    SamplingParams(max_tokens=gen, **greedy),
+                    f"d{seed}",
+                )
+            elif kind == "decode":
                 _, ctx, batch, gen = w
                 t_gen, out = _timed(
                     llm, _prompts(batch, ctx, seed, vocab), SamplingParams(max_tokens=gen, **greedy)
@@ -227,6 +265,8 @@ def run_case(spec: dict) -> dict:
                 raise ValueError(f"unknown workload {kind}")
         except Exception as e:  # keep the engine's other workloads
             res.setdefault("errors", []).append(f"{kind}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        if spec["backend"] == "OSCAR":
+            res["oscar"] = _diagnostics(llm)  # restores so far
         # what is done so far survives a case that runs out of time
         print(PARTIAL + json.dumps(res), flush=True)
     res["oscar"] = _diagnostics(llm) if spec["backend"] == "OSCAR" else None
@@ -365,6 +405,9 @@ def _run_one(spec: dict, timeout: float, log) -> dict:  # noqa: ANN001
     conc = CONCURRENCY.findall(text)
     if conc:
         res["log_concurrency"] = [int(conc[-1][0].replace(",", "")), float(conc[-1][1])]
+    res["jit_compiles"] = [ln[-160:] for ln in text.splitlines() if "JIT compilation during inference" in ln][
+        :20
+    ]
     res["graph_lines"] = [ln[-240:] for ln in text.splitlines() if GRAPH_LINE.search(ln)][:8]
     m = OSCAR_SEQS.findall(text)
     if m:

@@ -487,3 +487,15 @@ def test_a_steps_index_tensors_are_checked_by_its_first_layer_only(monkeypatch):
     bad = step([1, 9])  # page 9 of a 4-page cache: caught by the step's first layer
     with pytest.raises(OscarError):
         run_layer(caches[0], params, q, k, v, bad, 32**-0.5)
+
+
+def test_scratch_ring_takes_few_sizes_and_holds_every_chunk():
+    """An extend step writes its window rows through a scratch ring whose size is a constexpr of
+    the write kernel: sized by the chunk length itself, a server compiled the kernel for every new
+    chunk length (seconds each on the H200); rounded to powers of two it compiles a handful."""
+    from oscar_vllm.step import scratch_ring
+
+    sizes = {scratch_ring(n) for n in range(1, 20_000)}
+    assert len(sizes) <= 12
+    assert all(scratch_ring(n) >= n for n in range(1, 20_000))
+    assert scratch_ring(257) == 512 and scratch_ring(8192) == 8192

@@ -489,6 +489,13 @@ def hit_window_positions(n_cached: int, sink: int, recent: int) -> list[int]:
     return head + list(tail)
 
 
+def scratch_ring(max_query_len: int) -> int:
+    """Rows of the scratch ring that an extend step's window rows are written through: the
+    chunk length rounded up to a power of two (at least 16), so a server compiles the write
+    kernel for a handful of sizes instead of once per distinct chunk length."""
+    return max(16, 1 << max(0, int(max_query_len) - 1).bit_length())
+
+
 def write_window_pages(
     cache: PagedKVCache,
     params: object,
@@ -525,7 +532,9 @@ def write_window_pages(
         ring, rows_of = max(lo.recent_tokens, 1), slots
         k_src, v_src = cache.k_recent, cache.v_recent
     else:
-        ring = max(int(md.max_query_len), 1)
+        # a power of two: the write kernel is compiled per ring size (a constexpr), and chunk
+        # lengths vary with every prompt; rows of one chunk still never share a ring row
+        ring = scratch_ring(int(md.max_query_len))
         scratch = allocate_cache(
             replace(lo, page_size=1, sink_tokens=0, recent_tokens=ring), 1, max(b, 1), cache.device
         )
