@@ -106,7 +106,19 @@ def _stamps() -> RecordStamps:
 
 
 def _write(s: RecordStamps, step: int, it: list[int], wt: list[int], p: int, n: int, restore=()) -> None:
-    s.step(step, [it], [[wt]], [p], [n], list(restore))
+    """One step as the backend runs it: only the table entries ``columns`` names are gathered
+    (``gather_columns``) from zero-padded tables, as from vLLM's ``[B, max_blocks]`` tensors."""
+    import torch
+
+    from oscar_vllm.step import gather_columns
+
+    width = 4 + max(len(it), len(wt))
+    int2 = torch.zeros(1, width, dtype=torch.int32)
+    int2[0, : len(it)] = torch.tensor(it)
+    win = torch.zeros(1, 1, width, dtype=torch.int32)
+    win[0, 0, : len(wt)] = torch.tensor(wt)
+    int2_cols, win_cols = s.columns([p], [n], list(restore))
+    s.step(step, gather_columns(int2, int2_cols)[0], gather_columns(win, win_cols), [p], [n], list(restore))
 
 
 def test_stamps_accept_intact_records_and_refuse_reused_ones():

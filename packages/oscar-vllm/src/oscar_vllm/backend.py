@@ -62,6 +62,7 @@ from .step import (
     WindowPlan,
     WindowSlots,
     build_step,
+    gather_columns,
     plan_slots,
     plan_window_records,
     restore_windows,
@@ -455,14 +456,13 @@ class OscarAttentionImpl(AttentionImpl):
             return
         lo, plan = self.layout, self._plan
         stamps.configure(plan.block_size, lo.page_size, lo.sink_tokens, lo.recent_tokens, plan.sink_parts)
-        stamps.step(
-            md.step_no,
-            md.block_table.cpu().tolist(),
-            tables.cpu().tolist(),
-            md.prefix_lens.cpu().tolist(),
-            md.seq_lens.cpu().tolist(),
-            [row for row, _, _ in md.restore],
-        )
+        b = md.seq_lens.shape[0]
+        prefix, seq = md.prefix_lens.cpu().tolist(), md.seq_lens.cpu().tolist()
+        rows = [row for row, _, _ in md.restore]
+        # only the table entries the check reads: whole tables were ~10^5-10^6 host ints per step
+        int2_cols, win_cols = stamps.columns(prefix, seq, rows)
+        int2 = gather_columns(md.block_table[:b], int2_cols)[0]
+        stamps.step(md.step_no, int2, gather_columns(tables[:, :b], win_cols), prefix, seq, rows)
 
     def _kv_dtype(self) -> torch.dtype:
         dt = self._cfg.model_config.dtype

@@ -489,6 +489,25 @@ def hit_window_positions(n_cached: int, sink: int, recent: int) -> list[int]:
     return head + list(tail)
 
 
+def gather_columns(table: torch.Tensor, cols: list[set[int]]) -> list[list[dict[int, int]]]:
+    """Entries ``table[..., r, c]`` for ``c in cols[r]`` as host dicts ``out[g][r][c]``, in one
+    device-to-host copy (``table`` ``[B, W]`` gives ``g = 0`` only, ``[G, B, W]`` every ``g``)."""
+    t = table if table.dim() == 3 else table[None]
+    g, _, w = t.shape
+    pairs = [(r, c) for r, cs in enumerate(cols) for c in sorted(cs)]
+    if any(c >= w for _, c in pairs):
+        raise OscarError(f"OSCAR: a row's positions lie past its block table ({w} blocks)")
+    out: list[list[dict[int, int]]] = [[{} for _ in cols] for _ in range(g)]
+    if not pairs:
+        return out
+    idx = torch.tensor([r * w + c for r, c in pairs], dtype=torch.long, device=t.device)
+    vals = t[:, : len(cols)].reshape(g, -1)[:, idx].tolist()
+    for k in range(g):
+        for (r, c), x in zip(pairs, vals[k], strict=True):
+            out[k][r][c] = int(x)
+    return out
+
+
 def scratch_ring(max_query_len: int) -> int:
     """Rows of the scratch ring that an extend step's window rows are written through: the
     chunk length rounded up to a power of two (at least 16), so a server compiles the write
@@ -813,6 +832,27 @@ class RecordStamps:
         if min(self.sink, n_cached) > ring_lo:  # older sink positions: parts of the last S blocks
             lo = min(lo, max(0, last - self.parts + 1))
         return range(lo, last + 1)
+
+    def columns(
+        self, prefix: list[int], seq: list[int], restore_rows: list[int]
+    ) -> tuple[list[set[int]], list[set[int]]]:
+        """The INT2 and window block-table columns :meth:`step` reads per row: the records a
+        restore checks and the blocks the step writes (a few per row, not the whole table)."""
+        wb, ib = self.wb, self.ib
+        int2: list[set[int]] = [set() for _ in prefix]
+        win: list[set[int]] = [set() for _ in prefix]
+        for r in restore_rows:
+            for j in self.needed(prefix[r]):
+                win[r].add(j)
+                int2[r].add((j * wb) // ib)
+        for r, (p, n) in enumerate(zip(prefix, seq, strict=True)):
+            if n <= p:
+                continue
+            int2[r].update(range(p // ib, (n - 1) // ib + 1))
+            for j in range(p // wb, (n - 1) // wb + 1):
+                win[r].add(j)
+                int2[r].add((j * wb) // ib)
+        return int2, win
 
     def _drop(self, b: int) -> None:
         key = self._stamp.pop(b, None)
