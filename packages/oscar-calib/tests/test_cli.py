@@ -403,3 +403,19 @@ def test_calibrate_rope_pairs_option(monkeypatch, tmp_path, capsys):
     assert "expected an integer >= 0 or 'all'" in capsys.readouterr().err
     assert main([*args, "--rope-pairs", "4", "--no-key-centering"]) == 2
     _one_line_error(capsys, "Invalid rope_pairs")
+
+
+def test_eval_and_generate_serve_the_artifacts_windows(capsys):
+    """`oscar eval` / `oscar generate` measure the layout the engines serve: the artifact's BF16
+    windows unless --sink / --recent override them, and an override is said on stderr."""
+    from oscar_calib.commands import serving_windows
+    from oscar_math.artifact import identity_rotations
+
+    rot = identity_rotations("m", 2, 1, 8, sink_tokens=8, recent_tokens=16)
+    assert serving_windows(None, None, rot) == (8, 16)
+    assert capsys.readouterr().err == ""
+    assert serving_windows(8, 16, rot) == (8, 16)
+    assert capsys.readouterr().err == ""
+    assert serving_windows(4, None, rot) == (4, 16)
+    assert "the artifact's (what the engines serve) are 8 + 16" in capsys.readouterr().err
+    assert serving_windows(None, None, None) == (64, 256)  # no artifact (bf16 / baselines only)

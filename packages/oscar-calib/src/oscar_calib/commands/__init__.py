@@ -89,3 +89,24 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, ali
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([_line(cells[0]), rule, *(_line(r) for r in cells[1:])])
+
+
+DEFAULT_SINK, DEFAULT_RECENT = 64, 256
+
+
+def serving_windows(sink: int | None, recent: int | None, rotations: object | None) -> tuple[int, int]:
+    """The BF16 windows to evaluate: the artifact's (what every engine serves) unless ``--sink`` /
+    ``--recent`` override them, which is said on stderr; 64 / 256 without an artifact."""
+    import sys
+
+    if rotations is None:
+        return (DEFAULT_SINK if sink is None else sink), (DEFAULT_RECENT if recent is None else recent)
+    a_sink, a_recent = int(rotations.sink_tokens), int(rotations.recent_tokens)  # type: ignore[attr-defined]
+    got = (a_sink if sink is None else sink), (a_recent if recent is None else recent)
+    if got != (a_sink, a_recent):
+        print(
+            f"oscar: note: evaluating windows of {got[0]} sink + {got[1]} recent tokens; the artifact's "
+            f"(what the engines serve) are {a_sink} + {a_recent}",
+            file=sys.stderr,
+        )
+    return got

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 __all__ = ["register", "run"]
@@ -28,8 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--schemes", nargs="+", metavar="NAME", help="schemes to compare (default: every built-in one)"
     )
     p.add_argument("--num-seqs", type=int, default=3, metavar="K", help="sequences per context (default 3)")
-    p.add_argument("--sink", type=int, default=64, help="BF16 sink tokens (default 64)")
-    p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
+    p.add_argument("--sink", type=int, help="BF16 sink tokens (default: the artifact's, else 64)")
+    p.add_argument("--recent", type=int, help="BF16 recent tokens (default: the artifact's, else 256)")
     p.add_argument("--group-size", type=int, metavar="G", help="INT2 group (default: the artifact's)")
     p.add_argument(
         "--prefill-chunk",
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluate import EvalConfig, format_table, run_eval
     from ..models import load_model, model_info, model_name
     from ..schemes import DEFAULT_SCHEMES
-    from . import check_context, check_output_file
+    from . import check_context, check_output_file, serving_windows
 
     # Output names are checked before minutes of evaluation, not after them.
     json_path = check_output_file("--json", args.json) if args.json else None
@@ -81,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
         contexts=tuple(args.context),
         schemes=tuple(args.schemes or DEFAULT_SCHEMES),
         num_sequences=args.num_seqs,
-        sink=args.sink,
-        recent=args.recent,
+        sink=args.sink if args.sink is not None else 64,  # replaced below by the served windows
+        recent=args.recent if args.recent is not None else 256,
         group_size=args.group_size,
         needle_contexts=tuple(args.needle_context or ()),
         needle_depths=tuple(args.needle_depths),
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         rotations = load_rotations(
             args.rotations, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim
         )
+    sink, recent = serving_windows(args.sink, args.recent, rotations)
+    config = dataclasses.replace(config, sink=sink, recent=recent)
     result = run_eval(
         model, tokenizer, rotations, config, progress=not args.quiet, model_name=model_name(args.model)
     )

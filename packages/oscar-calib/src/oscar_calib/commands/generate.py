@@ -34,8 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--chunk", type=int, default=256, metavar="C", help="prefill chunk in tokens (default 256)"
     )
     p.add_argument("--page-size", type=int, default=64, metavar="P", help="tokens per INT2 page (default 64)")
-    p.add_argument("--sink", type=int, default=64, help="BF16 sink tokens (default 64)")
-    p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
+    p.add_argument("--sink", type=int, help="BF16 sink tokens (default: the artifact's, else 64)")
+    p.add_argument("--recent", type=int, help="BF16 recent tokens (default: the artifact's, else 256)")
     p.add_argument(
         "--kv", choices=("int2", "bf16"), default="int2", help="int2: the OSCAR cache; bf16: plain BF16 pages"
     )
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..models import load_model, model_info
     from ..paged import PagedConfig, PagedLM
+    from . import serving_windows
 
     if args.max_new_tokens < 1:
         raise OscarError(f"Invalid --max-new-tokens: expected >= 1, got {args.max_new_tokens}")
@@ -82,12 +83,13 @@ def run(args: argparse.Namespace) -> int:
             "Invalid --prompt: expected text that tokenizes to at least one token, got an empty one"
         )
     longest = max(p.numel() for p in prompts) + args.max_new_tokens
+    sink, recent = serving_windows(args.sink, args.recent, rotations)
     config = PagedConfig(
         max_seqs=len(prompts),
         max_len=longest,
         page_size=args.page_size,
-        sink=args.sink,
-        recent=args.recent,
+        sink=sink,
+        recent=recent,
         prefill_chunk=args.chunk,
         kv=args.kv,
     )
