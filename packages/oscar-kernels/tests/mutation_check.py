@@ -23,11 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # packages/oscar-kernels
 TIMEOUT_S = 300  # per pytest run; each targets a handful of tests
+JOBS = int(os.environ.get("OSCAR_MUTATION_JOBS", os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -255,18 +257,23 @@ def main(argv: list[str], mutations: tuple[Mutation, ...] = MUTATIONS) -> int:
             return 2
         for m in chosen:
             _apply(_copy(Path(tmp) / m.name), m)  # every mutation's text must still exist
-        for m in chosen:
+
+        def check(m: Mutation) -> tuple[bool, str]:
             t0 = time.time()
             rc, last = _pytest(control, m.tests)
             if rc != 0:
-                print(f"CONTROL FAILED  {m.name}: the unmutated tests fail ({last}); fix them first")
-                failed.append(m.name)
-                continue
+                return False, f"CONTROL FAILED  {m.name}: the unmutated tests fail ({last}); fix them first"
             rc, last = _pytest(Path(tmp) / m.name / "oscar-kernels", m.tests)
             caught = rc == 1  # 1 = tests failed; anything else (crash, timeout, no tests) is not a catch
-            print(f"{'caught   ' if caught else 'SURVIVED '} {m.name:<34} {time.time() - t0:6.1f} s  {last}")
-            if not caught:
-                failed.append(m.name)
+            verdict = "caught   " if caught else "SURVIVED "
+            return caught, f"{verdict} {m.name:<34} {time.time() - t0:6.1f} s  {last}"
+
+        # independent subprocesses: one per core (OSCAR_MUTATION_JOBS overrides), reported in order
+        with ThreadPoolExecutor(max_workers=JOBS) as pool:
+            for m, (ok, line) in zip(chosen, pool.map(check, chosen), strict=True):
+                print(line, flush=True)
+                if not ok:
+                    failed.append(m.name)
     if failed:
         print(f"{len(failed)} of {len(chosen)} mutations not caught: {failed}")
         return 1

@@ -90,6 +90,47 @@ def _stepped(llm, prompts: list[list[int]], sp, tag: str) -> dict:  # noqa: ANN0
     return out
 
 
+def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict:  # noqa: ANN001
+    """Prefill ``prompts``, then ``steps`` pure decode steps under the torch profiler: whether the
+    step replays a CUDA graph (``cudaGraphLaunch``) or launches OSCAR's kernels one by one, the
+    host time per step and the top host ops (the per-layer host cost, when attention runs eagerly)."""
+    import torch
+
+    eng = llm.llm_engine
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, pr in zip(ids, prompts, strict=True):
+        eng.add_request(rid, {"prompt_token_ids": pr}, sp)
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 2 and eng.has_unfinished_requests():  # every request decoding
+        for o in eng.step():
+            if o.request_id in got:
+                got[o.request_id] = len(o.outputs[0].token_ids)
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    while eng.has_unfinished_requests():
+        eng.step()
+    ev = prof.key_averages()
+    count = {e.key: e.count for e in ev}
+    top = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    return dict(
+        steps=steps,
+        ms_per_step=round(1e3 * wall / steps, 2),
+        graph_launches=count.get("cudaGraphLaunch", 0),
+        # launches from the host per step: hundreds when attention runs eagerly, a few under FULL graphs
+        host_launches_per_step=(count.get("cudaLaunchKernel", 0) + count.get("cuLaunchKernel", 0)) // steps,
+        # Triton kernels by name (counted on the device in and out of graphs)
+        triton_kernels={k[:50]: v // steps for k, v in count.items() if k.endswith("_kernel")},
+        top_cpu=[(e.key[:60], e.count, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in top],
+    )
+
+
 def _diagnostics(llm) -> dict:  # noqa: ANN001
     """OSCAR's own counters from the in-process worker (restores, records checked, mode)."""
     try:
@@ -163,6 +204,11 @@ def run_case(spec: dict) -> dict:
                     SamplingParams(max_tokens=gen, **greedy),
                     f"d{seed}",
                 )
+            elif kind == "profile":  # ["profile", CTX, BATCH, STEPS]
+                _, ctx, batch, steps = w
+                sp = SamplingParams(max_tokens=steps + 8, **greedy)
+                prompts = _prompts(batch, ctx, seed, vocab)
+                res[f"profile_{ctx}x{batch}"] = _profile_decode(llm, prompts, sp, f"p{seed}", steps)
             elif kind == "decode":
                 _, ctx, batch, gen = w
                 t_gen, out = _timed(
@@ -329,12 +375,13 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         # a short decode first (step time at batch 1: FULL graph or not), then the targets' shapes
         w = [
             ["decode", 2048, 1, 128],
+            ["profile", 4096, 4, 16],  # FULL graph or not, host launches per step
             ["prefill", 32768],
             ["decode", 32768, 8, 128],
             ["decode", 130000, 1, 128],
         ]
         # eager: the per-layer host cost (OSCAR's decode step minus FA3's, over 36 layers)
-        w_eager = [["decode", 2048, 1, 64], ["decode", 2048, 16, 64]]
+        w_eager = [["decode", 2048, 1, 64], ["decode", 2048, 16, 64], ["profile", 2048, 1, 8]]
         for name, backend, cache, extra in (
             ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
