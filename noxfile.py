@@ -51,6 +51,9 @@ AFTER_TESTS = {
         ["python", "packages/oscar-kernels/tests/rope_write_mutation_check.py"],
     ]
 }
+# Extra pytest arguments per package session: the kernels' interpreted-Triton tests are CPU-bound
+# and independent, so they run one worker per core (pytest-xdist; ~2x on the 2-core CI machine).
+PYTEST_ARGS = {"kernels": ["-n", "auto"]}
 ENV = {
     # Triton kernels run through the interpreter on CPU machines.
     "kernels": {"TRITON_INTERPRET": "1"},
@@ -70,16 +73,18 @@ def _install(session: nox.Session, names: list[str]) -> None:
     session.install("--only-binary=:all:", *args)
 
 
-def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
+def _pytest(
+    session: nox.Session, *paths: str, env: dict[str, str] | None = None, extra: list[str] | None = None
+) -> None:
     # pytest's exit code 5 ("no tests collected") fails the session, as it should.
-    session.run("pytest", "-q", *paths, *session.posargs, env=env or {})
+    session.run("pytest", "-q", *(extra or []), *paths, *session.posargs, env=env or {})
 
 
 def _package_session(name: str) -> None:
     @nox.session(name=name, tags=["packages"])
     def session(session: nox.Session) -> None:
         _install(session, [*LOCAL_DEPS.get(name, ["math"]), name])
-        _pytest(session, f"packages/oscar-{name}/tests", env=ENV.get(name))
+        _pytest(session, f"packages/oscar-{name}/tests", env=ENV.get(name), extra=PYTEST_ARGS.get(name))
         if name in AFTER_TESTS and not session.posargs:  # posargs narrow the run: skip the extra checks
             for cmd in AFTER_TESTS[name]:
                 session.run(*cmd, env=ENV.get(name) or {})
