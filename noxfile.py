@@ -130,7 +130,14 @@ def vllm(session: nox.Session) -> None:
         "-e", "packages/oscar-math", "-e", "packages/oscar-kernels[triton]",
         "-e", "packages/oscar-calib[test]", "-e", "packages/oscar-vllm[test]", "gguf>=0.10", "accelerate",
     )  # fmt: skip
-    _pytest(session, "packages/oscar-vllm/tests", env={**ENV["calib"], "TRITON_INTERPRET": "1"})
+    # two workers, one test file each: the engine tests and the HTTP server tests start their
+    # engines side by side instead of one after the other (start-ups are most of this session)
+    _pytest(
+        session,
+        "packages/oscar-vllm/tests",
+        env={**ENV["calib"], "TRITON_INTERPRET": "1"},
+        extra=["-n", "2", "--dist", "loadfile"],
+    )
 
 
 @nox.session
