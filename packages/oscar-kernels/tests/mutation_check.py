@@ -43,6 +43,20 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "dense-extend-far-set-one-key-too-many",
+        "src/oscar_kernels/extend_dense.py",
+        "_segments((pre + qlen - r).clamp(min=0), sum(bound_far))",
+        "_segments((pre + qlen - r + 1).clamp(min=0), sum(bound_far))",
+        ("tests/test_extend_dense.py", "-k", "matches_reference and prefills"),
+    ),
+    Mutation(
+        "dense-extend-near-window-one-too-wide",
+        "src/oscar_kernels/extend_dense.py",
+        "max(bound_near, default=0), scale, r - 1)",
+        "max(bound_near, default=0), scale, r)",
+        ("tests/test_extend_dense.py", "-k", "matches_reference and prefills"),
+    ),
+    Mutation(
         "write-round-bf16-truncates",
         "src/oscar_kernels/kernels/paged_write.py",
         "bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536",

@@ -28,11 +28,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from oscar_math import unpack_int2
-
 from .layout import PagedKVCache
 from .params import ExpandedParams
-from .reference.attention import rope_mean_at
+from .reference.attention import _dequant, rope_mean_at
 from .rotate import rotate_chunk, rotate_queries, unrotate_output
 
 __all__ = ["DenseAttention", "dense_attention_ref", "extend_attention_dense"]
@@ -126,10 +124,8 @@ def _far_rows(
             (cache.k_codes, cache.k_scale, cache.k_zero, cache.k_sink, k_out),
             (cache.v_codes, cache.v_scale, cache.v_zero, cache.v_sink, v_out),
         ):
-            c = unpack_int2(codes[page, :, off]).float()  # [r, H, d]
-            r = c.shape[0]
-            x = c.view(r, h, d // lo.group, lo.group) * sc[page, :, off].float()[..., None]
-            x = (x + zr[page, :, off].float()[..., None]).view(r, h, d)
+            x = _dequant(codes[page, :, off], sc[page, :, off], zr[page, :, off], lo.group, torch.float32)
+            r = x.shape[0]
             if dst is k_out and ep.k_rope_mean is not None:
                 x = x + rope_mean_at(ep, p_)
             if s > 0:  # the sink rows in BF16 (their INT2 copies are never read)
