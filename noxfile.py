@@ -16,6 +16,7 @@ Virtualenvs live outside the checkout (``$OSCAR_NOX_ENVDIR``, default
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nox
@@ -32,15 +33,25 @@ PACKAGES = sorted(p.name.removeprefix("oscar-") for p in (ROOT / "packages").glo
 # multi-GB CUDA build. The GPU session uses whatever torch the machine has.
 TORCH_CPU = "torch==2.13.0"
 
-# What each package needs beyond its own pyproject: other packages of the repo
-# (installed editable, so a change in oscar-math is seen by the others) and extras.
-LOCAL_DEPS = {
-    "math": [],
-    "kernels": ["math"],
-    "calib": ["math"],
-    "vllm": ["math"],
-    "sglang": ["math", "kernels"],
-}
+
+def _repo_deps(name: str, seen: tuple[str, ...] = ()) -> list[str]:
+    """The repo's packages that oscar-``name`` depends on (its pyproject's ``dependencies``,
+    transitively, dependencies first): installed editable beside it, so a change in oscar-math is
+    seen by the others. Read from the pyprojects, never kept by hand."""
+    text = (ROOT / "packages" / f"oscar-{name}" / "pyproject.toml").read_text()
+    deps_line = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.M | re.S)
+    direct = re.findall(r'"oscar-([a-z]+)', deps_line.group(1)) if deps_line else []
+    out: list[str] = []
+    for d in direct:
+        if d in seen:
+            raise RuntimeError(f"dependency cycle through oscar-{d}")
+        for x in [*_repo_deps(d, (*seen, name)), d]:
+            if x not in out:
+                out.append(x)
+    return out
+
+
+LOCAL_DEPS = {name: _repo_deps(name) for name in PACKAGES}
 EXTRAS = {"math": "test", "kernels": "test,triton", "calib": "test,smollm2"}
 # Run after a package's tests, in the same environment: the kernels' mutation checks
 # plant known bugs in a copy and require the suite to catch each (attention and write: a few
@@ -83,7 +94,7 @@ def _pytest(
 def _package_session(name: str) -> None:
     @nox.session(name=name, tags=["packages"])
     def session(session: nox.Session) -> None:
-        _install(session, [*LOCAL_DEPS.get(name, ["math"]), name])
+        _install(session, [*LOCAL_DEPS[name], name])
         _pytest(session, f"packages/oscar-{name}/tests", env=ENV.get(name), extra=PYTEST_ARGS.get(name))
         if name in AFTER_TESTS and not session.posargs:  # posargs narrow the run: skip the extra checks
             for cmd in AFTER_TESTS[name]:

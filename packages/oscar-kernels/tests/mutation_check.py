@@ -43,6 +43,27 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "window-record-ring-row-off-by-one",
+        "src/oscar_kernels/kernels/window_records.py",
+        "r = (kv * H + h) * WB + pos % WB",
+        "r = (kv * H + h) * WB + (pos + 1) % WB",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
+        "window-record-sink-part-shifted",
+        "src/oscar_kernels/kernels/window_records.py",
+        "s = (blk % PARTS) * PART + j",
+        "s = (blk % PARTS) * PART + j + 1",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
+        "dense-runs-short-chunks-dense",
+        "src/oscar_kernels/extend_attention.py",
+        "dense = m >= min_query if m else",
+        "dense = m >= 1 if m else",
+        ("tests/test_extend_dense.py", "-k", "dense_runs"),
+    ),
+    Mutation(
         "dense-extend-far-set-one-key-too-many",
         "src/oscar_kernels/extend_dense.py",
         "_segments((pre + qlen - r).clamp(min=0), sum(bound_far))",

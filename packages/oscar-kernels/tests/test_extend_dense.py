@@ -93,6 +93,7 @@ def test_dense_extend_matches_reference(case, sink, recent, rope, granularity):
     out = extend_attention(
         q, k, v, cache, ep, cu, pre, bt, ws, max(chunks), backend="triton",
         dense=dense_attention_ref, host_lens=(chunks, [n + 3 for n in lens]),  # loose bounds
+        dense_min_query=2,  # every chunk but the decodes through the dense path
     )  # fmt: skip
     assert torch.isfinite(out).all()
     for b in range(len(lens)):  # per sequence and per token: a batch norm hides one wrong row
@@ -116,8 +117,66 @@ def test_dense_extend_reads_lengths_back_when_not_given():
     k = torch.cat([keys[0][18:], keys[1]])
     v = torch.cat([values[0][18:], values[1]])
     args = (q, k, v, cache, params, cu, pre, bt, ws, 22)
-    a = extend_attention(*args, backend="triton", dense=dense_attention_ref)
-    b = extend_attention(*args, backend="triton", dense=dense_attention_ref, host_lens=([22, 19], [40, 19]))
+    kw = dict(backend="triton", dense=dense_attention_ref, dense_min_query=2)
+    a = extend_attention(*args, **kw)
+    b = extend_attention(*args, **kw, host_lens=([22, 19], [40, 19]))
     assert torch.equal(a, b)
     ref = extend_attention_ref(q, k, v, cache, params.expand(1, 64, cache.device), cu, pre, bt, ws, 22)
     assert rel(a, ref) < 1e-2
+
+
+def test_dense_runs_route_short_chunks_to_triton_and_cap_the_far_set():
+    from oscar_kernels.extend_attention import dense_runs
+
+    # decodes, a long chunk, a short tail (a prefix-cache hit), two long chunks, a padding row
+    q, n = [1, 1, 40, 5, 30, 50, 0], [9, 12, 100, 105, 60, 80, 0]
+    assert dense_runs(q, n, recent=10, min_query=30) == [
+        (0, 2, False),
+        (2, 3, True),
+        (3, 4, False),
+        (4, 7, True),
+    ]
+    # far rows 90 | 50 + 70 > 100: the second long range splits; a row over the cap stays alone
+    assert dense_runs(q, n, 10, 30, max_far_rows=100) == [
+        (0, 2, False), (2, 3, True), (3, 4, False), (4, 5, True), (5, 7, True),
+    ]  # fmt: skip
+    assert dense_runs([1, 1], [5, 6], 10, 2) == [(0, 2, False)]
+    assert dense_runs([], [], 10, 2) == []
+
+
+@needs_triton
+@pytest.mark.parametrize("cap", [10**6, 40])
+def test_interleaved_short_and_long_chunks_match_the_reference(cap, monkeypatch):
+    """Rows alternate between the Triton kernel and the dense path (and dense ranges split at a
+    small far-set cap): each row's output is the reference's."""
+    import importlib
+
+    ext_mod = importlib.import_module("oscar_kernels.extend_attention")
+
+    monkeypatch.setattr(ext_mod, "DENSE_MAX_FAR_ROWS", cap)
+    lens, chunks = [30, 60, 25, 9, 70, 41], [1, 20, 3, 9, 25, 18]
+    h, g, d = 2, 2, 64
+    gen = torch.Generator().manual_seed(23)
+    lo = CacheLayout(h, d, page_size=16, sink_tokens=3, recent_tokens=6)
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, pending=chunks)
+    ep = params.expand(h, d, cache.device)
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pre = torch.tensor([n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    calls = []
+
+    def attn(*a, **kw):
+        calls.append(int(a[4][-1]))  # far/near keys of the call
+        return dense_attention_ref(*a, **kw)
+
+    ref = extend_attention_ref(q, k, v, cache, ep, cu, pre, bt, ws, max(chunks))
+    out = extend_attention(
+        q, k, v, cache, ep, cu, pre, bt, ws, max(chunks), backend="triton", dense=attn,
+        host_lens=(chunks, lens), dense_min_query=9,
+    )  # fmt: skip
+    assert calls, "no row went through the dense path"
+    for b in range(len(lens)):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])

@@ -60,7 +60,7 @@ def _timed(llm, prompts: list[list[int]], sp) -> tuple[float, list]:  # noqa: AN
     return time.perf_counter() - t, out
 
 
-def _stepped(llm, prompts: list[list[int]], sp, tag: str) -> dict:  # noqa: ANN001
+def _stepped(llm, prompts: list[list[int]], sp, tag: str, profile_steps: int = 6) -> dict:  # noqa: ANN001
     """One pass through the engine's step loop: prefill time (until every request has its first
     token) and decode tokens/s over the steps where every request decodes (median step time too),
     so neither a second prefill nor a one-time kernel compile is subtracted from the decode."""
@@ -71,11 +71,20 @@ def _stepped(llm, prompts: list[list[int]], sp, tag: str) -> dict:  # noqa: ANN0
     got = dict.fromkeys(ids, 0)
     t0 = time.perf_counter()
     marks: list[tuple[float, int, int]] = []
+    gpu: dict = {}
     while eng.has_unfinished_requests():
+        if profile_steps and not gpu and min(got.values()) >= sp.max_tokens - profile_steps - 2:
+            # the last few steps under the profiler (after the timed ones): device time per kernel
+            gpu = _gpu_kernels(eng, profile_steps, got)
+            break
         for o in eng.step():
             if o.request_id in got:
                 got[o.request_id] = len(o.outputs[0].token_ids)
         marks.append((time.perf_counter(), min(got.values()), sum(got.values())))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id in got:
+                got[o.request_id] = len(o.outputs[0].token_ids)
     first = next((m for m in marks if m[1] >= 1), marks[-1])
     dec = [m for m in marks if m[1] >= 2]
     out = dict(t_prefill=round(first[0] - t0, 3), t_total=round(marks[-1][0] - t0, 3), steps=len(marks))
@@ -87,7 +96,41 @@ def _stepped(llm, prompts: list[list[int]], sp, tag: str) -> dict:  # noqa: ANN0
             median_step_ms=round(1e3 * gaps[len(gaps) // 2], 2),
             all_tokens=all(n == sp.max_tokens for n in got.values()),
         )
+    if gpu:
+        out["gpu"] = gpu
     return out
+
+
+def _gpu_kernels(eng, steps: int | None, got: dict | None = None) -> dict:  # noqa: ANN001
+    """``steps`` decode steps under the torch profiler: device time per step by kernel (CUPTI sees
+    kernels inside CUDA-graph replays), the top 20 and the total, and the wall time per step."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        n = 0
+        while ((n < steps) if steps else True) and eng.has_unfinished_requests():  # None: until done
+            for o in eng.step():
+                if got is not None and o.request_id in got:
+                    got[o.request_id] = len(o.outputs[0].token_ids)
+            n += 1
+        torch.cuda.synchronize()
+    steps = max(n, 1)
+    wall = time.perf_counter() - t0
+    from torch.autograd import DeviceType
+
+    # kernels only: an aten op also reports its kernels' device time (counted twice otherwise)
+    ev = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    ev.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in ev)
+    return dict(
+        steps=steps,
+        wall_ms_per_step=round(1e3 * wall / steps, 2),
+        device_ms_per_step=round(total / 1e3 / steps, 3),
+        top=[(e.key[:70], e.count // steps, round(e.self_device_time_total / steps, 1)) for e in ev[:25]],
+    )
 
 
 def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict:  # noqa: ANN001
@@ -245,6 +288,12 @@ def run_case(spec: dict) -> dict:
                     decode_tok_s=round(batch * (gen - 1) / max(t_gen - t_one, 1e-9), 1),
                     all_tokens=all(len(o.outputs[0].token_ids) == gen for o in out),
                 )
+            elif kind == "prefill_profile":  # one CTX-token prompt's steps under the profiler
+                _, ctx = w
+                eng = llm.llm_engine
+                eng.add_request(f"pp{seed}", {"prompt_token_ids": _prompts(1, ctx, seed, vocab)[0]},
+                                SamplingParams(max_tokens=1, **greedy))  # fmt: skip
+                res[f"prefill_profile_{ctx}"] = _gpu_kernels(eng, None)
             elif kind == "prefill":  # one CTX-token prompt, one token generated: time to first token
                 _, ctx = w
                 t_one, _ = _timed(llm, _prompts(1, ctx, seed, vocab), SamplingParams(max_tokens=1, **greedy))
@@ -377,6 +426,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             ["decode", 2048, 1, 128],
             ["profile", 4096, 4, 16],  # FULL graph or not, host launches per step
             ["prefill", 32768],
+            ["prefill_profile", 32768],  # device time by kernel over the prompt's steps
             ["decode", 32768, 8, 128],
             ["decode", 130000, 1, 128],
         ]
@@ -677,7 +727,7 @@ def _table(results: dict, summary: dict) -> None:
     for name, r in results.items():
         w = []
         for k, v in r.items():
-            if isinstance(v, dict) and k.startswith("prefill_"):
+            if isinstance(v, dict) and k.startswith("prefill_") and "t_prefill" in v:
                 w.append(f"{k}={v['t_prefill']}s")
             if isinstance(v, dict) and "decode_tok_s" in v:
                 w.append(

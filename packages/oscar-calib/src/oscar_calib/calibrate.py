@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from oscar_math.artifact import Granularity, Rotations
+from oscar_math.artifact import DEFAULT_RECENT, DEFAULT_SINK, Granularity, Rotations
 from oscar_math.clipping import clip_error, search_clip_ratio
 from oscar_math.eigen import eigenbasis
 from oscar_math.errors import check
@@ -161,8 +161,8 @@ class CalibrationConfig:
     seed: int = 0
     text: str | None = None
     heldout_fraction: float = 0.2
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
     key_centering: bool = True
     clip: bool = True
     clip_power: float | None = None

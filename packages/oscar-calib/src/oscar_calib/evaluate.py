@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from oscar_math import check
+from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, check
 
 from .metrics import Summary, final_hidden, sequences_metrics, summarize
 from .schemes import DEFAULT_SCHEMES, KVScheme, SchemeContext, build_scheme, scheme_names
@@ -57,8 +57,8 @@ class EvalConfig:
     contexts: tuple[int, ...] = (1024, 2048)
     schemes: tuple[str, ...] = DEFAULT_SCHEMES
     num_sequences: int = 3
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
     group_size: int | None = None
     error_sequences: int = 1
     needle_contexts: tuple[int, ...] = (1024,)

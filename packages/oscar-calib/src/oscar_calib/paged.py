@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from oscar_math import OscarError, check
+from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, OscarError, check
 
 from .schemes import KVScheme, SchemeContext
 
@@ -96,8 +96,8 @@ class PagedConfig:
     max_seqs: int = 8
     max_len: int = 8192
     page_size: int = 64
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
     group_size: int | None = None
     prefill_chunk: int = 256
     kv: str = "int2"

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from oscar_math import check
+from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, check
 
 from .schemes import KVScheme
 
@@ -64,8 +64,8 @@ class Windows:
             ``extend_attention`` did before 2026-12-01.
     """
 
-    sink: int = 64
-    recent: int = 256
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
     prefill_chunk: int = 1
 
     def __post_init__(self) -> None:
@@ -379,7 +379,7 @@ def simulate(
 
     Usage::
 
-        with simulate(model, scheme, Windows(64, 256), capture=True) as sim:
+        with simulate(model, scheme, Windows(DEFAULT_SINK, DEFAULT_RECENT), capture=True) as sim:
             logits = model(input_ids).logits
         sim.errors[layer].logit_rel
     """

@@ -22,6 +22,7 @@ from .paged_write import paged_write
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference import decode_attention_ref, extend_attention_ref, gather_rotated_kv, paged_write_ref
 from .rotate import rotate_chunk, rotate_queries, unrotate_output
+from .window_records import write_window_records
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "bits_per_element",
     "layout_bytes_per_token",
     "paged_write",
+    "write_window_records",
     "decode_attention",
     "DECODE_IMPLS",
     "choose_num_splits",

@@ -31,6 +31,15 @@ LAST_COMPILED: dict = {}
 __all__ = ["extend_attention"]
 
 
+#: chunks shorter than this many tokens read their prefix as INT2 in the Triton kernel (one pass
+#: over the packed rows); longer ones through the dense kernel, whose cost is materialising the
+#: prefix in bf16 (~7x the INT2 bytes, written and read again), amortised over the chunk's queries
+DENSE_MIN_QUERY = 128
+#: far-set rows materialised by one dense call (K and V bf16): rows beyond go to further calls, so
+#: a batch of long prefixes never asks for tens of GiB (1 GiB at 8 KV heads x 128)
+DENSE_MAX_FAR_ROWS = 1 << 18
+
+
 def extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,6 +61,7 @@ def extend_attention(
     check_bounds: bool | None = None,
     dense: DenseAttention | None = None,
     host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    dense_min_query: int = DENSE_MIN_QUERY,
 ) -> torch.Tensor:
     """Causal attention of new chunks (varlen batch) over their cached prefixes.
 
@@ -80,11 +90,13 @@ def extend_attention(
             (one host synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s
             setting, off while a CUDA graph is captured). Raises :class:`OscarError`.
         dense: a dense flash-attention kernel (:data:`oscar_kernels.extend_dense.DenseAttention`,
-            e.g. the engine's FlashAttention): chunks of more than one token then run through it
-            (:func:`oscar_kernels.extend_dense.extend_attention_dense`), leading one-token rows
-            (decodes of a mixed batch) through the Triton kernel. GPU only; ignored elsewhere.
+            e.g. the engine's FlashAttention): chunks of at least ``dense_min_query`` tokens then
+            run through it (:func:`oscar_kernels.extend_dense.extend_attention_dense`), shorter
+            ones (decodes of a mixed batch, a prefix-cache hit's short tail) through the Triton
+            kernel (:func:`dense_runs`). GPU only; ignored elsewhere.
         host_lens: ``(query_lens, seq_len_bounds)`` on the host for ``dense``: the chunk lengths
             and upper bounds of ``prefix + chunk`` (else read back: one host synchronisation).
+        dense_min_query: the shortest chunk that goes through ``dense``.
     Returns:
         ``[T, H_q, d]`` in ``q.dtype``.
     """
@@ -124,10 +136,11 @@ def extend_attention(
     from .kernels.attention import extend_kernel
 
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    if dense is not None and t > 0 and max_query_len > 1:
+    if dense is not None and t > 0 and max_query_len >= dense_min_query:
         return _extend_split(
-            q, k, v, cache, ep, cu_seqlens_q, prefix_lens, block_table, window_slots, scale, dense, host_lens
-        )
+            q, k, v, cache, ep, cu_seqlens_q, prefix_lens, block_table, window_slots, scale, dense,
+            host_lens, dense_min_query,
+        )  # fmt: skip
     q_rot = rotate_queries(q, ep)
     k_rot, v_rot = rotate_chunk(k, v, ep)
     out = _empty(*q.shape, dtype=torch.float32, device=q.device)
@@ -175,6 +188,29 @@ def extend_attention(
     return unrotate_output(out, ep, q.dtype)
 
 
+def dense_runs(
+    query_lens: Sequence[int],
+    seq_len_bounds: Sequence[int],
+    recent: int,
+    min_query: int = DENSE_MIN_QUERY,
+    max_far_rows: int = DENSE_MAX_FAR_ROWS,
+) -> list[tuple[int, int, bool]]:
+    """Consecutive row ranges ``(first, end, dense)`` of a batch: a row goes dense when its chunk
+    has at least ``min_query`` tokens; a dense range holds at most ``max_far_rows`` far-set rows
+    (``seq_len_bound - recent`` per row; a longer row alone); rows without tokens join the range
+    before them."""
+    runs: list[list] = []  # [first, end, dense, far rows]
+    for i, (m, n) in enumerate(zip(query_lens, seq_len_bounds, strict=True)):
+        dense = m >= min_query if m else bool(runs and runs[-1][2])
+        far = max(0, int(n) - recent) if dense else 0
+        last = runs[-1] if runs else None
+        if last is not None and last[2] == dense and (not dense or last[3] + far <= max_far_rows):
+            last[1], last[3] = i + 1, last[3] + far
+        else:
+            runs.append([i, i + 1, dense, far])
+    return [(a, b, d) for a, b, d, _ in runs]
+
+
 def _extend_split(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -188,24 +224,31 @@ def _extend_split(
     scale: float,
     dense: DenseAttention,
     host_lens: tuple[Sequence[int], Sequence[int]] | None,
+    min_query: int,
 ) -> torch.Tensor:
-    """Leading one-token rows through the Triton kernel (no prefix to materialise), the chunks
-    after them through ``dense`` (engines put a batch's decodes first)."""
+    """Short chunks (decodes among them) through the Triton kernel, long ones through ``dense``
+    (:func:`dense_runs`), one call per consecutive range of rows."""
     if host_lens is None:
         qlens = (cu[1:] - cu[:-1]).tolist()
         bounds = [p + m for p, m in zip(prefix.tolist(), qlens, strict=True)]
     else:
         qlens, bounds = list(host_lens[0]), list(host_lens[1])
-    nd = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
     out = _empty(*q.shape, dtype=q.dtype, device=q.device)
-    if nd:  # row i's token is token i
-        out[:nd] = extend_attention(
-            q[:nd], k[:nd], v[:nd], cache, ep, cu[: nd + 1], prefix[:nd], block_table[:nd],
-            window_slots[:nd], 1, scale, check_bounds=False,
-        )  # fmt: skip
-    if nd < len(qlens):
-        out[nd:] = extend_attention_dense(
-            q[nd:], k[nd:], v[nd:], cache, ep, cu[nd:] - nd, prefix[nd:], block_table[nd:],
-            window_slots[nd:], qlens[nd:], bounds[nd:], scale, dense,
-        )  # fmt: skip
+    starts = [0]
+    for m in qlens:
+        starts.append(starts[-1] + m)
+    runs = dense_runs(qlens, bounds, cache.layout.recent_tokens, min_query, DENSE_MAX_FAR_ROWS)
+    for a, b, use_dense in runs:
+        t0, t1 = starts[a], starts[b]
+        if t1 == t0:
+            continue
+        rows = (q[t0:t1], k[t0:t1], v[t0:t1], cache, ep, cu[a : b + 1] - t0, prefix[a:b], block_table[a:b])
+        if use_dense:
+            out[t0:t1] = extend_attention_dense(
+                *rows, window_slots[a:b], qlens[a:b], bounds[a:b], scale, dense
+            )
+        else:
+            out[t0:t1] = extend_attention(
+                *rows, window_slots[a:b], max(qlens[a:b]), scale, check_bounds=False
+            )
     return out

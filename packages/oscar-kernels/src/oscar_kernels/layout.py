@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from oscar_math import SCALE_DTYPE, check, int2_bits_per_element
+from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, SCALE_DTYPE, check, int2_bits_per_element
 from oscar_math import bits_per_element as math_bits_per_element
 
 __all__ = [
@@ -59,8 +59,8 @@ class CacheLayout:
     head_dim: int
     page_size: int = 64
     group_size: int | None = None
-    sink_tokens: int = 64
-    recent_tokens: int = 256
+    sink_tokens: int = DEFAULT_SINK
+    recent_tokens: int = DEFAULT_RECENT
 
     def __post_init__(self) -> None:
         check(self.num_kv_heads >= 1, "num_kv_heads", ">= 1", self.num_kv_heads)

@@ -1,6 +1,8 @@
 """oscar-math: the pure math of OSCAR 2-bit KV-cache quantisation."""
 
 from .artifact import (
+    DEFAULT_RECENT,
+    DEFAULT_SINK,
     FORMAT,
     FORMAT_VERSION,
     FORMAT_VERSION_FEEDBACK,
@@ -58,6 +60,8 @@ from .rotationzoo import REFERENCE_K_FILE, REFERENCE_V_FILE, import_rotationzoo
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_SINK",
+    "DEFAULT_RECENT",
     "model_geometry",
     "ArtifactError",
     "OscarError",

@@ -21,6 +21,10 @@ import torch
 
 from .errors import ArtifactError
 
+#: BF16 windows every layout defaults to: the first ``DEFAULT_SINK`` tokens and the last
+#: ``DEFAULT_RECENT`` before each query (docs/format.md, "Window rule")
+DEFAULT_SINK, DEFAULT_RECENT = 64, 256
+
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
@@ -324,8 +328,8 @@ def identity_rotations(
     head_dim: int,
     *,
     group_size: int | None = None,
-    sink_tokens: int = 64,
-    recent_tokens: int = 256,
+    sink_tokens: int = DEFAULT_SINK,
+    recent_tokens: int = DEFAULT_RECENT,
     granularity: str | Granularity = Granularity.LAYER,
     k_clip: float = 1.0,
     v_clip: float = 1.0,

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .artifact import Rotations
+from .artifact import DEFAULT_RECENT, DEFAULT_SINK, Rotations
 from .errors import ArtifactError
 
 __all__ = ["REFERENCE_K_FILE", "REFERENCE_V_FILE", "import_rotationzoo"]
@@ -181,8 +181,8 @@ def import_rotationzoo(
     v_path: str | os.PathLike | None = None,
     num_kv_heads: int | None = None,
     group_size: int | None = None,
-    sink_tokens: int = 64,
-    recent_tokens: int = 256,
+    sink_tokens: int = DEFAULT_SINK,
+    recent_tokens: int = DEFAULT_RECENT,
 ) -> Rotations:
     """Convert reference OSCAR rotation files to :class:`Rotations` (validated).
 

@@ -39,14 +39,6 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
-from vllm.v1.attention.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionMetadataBuilder,
-    AttentionType,
-    CommonAttentionMetadata,
-    MultipleOf,
-)
 
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
 from oscar_math.errors import OscarError
@@ -69,6 +61,16 @@ from .step import (
     run_layer,
     step_record,
     write_window_pages,
+)
+
+_attn = compat.attention_api()  # vLLM's attention interface
+AttentionBackend, AttentionImpl, AttentionMetadataBuilder = (
+    _attn.AttentionBackend, _attn.AttentionImpl, _attn.AttentionMetadataBuilder,
+)  # fmt: skip
+AttentionType, CommonAttentionMetadata, MultipleOf = (
+    _attn.AttentionType,
+    _attn.CommonAttentionMetadata,
+    _attn.MultipleOf,
 )
 
 log = logging.getLogger("oscar_vllm")
@@ -574,12 +576,7 @@ def _take_from_explicit_budget(cfg: Any, nbytes: int) -> None:
 
 
 def _tp_rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # not initialised (unit use): rank 0
-        return 0
+    return compat.tp_rank()
 
 
 # ---- window layers: the BF16 window pages vLLM manages with prefix caching -------------------

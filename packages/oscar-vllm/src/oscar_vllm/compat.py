@@ -6,7 +6,9 @@ used here changed). Names that may differ are looked up defensively here, so a d
 up as one :class:`~oscar_math.errors.OscarError` naming the vLLM version, not as an
 ``AttributeError`` deep in a worker.
 
-Importing this module does not import vLLM; the functions do.
+Importing this module does not import vLLM; the functions do. It is the only module of the
+package that names vLLM's modules (``tests/test_compat_isolation.py`` checks it): the others
+take vLLM's classes and hooks from the accessors at the end of this file.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ __all__ = [
     "page_buffer",
     "request_slots",
     "kv_cache_layouts",
+    "attention_api",
+    "tp_rank",
+    "cpu_attention_backend",
+    "sliding_window_api",
+    "register_kv_spec",
+    "engine_core_class",
 ]
 
 log = logging.getLogger("oscar_vllm")
@@ -592,3 +600,60 @@ def attention_layer_base() -> type:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     return AttentionLayerBase
+
+
+# ---- vLLM classes and hooks the other modules build on (an upgrade that moves them: here) -----
+
+
+def attention_api() -> Any:
+    """vLLM's attention interface module (``vllm.v1.attention.backend``: the base classes,
+    ``AttentionType``, ``CommonAttentionMetadata``, ``MultipleOf`` that ``backend.py`` builds on)."""
+    from vllm.v1.attention import backend
+
+    return backend
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 where vLLM's distributed state is not initialised)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit use): rank 0
+        return 0
+
+
+def cpu_attention_backend() -> type:
+    """vLLM's own CPU attention backend (what ``CPU_ATTN`` means without OSCAR selected)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+def sliding_window_api() -> tuple[type, type]:
+    """``(SlidingWindowManager, SlidingWindowSpec)``: what the transient window records extend."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowManager, SlidingWindowSpec
+
+
+def register_kv_spec(spec: type, manager: type, base: type, vllm_config: Any = None) -> None:
+    """Register a KV-cache spec and its manager with vLLM's ``KVCacheSpecRegistry``, after vLLM's
+    built-ins (registered lazily on the registry's first use, only while it is empty)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    if vllm_config is not None:
+        with set_current_vllm_config(vllm_config):
+            KVCacheSpecRegistry.check_kv_cache_spec_registry({})
+    else:
+        KVCacheSpecRegistry.check_kv_cache_spec_registry({})
+    KVCacheSpecRegistry.register(spec, manager, uniform_type_base_spec=base)
+
+
+def engine_core_class() -> type:
+    """vLLM's ``EngineCore`` (whose ``_initialize_kv_caches`` sizes the KV cache)."""
+    from vllm.v1.engine import core
+
+    return core.EngineCore

@@ -20,6 +20,4 @@ def __getattr__(name: str) -> Any:
         from .backend import OscarAttentionBackend
 
         return OscarAttentionBackend
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return CPUAttentionBackend
+    return compat.cpu_attention_backend()

@@ -33,8 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_interface import SlidingWindowSpec
+from . import compat
+
+SlidingWindowManager, SlidingWindowSpec = compat.sliding_window_api()
 
 __all__ = ["OscarWindowSpec", "OscarWindowManager", "register"]
 
@@ -113,15 +114,5 @@ def register(vllm_config: Any = None) -> None:
     global _registered
     if _registered:
         return
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    if vllm_config is not None:
-        with set_current_vllm_config(vllm_config):
-            KVCacheSpecRegistry.check_kv_cache_spec_registry({})
-    else:
-        KVCacheSpecRegistry.check_kv_cache_spec_registry({})
-    KVCacheSpecRegistry.register(
-        OscarWindowSpec, OscarWindowManager, uniform_type_base_spec=SlidingWindowSpec
-    )
+    compat.register_kv_spec(OscarWindowSpec, OscarWindowManager, SlidingWindowSpec, vllm_config)
     _registered = True

@@ -181,11 +181,9 @@ def install_kv_report() -> None:
     returns the scheduler's ``KVCacheConfig`` in vLLM 0.32 and 0.33; it is the method
     :func:`oscar_vllm.compat.guard_prefix_caching` wraps too.
     """
-    from vllm.v1.engine import core
-
     from . import compat
 
-    cls = core.EngineCore
+    cls = compat.engine_core_class()
     original = cls._initialize_kv_caches
     if getattr(original, "_oscar_kv_report", False):
         return

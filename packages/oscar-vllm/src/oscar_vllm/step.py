@@ -19,6 +19,7 @@ from oscar_kernels import (
     decode_attention,
     extend_attention,
     paged_write,
+    write_window_records,
 )
 from oscar_math.errors import OscarError
 
@@ -533,23 +534,17 @@ def write_window_pages(
     is complete). The ring rows are the rows :func:`oscar_kernels.paged_write` puts in the ring:
     read back from the window slot when the step's longest chunk fits in the ring, else computed
     by that same write into a scratch ring as long as the chunk, so a restored row is bitwise the
-    row a miss reads. Padding tokens (``slot_mapping < 0``) write into the null block 0. No host
-    synchronisation on this path.
+    row a miss reads (:func:`oscar_kernels.write_window_records`). Padding tokens
+    (``slot_mapping < 0``) write nothing. No host synchronisation on this path.
     """
     n = md.num_actual_tokens
     if n == 0:
         return
     lo = cache.layout
     b = md.seq_lens.shape[0]
-    dev = pages.rows.device
-    valid = (md.slot_mapping[:n] >= 0).to(dev)
-    sidx = torch.where(valid, md.seq_index[:n].long().to(dev), 0)
-    pos = torch.where(valid, md.positions[:n].long().to(dev), 0)
-    slots = md.window_slots.long().to(dev)[sidx]
     from_slot = int(md.max_query_len) <= lo.recent_tokens
     if from_slot:  # every row the step wrote is still in the slot (ring, or sink below ``sink``)
-        ring, rows_of = max(lo.recent_tokens, 1), slots
-        k_src, v_src = cache.k_recent, cache.v_recent
+        ring_rows, k_src, v_src = md.window_slots, cache.k_recent, cache.v_recent
     else:
         # a power of two: the write kernel is compiled per ring size (a constexpr), and chunk
         # lengths vary with every prompt; rows of one chunk still never share a ring row
@@ -571,35 +566,27 @@ def write_window_pages(
             parts="ring",
             check_bounds=False,  # a scratch ring sized for this step's own rows
         )
-        rows_of, k_src, v_src = sidx, scratch.k_recent, scratch.v_recent
-    tables = tables.to(dev).long()
-    heads = torch.arange(pages.num_kv_heads, device=dev)
-    wb, rpp = pages.block_size, pages.rows_per_page
-    block = (pos // wb)[:, None]
-    null = torch.zeros((), dtype=torch.long, device=dev)
-    in_sink = (pos < lo.sink_tokens)[:, None, None]
-    for kv, src, sink_src in ((0, k_src, cache.k_sink), (1, v_src, cache.v_sink)):
-        r = pages._ring_row(kv, heads[None, :], (pos % wb)[:, None])  # [n, H]
-        page = torch.where(valid[:, None], tables[r // rpp, sidx[:, None], block], null)
-        vals = src[rows_of, :, (pos % ring)]  # [n, H, d]
-        if from_slot and lo.sink_tokens:  # the write keeps positions < sink in the sink rows only
-            vals = torch.where(in_sink, sink_src[slots, :, pos.clamp(max=lo.sink_tokens - 1)], vals)
-        pages.rows[page, r % rpp] = vals.to(pages.rows.dtype).to(dev)
-    part = pages.plan.sink_part
-    if lo.sink_tokens == 0 or part == 0:
-        return
-    # sink part (block % parts) of each token's record, from the row's slot: [n, H, part]
-    q = (pos // wb) % pages.plan.sink_parts
-    s = q[:, None] * part + torch.arange(part, device=dev)[None, :]  # [n, part] sink positions
-    s_ok = s < lo.sink_tokens
-    s = torch.where(s_ok, s, 0)
-    for kv, src in ((0, cache.k_sink), (1, cache.v_sink)):
-        r = pages._sink_row(kv, heads[None, :, None], torch.arange(part, device=dev)[None, None, :])
-        page = tables[r // rpp, sidx[:, None, None], block[:, :, None]]  # [n, H, part]
-        keep = (valid[:, None] & s_ok)[:, None, :]
-        page = torch.where(keep, page, null)
-        vals = src[slots[:, None, None], heads[None, :, None], s[:, None, :]]  # [n, H, part, d]
-        pages.rows[page, r % rpp] = vals.to(pages.rows.dtype).to(dev)
+        ring_rows = torch.arange(max(b, 1), dtype=torch.int32, device=cache.device)
+        k_src, v_src = scratch.k_recent, scratch.v_recent
+    plan = pages.plan
+    write_window_records(
+        pages.rows,
+        tables,
+        plan.block_size,
+        plan.sink_part if lo.sink_tokens else 0,
+        plan.sink_parts,
+        md.slot_mapping[:n],
+        md.seq_index[:n],
+        md.positions[:n],
+        md.window_slots,
+        k_src,
+        v_src,
+        ring_rows,
+        cache.k_sink,
+        cache.v_sink,
+        sink_in_ring=from_slot,
+        backend=backend,
+    )
 
 
 def restore_windows(

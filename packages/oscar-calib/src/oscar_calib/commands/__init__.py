@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from oscar_math.artifact import DEFAULT_RECENT, DEFAULT_SINK
 from oscar_math.errors import OscarError
 
 BUILTIN_COMMANDS = ("calibrate", "eval", "demo", "inspect", "engines", "serve", "generate")
@@ -89,9 +90,6 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, ali
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([_line(cells[0]), rule, *(_line(r) for r in cells[1:])])
-
-
-DEFAULT_SINK, DEFAULT_RECENT = 64, 256
 
 
 def serving_windows(sink: int | None, recent: int | None, rotations: object | None) -> tuple[int, int]:

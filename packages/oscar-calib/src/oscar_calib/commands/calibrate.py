@@ -7,6 +7,8 @@ import dataclasses
 import sys
 import time
 
+from . import DEFAULT_RECENT, DEFAULT_SINK
+
 __all__ = ["register", "run"]
 
 
@@ -48,8 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
     p.add_argument("--group-size", type=int, metavar="G", help="quantisation group (default: head dim)")
     p.add_argument("--seed", type=int, default=0, metavar="S")
-    p.add_argument("--sink", type=int, default=64, help="BF16 sink tokens (default 64)")
-    p.add_argument("--recent", type=int, default=256, help="BF16 recent tokens (default 256)")
+    p.add_argument(
+        "--sink", type=int, default=DEFAULT_SINK, help=f"BF16 sink tokens (default {DEFAULT_SINK})"
+    )
+    p.add_argument(
+        "--recent", type=int, default=DEFAULT_RECENT, help=f"BF16 recent tokens (default {DEFAULT_RECENT})"
+    )
     p.add_argument("--no-key-centering", action="store_true", help="do not subtract a key mean")
     p.add_argument("--no-clip", action="store_true", help="store clip ratio 1.0 (no clipping)")
     p.add_argument(

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import sys
 
+from . import DEFAULT_RECENT, DEFAULT_SINK
+
 __all__ = ["register", "run"]
 
 
@@ -82,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         contexts=tuple(args.context),
         schemes=tuple(args.schemes or DEFAULT_SCHEMES),
         num_sequences=args.num_seqs,
-        sink=args.sink if args.sink is not None else 64,  # replaced below by the served windows
-        recent=args.recent if args.recent is not None else 256,
+        sink=args.sink if args.sink is not None else DEFAULT_SINK,  # replaced below by the served windows
+        recent=args.recent if args.recent is not None else DEFAULT_RECENT,
         group_size=args.group_size,
         needle_contexts=tuple(args.needle_context or ()),
         needle_depths=tuple(args.needle_depths),
