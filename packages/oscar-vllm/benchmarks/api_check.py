@@ -241,7 +241,7 @@ def check_transient_records() -> str:
     _has_params(KVCacheSpecRegistry.check_kv_cache_spec_registry, "kv_cache_spec")
     _source_has(KVCacheSpecRegistry._ensure_registered, "if _REGISTRY_KVCACHESPEC_LIST:")
     records.register()
-    win = compat.window_spec(16, 3, 64, torch.bfloat16, 256, 120, transient=True)
+    win = compat.window_spec(16, 3, 64, torch.bfloat16, 256, 120, spec_class=records.OscarWindowSpec)
     assert KVCacheSpecRegistry.get_manager_class(win) is records.OscarWindowManager
     # the manager hooks: frees on the processed-token basis, caches up to the scheduler block only
     _has_params(SingleTypeKVCacheManager.remove_skipped_blocks, "request_id", "processed_computed_tokens")
@@ -257,9 +257,33 @@ def check_transient_records() -> str:
     return f"OscarWindowSpec -> OscarWindowManager; {win.max_memory_usage_bytes(None)} B counted per request"
 
 
+def check_v1_request_rows() -> str:
+    """What the V1 runner's request hook relies on (compat.track_v1_requests): the runner applies
+    each scheduler output in ``_update_states`` (finished ids first, rows ordered at its end) inside
+    ``execute_model``; scheduler outputs name finished, preempted and resumed requests."""
+    from dataclasses import fields
+
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from oscar_vllm import compat
+
+    assert compat.track_v1_requests(), "the V1 runner lacks _update_states / execute_model"
+    _has_params(GPUModelRunner._update_states, "scheduler_output")
+    _source_has(GPUModelRunner.execute_model, "self._update_states(scheduler_output)")
+    update = GPUModelRunner._update_states
+    _source_has(update, "scheduler_output.finished_req_ids", "self._may_reorder_batch(")
+    assert isinstance(inspect.getattr_static(InputBatch, "req_ids"), property)
+    names = {f.name for f in fields(SchedulerOutput)}
+    assert {"finished_req_ids", "preempted_req_ids"} <= names, names
+    assert "resumed_req_ids" in {f.name for f in fields(CachedRequestData)}
+    return "GPUModelRunner._update_states / execute_model wrapped; finished, preempted, resumed ids"
+
+
 CHECKS = (check_version, check_registry, check_backend_api, check_specs, check_grouping,
           check_config_and_engine, check_attention_layer, check_window_groups,
-          check_transient_records)  # fmt: skip
+          check_transient_records, check_v1_request_rows)  # fmt: skip
 
 
 def main() -> int:

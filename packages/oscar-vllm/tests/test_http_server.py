@@ -298,11 +298,10 @@ def test_log_says_oscar_is_active(server):
     active = [line for line in log.splitlines() if "OSCAR active: " in line]
     # one worker process on the CPU build: one line, however many layers it built
     assert len(active) == 1, active
-    # vLLM's V1 runner (CPU build) keeps window records; the V2 GPU runner's are transient
-    records = "transient" if _on_gpu() else "held"
+    # transient window records with either model runner: V1 (CPU build) keys slots by request id
     assert active[0].endswith(
         f"OSCAR active: artifact {server.artifact} (format version 3), {NUM_LAYERS} INT2 layers, "
-        f"2.50 bits/element, window records {records}"
+        f"2.50 bits/element, window records transient"
     )
     kv = [line for line in log.splitlines() if "OSCAR KV cache: " in line]
     assert len(kv) == 1, kv
@@ -311,7 +310,9 @@ def test_log_says_oscar_is_active(server):
     oscar_tokens, bf16_tokens = (int(g.replace(",", "")) for g in m.groups())
     vllm_count = re.search(r"KV cache size: ([\d,]+) tokens", log)
     assert vllm_count and int(vllm_count.group(1).replace(",", "")) == oscar_tokens  # vLLM's own count
-    assert oscar_tokens > bf16_tokens > 0
+    # vLLM's defaults (prefix caching on) give the capacity: >= 5x BF16 at 2,048-token requests
+    # (16 INT2 blocks + 1 open window block per request)
+    assert oscar_tokens >= 5 * bf16_tokens > 0, (oscar_tokens, bf16_tokens)
     # vLLM's misleading CPU message is replaced, and the CPU build's missing `vllm` metadata is no issue
     assert "Cannot use AttentionBackendEnum.OSCAR backend on CPU" not in log
     if not _on_gpu():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oscar_math.errors import OscarError
-from oscar_vllm.step import WindowSlots, build_step, run_layer
+from oscar_vllm.step import RequestSlots, WindowSlots, build_step, run_layer
 
 
 def test_window_slots_follow_requests_by_first_block():
@@ -29,6 +29,71 @@ def test_window_slots_follow_requests_by_first_block():
     assert s.assign([12, 0], [True, False], [True, False]) == [b, 0]
     with pytest.raises(OscarError, match="more than 2 live requests"):
         s.assign([7, 12, 13], [False, False, True], [True, True, True])
+
+
+def test_request_slots_keep_a_skipped_requests_slot_until_it_ends():
+    s = RequestSlots(3)
+    assert s.rows_for(0) is None  # outside a step (dummy and capture runs): no rows
+    assert s.step(set(), ["a", "b", "c"]) == [0, 1, 2]
+    assert s.rows_for(3) == [0, 1, 2] and s.rows_for(2) is None  # a dummy batch of another size
+    # "b" skipped while "a" finished and "d" arrived: "d" takes a's slot, never b's
+    assert s.step({"a"}, ["c", "d"]) == [2, 0]
+    # however long "b" is skipped, it comes back to its own slot (its windows are still there)
+    assert s.step(set(), ["d", "c"]) == [0, 2]
+    assert s.step(set(), ["b", "d", "c"]) == [1, 0, 2]
+    # preempted / resumed ids end like finished ones; the slot free the longest goes first
+    assert s.step({"c", "b"}, ["e", "b"]) == [1, 2]
+    s.end_step()
+    assert s.rows_for(2) is None
+    with pytest.raises(OscarError, match="more than 3 running requests"):
+        s.step(set(), ["b", "d", "e", "f"])
+
+
+def test_the_v1_runner_hook_feeds_request_slots_from_scheduler_outputs(monkeypatch):
+    """compat.track_v1_requests on a stand-in for vLLM's V1 runner class: the rows are the
+    persistent batch's order after ``_update_states``; finished, preempted and resumed ids end
+    their slots; rows exist only inside ``execute_model``; other engines' runners are untouched."""
+    from types import SimpleNamespace
+
+    from oscar_vllm import compat
+
+    class Runner:
+        def __init__(self, cfg):
+            self.vllm_config, self.input_batch, self.seen = cfg, SimpleNamespace(req_ids=[]), []
+
+        def _update_states(self, so):
+            self.input_batch.req_ids = list(so.order)
+
+        def execute_model(self, so):
+            self._update_states(so)
+            self.seen.append(slots.rows)
+            return "ran"
+
+    def out(order, finished=(), preempted=None, resumed=()):
+        cached = SimpleNamespace(resumed_req_ids=set(resumed))
+        return SimpleNamespace(order=order, finished_req_ids=set(finished), preempted_req_ids=preempted,
+                               scheduled_cached_reqs=cached)  # fmt: skip
+
+    monkeypatch.setattr(compat, "_v1_runner_class", lambda: Runner)
+    monkeypatch.setattr(compat, "_V1_SLOTS", [None, None])
+    cfg, slots = object(), RequestSlots(2)
+    assert compat.track_v1_requests() is True  # the check alone patches nothing
+    assert not getattr(Runner._update_states, "_oscar_rows", False)
+    assert compat.track_v1_requests(slots, cfg) and compat.track_v1_requests(slots, cfg)  # idempotent
+    r = Runner(cfg)
+    assert r.execute_model(out(["x", "y"])) == "ran" and r.seen == [[0, 1]]
+    assert slots.rows is None  # cleared after the step
+    r.execute_model(out(["y"]))  # "x" skipped: keeps slot 0
+    r.execute_model(out(["z", "y"], finished={"x"}))
+    r.execute_model(out(["w", "z"], preempted={"y"}))
+    r.execute_model(out(["z", "w"], resumed={"z"}))  # a resumed request starts over
+    assert r.seen[1:] == [[1], [0, 1], [1, 0], [0, 1]]
+    other = Runner(object())  # another engine's runner in this process: left alone
+    other.execute_model(out(["a", "b"]))
+    assert other.seen == [None]
+    assert compat.track_v1_requests() is True
+    monkeypatch.setattr(compat, "_v1_runner_class", lambda: None)
+    assert compat.track_v1_requests(slots, cfg) is False  # no hook: the caller falls back
 
 
 def test_build_step_positions_and_decode_detection():

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 
 from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, OscarError, check
+from oscar_math.hookspecs import SchemeSpec, hookimpl
 
-from .schemes import KVScheme, SchemeContext
+from .schemes import KVScheme, SchemeContext, build_scheme
 
 __all__ = [
     "KV_KINDS",
@@ -571,8 +572,19 @@ class PagedScheme(KVScheme):
 
 def make_kernels_scheme(ctx: SchemeContext) -> KVScheme:
     """Factory of the ``oscar2-kernels`` scheme (needs a calibrated artifact and oscar-kernels)."""
-    from .schemes import build_scheme
-
     base = build_scheme("oscar2", ctx)
     _kernels()
     return PagedScheme(base, ctx.rotations, ctx.effective_group_size)
+
+
+@hookimpl
+def oscar_schemes() -> list[SchemeSpec]:
+    """Hook implementation (entry point ``kernels_scheme``): ``oscar2-kernels``, registered like any
+    plugin's scheme, so :mod:`oscar_calib.schemes` never imports this module."""
+    return [
+        SchemeSpec(
+            "oscar2-kernels",
+            "oscar2 served by the paged INT2 kernels (Triton on CUDA, torch references on CPU)",
+            make_kernels_scheme,
+        )
+    ]

@@ -35,7 +35,8 @@ Built-in schemes register through the same pluggy hook as third-party ones
                           matrices (format version 2; :mod:`oscar_math.feedback`)
 ``hadamard2-center``      ``hadamard2`` with the calibrated key mean subtracted
 ``oscar2-kernels``        ``oscar2`` served through the paged INT2 kernels (needs
-                          ``oscar-calib[kernels]``; see :mod:`oscar_calib.paged`)
+                          ``oscar-calib[kernels]``; registered by :mod:`oscar_calib.paged`
+                          through the same hook, entry point ``kernels_scheme``)
 ========================  ==================================================================
 """
 
@@ -604,18 +605,7 @@ def _specs() -> list[Any]:
             "oscar2 with identity rotations: centering + clipping only (ablation)",
             _oscar_factory("oscar2-norot", "key centering + clip, no rotation", rotate=False),
         ),
-        SchemeSpec(
-            "oscar2-kernels",
-            "oscar2 served by the paged INT2 kernels (Triton on CUDA, torch references on CPU)",
-            _make_kernels,
-        ),
     ]
-
-
-def _make_kernels(ctx: SchemeContext) -> KVScheme:
-    from .paged import make_kernels_scheme  # lazy: oscar-kernels is an optional extra
-
-    return make_kernels_scheme(ctx)
 
 
 @hookimpl

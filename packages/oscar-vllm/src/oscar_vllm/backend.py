@@ -47,6 +47,7 @@ from . import compat, startup
 from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
 from .step import (
     RecordStamps,
+    RequestSlots,
     SlotTracker,
     StepBuffers,
     StepMetadata,
@@ -164,6 +165,21 @@ class OscarAttentionBackend(_OscarBackendBase):
         return replace(spec, state_content_bytes=cell_bytes(spec.head_size, group))
 
 
+def _request_slots(vllm_config: Any, num_slots: int) -> RequestSlots | None:
+    """The engine's :class:`~oscar_vllm.step.RequestSlots`, fed by the V1 runner hook; ``None``
+    where the hook cannot be installed (then slots follow content or first blocks)."""
+    got = _REQUEST_SLOTS.get(id(vllm_config))
+    if got is None or got[0] is not vllm_config:
+        slots = RequestSlots(num_slots)
+        if not compat.track_v1_requests(slots, vllm_config):
+            return None
+        _REQUEST_SLOTS.clear()  # one engine per process at a time
+        _REQUEST_SLOTS[id(vllm_config)] = got = (vllm_config, slots)
+    return got[1]
+
+
+_REQUEST_SLOTS: dict[int, tuple[Any, RequestSlots]] = {}
+
 #: one step's batch, shared by every layer (see :class:`oscar_vllm.step.StepMetadata`)
 OscarMetadata = StepMetadata
 
@@ -172,8 +188,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     """Builds :class:`~oscar_vllm.step.StepMetadata`; gives every live request a window slot.
 
     The slot is vLLM's persistent request row when the model runner provides it
-    (``req_idx``, V2 runner); otherwise (V1 runner, e.g. on CPU) :class:`~oscar_vllm.step.WindowSlots`
-    keeps it, keyed by the request's first KV block.
+    (``req_idx``, V2 runner), else the request id's slot (:class:`~oscar_vllm.step.RequestSlots`,
+    V1 runner, e.g. on CPU); only where neither exists does :class:`~oscar_vllm.step.WindowSlots`
+    key it by the request's first KV block.
     """
 
     reorder_batch_threshold: int | None = 1
@@ -185,14 +202,18 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         sc = vllm_config.scheduler_config
         self.max_seqs = int(sc.max_num_seqs)
         self.slots = WindowSlots(self.max_seqs)
-        # with prefix caching a slot is named by its content (SlotTracker): a request keeps the
-        # slot that holds its windows, and anything else restores from the window pages
+        # the V1 runner gives no persistent request row: slots by request id (step.RequestSlots),
+        # one instance per engine, shared by the engine's builders
+        v2 = compat.uses_v2_runner(vllm_config)
+        self.requests = None if v2 else _request_slots(vllm_config, self.max_seqs)
+        # with prefix caching SlotTracker knows what each slot holds: a request whose slot holds
+        # its windows uses them, anything else (a hit) restores from the window pages
         self.cached = compat.exact_prefix_caching(vllm_config)
         self.tracker = SlotTracker(self.max_seqs)
-        # transient window records (records.py): the restores are checked against record stamps
-        # transient records are safe by construction on the V2 runner (a running request never
-        # restores; vLLM accepts a hit only while its records are cached); the V1 runner's
-        # content-keyed slots can be lost, so there every restore is checked against record stamps
+        # transient window records (records.py) are safe by construction where slots are request
+        # rows (a running request never restores; vLLM accepts a hit only while its records are
+        # cached); on the V1 runner every restore is also checked against record stamps, which
+        # also covers a vLLM whose runner the request hook could not wrap
         transient = compat.window_records_mode(vllm_config) == "transient"
         self.stamps = RecordStamps() if transient and not compat.uses_v2_runner(vllm_config) else None
         # with prefix caching the window groups' builders run the step's restores (_StepExchange)
@@ -229,6 +250,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
         seq_cpu = seq_cpu if seq_cpu is not None else cm.seq_lens.cpu()
         rows = compat.request_slots(cm)
+        if rows is None and self.requests is not None and not self._capturing:
+            rows = self.requests.rows_for(cm.num_reqs)
         restore: list[tuple[int, int, int]] = []
         if self._capturing:
             rows = [i % self.max_seqs for i in range(cm.num_reqs)]
@@ -420,10 +443,12 @@ class OscarAttentionImpl(AttentionImpl):
             compat.in_flight_tokens(self._cfg),
         )
         self._plan = plan
+        spec_class = None
         if self.transient:
             from . import records
 
             records.register(self._cfg)
+            spec_class = records.OscarWindowSpec
         # a window block of plan.block_size tokens in a page of exactly the INT2 page's bytes
         spec = compat.window_spec(
             plan.block_size,
@@ -432,7 +457,7 @@ class OscarAttentionImpl(AttentionImpl):
             self._kv_dtype(),
             max(lo.recent_tokens, 2),
             cell * bs // plan.block_size,
-            transient=self.transient,
+            spec_class=spec_class,
         )
         self.window_names = [f"{name}{WINDOW_SUFFIX}{g}" for g in range(plan.groups)]
         for n in self.window_names:

@@ -13,6 +13,7 @@ take vLLM's classes and hooks from the accessors at the end of this file.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "serve_with_default_backend",
     "page_buffer",
     "request_slots",
+    "track_v1_requests",
     "kv_cache_layouts",
     "attention_api",
     "tp_rank",
@@ -165,8 +167,12 @@ def oscar_selected(vllm_config: Any) -> bool:
     return getattr(backend, "name", backend) == BACKEND_NAME
 
 
-def guard_prefix_caching() -> None:
+def guard_prefix_caching(register_records: Any = None) -> None:
     """Make the engine core turn prefix caching off when OSCAR is selected (idempotent).
+
+    ``register_records(vllm_config)`` (:func:`oscar_vllm.records.register`, passed in so this
+    module never imports the records module, which imports it) runs before the scheduler is
+    built when the window records are transient.
 
     A cache hit hands a new request blocks computed by another one; their INT2 pages are
     there but the BF16 sink/recent rows of the hit tokens are not (the windows live per
@@ -200,10 +206,8 @@ def guard_prefix_caching() -> None:
             vllm_config.cache_config.enable_prefix_caching = False
         elif exact_prefix_caching(vllm_config):
             _dense_window_checkpoints(vllm_config.cache_config)
-            if window_records_mode(vllm_config) == "transient":
-                from . import records
-
-                records.register(vllm_config)  # the scheduler in this process builds the manager
+            if window_records_mode(vllm_config) == "transient" and register_records is not None:
+                register_records(vllm_config)  # the scheduler in this process builds the manager
         return original(self, vllm_config)
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]
@@ -344,10 +348,10 @@ def uses_v2_runner(vllm_config: Any) -> bool:
 def window_records_mode(vllm_config: Any) -> str | None:
     """``"transient"`` or ``"held"`` window records with exact prefix caching, else ``None``.
 
-    ``additional_config["oscar"]["window_records"]``; ``auto`` (the default) is ``transient`` with
-    vLLM's V2 model runner, where a running request's window slot is its persistent row and is
-    never lost, and ``held`` with the V1 runner, whose content-keyed slots can be taken from a
-    request while it is skipped (docs/vllm.md, "Prefix caching").
+    ``additional_config["oscar"]["window_records"]``; ``auto`` (the default) is ``transient``
+    wherever a running request's window slot can never be lost: its persistent row with vLLM's
+    V2 model runner, its request id with the V1 runner (:func:`track_v1_requests`); ``held``
+    only where neither is available (docs/vllm.md, "Prefix caching").
     """
     from .settings import settings_from
 
@@ -355,7 +359,7 @@ def window_records_mode(vllm_config: Any) -> str | None:
         return None
     mode = settings_from(getattr(vllm_config, "additional_config", None)).window_records
     if mode == "auto":
-        return "transient" if uses_v2_runner(vllm_config) else "held"
+        return "transient" if uses_v2_runner(vllm_config) or track_v1_requests() else "held"
     return mode
 
 
@@ -366,20 +370,17 @@ def window_spec(
     dtype: Any,
     window: int,
     cell: int,
-    transient: bool = False,
+    spec_class: type | None = None,
 ) -> Any:
     """Spec of one window page: vLLM's ``SlidingWindowSpec`` (its manager shares blocks through the
     prefix cache, accepts a hit only if the last ``window`` tokens' blocks are cached, and frees
     blocks that leave the window), sized exactly as one INT2 page (``cell`` bytes per head and
-    token) so that vLLM needs no page-size unification. ``transient``: OSCAR's subclass, whose
-    manager frees a running request's records once written (:mod:`oscar_vllm.records`)."""
+    token) so that vLLM needs no page-size unification. ``spec_class``: a subclass to build instead,
+    e.g. :class:`oscar_vllm.records.OscarWindowSpec`, whose manager frees a running request's
+    records once written."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    cls = SlidingWindowSpec
-    if transient:
-        from .records import OscarWindowSpec
-
-        cls = OscarWindowSpec
+    cls = spec_class or SlidingWindowSpec
     return cls(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
@@ -593,6 +594,71 @@ def request_slots(common: Any) -> Any:
     (used on CPU) does not.
     """
     return getattr(common, "req_idx", None)
+
+
+#: the request slots the V1 runner hook feeds and the config of the engine they belong to (one
+#: OSCAR engine per process at a time: the latest wins; other engines' runners are left alone)
+_V1_SLOTS: list[Any] = [None, None]
+
+
+def _v1_runner_class() -> type | None:
+    """vLLM's V1 model runner class if it has the two methods the request hook wraps."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001 - any import failure means: no hook, held records
+        return None
+    ok = callable(getattr(GPUModelRunner, "_update_states", None)) and callable(
+        getattr(GPUModelRunner, "execute_model", None)
+    )
+    return GPUModelRunner if ok else None
+
+
+def track_v1_requests(slots: Any = None, vllm_config: Any = None) -> bool:
+    """Feed ``slots`` (:class:`oscar_vllm.step.RequestSlots`) the V1 model runner's requests.
+
+    After the runner applies a scheduler output to its persistent batch (``_update_states``,
+    which also orders the rows as the attention metadata will), ``slots.step`` gets the requests
+    that finished, were preempted or resumed, and the batch's request ids in row order; after
+    the step (``execute_model``) ``slots.end_step``. CPU runners subclass this class, so one
+    wrapper covers them. Returns whether the hook is in place (with ``slots=None`` only checks);
+    without it, OSCAR falls back to held window records (:func:`window_records_mode`).
+    """
+    cls = _v1_runner_class()
+    if cls is None:
+        return False
+    if slots is None:
+        return True
+    _V1_SLOTS[:] = [slots, vllm_config]
+    if getattr(cls._update_states, "_oscar_rows", False):
+        return True
+    update, execute = cls._update_states, cls.execute_model
+
+    @functools.wraps(update)  # __wrapped__: inspect (api_check) still reads vLLM's source
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        out = update(self, scheduler_output)
+        target, cfg = _V1_SLOTS
+        if target is not None and getattr(self, "vllm_config", None) is cfg:
+            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+            ended = {
+                *scheduler_output.finished_req_ids,
+                *(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                *(getattr(cached, "resumed_req_ids", None) or ()),
+            }
+            target.step(ended, list(self.input_batch.req_ids))
+        return out
+
+    @functools.wraps(execute)
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            if _V1_SLOTS[0] is not None and getattr(self, "vllm_config", None) is _V1_SLOTS[1]:
+                _V1_SLOTS[0].end_step()
+
+    _update_states._oscar_rows = True  # type: ignore[attr-defined]
+    cls._update_states = _update_states
+    cls.execute_model = execute_model
+    return True
 
 
 def attention_layer_base() -> type:

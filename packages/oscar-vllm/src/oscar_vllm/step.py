@@ -7,7 +7,8 @@ machine without vLLM.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -122,6 +123,52 @@ class WindowSlots:
             self._slot_of[block] = slot
             slots[i] = slot
         return slots
+
+
+class RequestSlots:
+    """Window slot of every running request, by request id, for vLLM's V1 model runner.
+
+    The V1 runner gives the attention backend no persistent request row, but it tells its worker
+    in every scheduler output which requests finished or were preempted
+    (:func:`oscar_vllm.compat.track_v1_requests` passes them here, with the step's rows in batch
+    order). A request takes the slot free the longest at its first step (so a slot's reuse
+    comes late, and the tests see requests in several slots) and keeps it until it finishes or
+    is preempted, however many steps vLLM skips it; vLLM runs at most
+    ``max_num_seqs`` requests at once, so a free slot always exists and a running request never
+    loses its windows. A preempted or resumed request comes back as a new one (vLLM recomputes
+    it, or serves it from a prefix hit whose window records it has checked).
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._slot_of: dict[str, int] = {}
+        self._free = deque(range(num_slots))  # released slots go to the back
+        #: this step's slots in batch order, ``None`` outside a step (dummy and capture runs)
+        self.rows: list[int] | None = None
+
+    def step(self, ended: Iterable[str], row_ids: Sequence[str]) -> list[int]:
+        """Release the slots of ``ended`` requests, then give each row its request's slot."""
+        for rid in sorted(ended):  # sorted: the same slots in every run
+            slot = self._slot_of.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
+        rows = []
+        for rid in row_ids:
+            slot = self._slot_of.get(rid)
+            if slot is None:
+                if not self._free:
+                    raise OscarError(f"OSCAR: more than {self.num_slots} running requests (max_num_seqs)")
+                slot = self._slot_of[rid] = self._free.popleft()
+            rows.append(slot)
+        self.rows = rows
+        return rows
+
+    def end_step(self) -> None:
+        self.rows = None
+
+    def rows_for(self, num_reqs: int) -> list[int] | None:
+        """This step's slots if a step of ``num_reqs`` rows is running, else ``None``."""
+        return self.rows if self.rows is not None and len(self.rows) == num_reqs else None
 
 
 def build_step(

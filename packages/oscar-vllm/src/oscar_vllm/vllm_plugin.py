@@ -37,7 +37,9 @@ def register() -> None:
         if compat.version_supported(compat.vllm_version()):
             compat.register_cpu_override()
             startup.install_cpu_note()
-            compat.guard_prefix_caching()
+            from . import records  # imports vLLM's sliding-window classes: only a supported vLLM
+
+            compat.guard_prefix_caching(records.register)
             compat.default_max_num_seqs()
             startup.install_kv_report()
     except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
