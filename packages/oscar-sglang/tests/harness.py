@@ -156,6 +156,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def near_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` equals ``b`` up to what float32 sums in another order can do to a bf16 result: each
+    element within one unit in the last place of its own magnitude (``rtol`` 2**-7, bf16's largest
+    relative spacing), or within 2**-10 of the tensor's largest element where cancellation made
+    it small; and few elements differ at all. A wrong row or window moves most elements by more."""
+    a, b = a.double(), b.double()
+    close = torch.allclose(a, b, rtol=2.0**-7, atol=2.0**-10 * float(b.abs().max()))
+    return close and float((a != b).double().mean()) <= 0.02
+
+
 def token_qkv(tokens) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q/k/v of each position as a function of the tokens up to it (what a model computes), so
     requests sharing a prefix have the same K/V there, as in a real radix-cache hit."""

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("sglang.srt.plugins", reason="SGLang not installed (nox -s sglang installs 0.5.23)")
 
-from harness import PAGE, RECENT, SINK, Harness, TreeFlow, make_artifact, rel  # noqa: E402
+from harness import PAGE, RECENT, SINK, Harness, TreeFlow, make_artifact, near_bf16, rel  # noqa: E402
 from test_sglang_backend import _configurator_ns, plugins  # noqa: E402, F401
 from test_sglang_backend import topology as topology  # noqa: E402
 
@@ -40,13 +40,14 @@ def _flow(artifact, radix="exact", snapshots=16, tree="unified"):
 def _check_equal_to_miss(f: TreeFlow, tokens, outs, m, decode=0):
     """The hit's outputs equal the same request run with no radix cache: bitwise against the same
     prefill split at the hit (same chunk shapes); against a one-chunk miss the float32 summation
-    order of the attention may differ, so that comparison has a 1e-6 tolerance."""
+    order of the attention may differ (it does with torch's AVX-512 CPU kernels), which moves a few
+    bf16 outputs by about one unit in their last place (:func:`harness.near_bf16`)."""
     own, m0, _ = f.run(tokens, decode=decode, chunks=(m,), use_tree=False)
     miss, _, _ = f.run(tokens, decode=decode, use_tree=False)
     assert m0 == 0
     for pos in outs:
         assert torch.equal(outs[pos], own[pos]), pos
-        assert rel(outs[pos], miss[pos]) < 1e-6, pos
+        assert near_bf16(outs[pos], miss[pos]), (pos, rel(outs[pos], miss[pos]))
 
 
 # --------------------------------------------------------------------------- exact hits
