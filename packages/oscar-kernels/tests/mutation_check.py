@@ -156,10 +156,17 @@ MUTATIONS = (
         ("tests/test_chunk_invariance.py", "-k", "triton_schedules and group-d and chunks-of-recent"),
     ),
     Mutation(
+        "reference-decode-oldest-ring-row-from-int2",
+        "src/oscar_kernels/reference/attention.py",
+        "r0 = bf16_ring_start(window_end - 1, s, lo.recent_tokens)",
+        "r0 = bf16_ring_start(window_end, s, lo.recent_tokens)",
+        ("tests/test_chunk_invariance.py", "-k", "reference_decode"),
+    ),
+    Mutation(
         "reference-extend-chunk-keys-bf16",
         "src/oscar_kernels/reference/attention.py",
-        "quant = (j >= s) & (j <= qpos - r)",
-        "quant = (j >= s) & (j <= qpos - r) & (j < p)",
+        "quant = int2_mask(qpos[:, 0], j[0], s, r)",
+        "quant = int2_mask(qpos[:, 0], j[0], s, r) & (j < p)",
         ("tests/test_chunk_invariance.py", "-k", "reference_decode"),
     ),
     Mutation(

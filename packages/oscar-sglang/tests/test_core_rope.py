@@ -11,7 +11,7 @@ import torch
 
 from oscar_kernels import CacheLayout, LayerQuantParams, allocate_cache
 from oscar_math.rope_center import rope_position_mean
-from oscar_sglang.core import _rows, rebuild_windows
+from oscar_sglang.core import rebuild_windows
 
 
 def _cache_and_params(seed: int = 0):
@@ -63,10 +63,3 @@ def test_rebuilt_window_keys_carry_the_position_mean_and_values_do_not():
         torch.testing.assert_close(got.float(), (base.float() + mu[n]), rtol=0.02, atol=0.05)
         assert float((got.float() - base.float()).abs().max()) > 0.1  # the term is really there
     assert torch.equal(k1[2], k0[2]) and torch.equal(k1[3], k0[3])  # values: unchanged
-
-
-def test_rank_rows_of_per_head_tensors_and_shared_vectors():
-    idx = torch.tensor([1])
-    per_head, shared = torch.arange(6.0).reshape(2, 3), torch.arange(4.0)
-    assert torch.equal(_rows(per_head, idx), per_head[1:2])
-    assert _rows(shared, idx) is shared and _rows(None, idx) is None

@@ -82,8 +82,8 @@ def check_specs() -> str:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import customize_attention_spec
 
+    from oscar_kernels.serving import cell_bytes
     from oscar_vllm import backend, compat
-    from oscar_vllm.settings import cell_bytes
 
     bf16 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     backend._LOADED_GROUP["group"] = 64
@@ -166,8 +166,8 @@ def check_window_groups() -> str:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from oscar_kernels.serving import cell_bytes
     from oscar_vllm import backend, compat
-    from oscar_vllm.settings import cell_bytes
 
     assert "disable_hybrid_kv_cache_manager" in {f.name for f in dataclasses.fields(SchedulerConfig)}
     # window blocks are cached densely when the retention interval is None (OSCAR sets it)

@@ -38,7 +38,7 @@ except ImportError:  # the GPU machine installs math/kernels only: use this chec
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
 
 from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
-from oscar_vllm.settings import shard_kv_heads, shard_params
+from oscar_kernels.serving import kv_heads_of_rank, shard_params
 from oscar_vllm.step import StepBuffers, WindowSlots, attend_step, build_step, run_layer, write_step
 
 
@@ -136,7 +136,7 @@ def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     tp, rank = case.tp
-    heads = shard_kv_heads(case.h_kv * tp, tp, rank)
+    heads = kv_heads_of_rank(case.h_kv * tp, tp, rank)
     full = _rotations(case.h_kv * tp, case.d, case.granularity, g)
     params = shard_params(full, heads)
     lo = case.layout()

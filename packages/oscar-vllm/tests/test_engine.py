@@ -458,8 +458,8 @@ def some_excluded(model_dir, artifact, texts, all_excluded):
 def _predicted_capacity(artifact: str, block_size: int, excluded: int) -> int:
     """Tokens vLLM must give: one block holds every layer's page (INT2 or BF16); the INT2
     layers' BF16 windows come out of the same ``kv_cache_memory_bytes`` first."""
+    from oscar_kernels.serving import cell_bytes
     from oscar_math.artifact import load_rotations
-    from oscar_vllm.settings import cell_bytes
 
     rot = load_rotations(artifact)
     int2 = NUM_LAYERS - excluded

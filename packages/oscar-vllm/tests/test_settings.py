@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from oscar_kernels import CacheLayout, LayerQuantParams, page_bytes
+from oscar_kernels.serving import window_bytes_per_slot
 from oscar_math.artifact import identity_rotations, save_rotations
 from oscar_math.errors import OscarError
 from oscar_vllm import compat
-from oscar_vllm.settings import (
-    OscarSettings,
-    check_head_dim,
-    default_max_num_seqs,
-    load_checked,
-    settings_from,
-    shard_kv_heads,
-    shard_params,
-    window_bytes_per_slot,
-)
+from oscar_vllm.settings import OscarSettings, default_max_num_seqs, load_checked, settings_from
 
 
 def _artifact(tmp_path, layers=2, kv=4, d=32, granularity="kv_head", name="a.safetensors"):
@@ -76,14 +66,6 @@ def test_load_checked_rejects_bad_artifacts(tmp_path):
         load_checked(OscarSettings(good), 2, 4, 40)
 
 
-def test_check_head_dim():
-    for d in (16, 64, 128, 256):
-        check_head_dim(d)
-    for d in (8, 72, 100):
-        with pytest.raises(OscarError, match=f"head dim {d}"):
-            check_head_dim(d)
-
-
 def test_version_range():
     assert compat.version_supported("0.32.0") and compat.version_supported("0.33.1")
     assert compat.version_supported("0.32.0+cpu")
@@ -105,74 +87,6 @@ def test_layer_index():
     assert compat.layer_index("language_model.model.layers.12.self_attn.attn") == 12
     with pytest.raises(OscarError):
         compat.layer_index("attn")
-
-
-def test_shard_kv_heads():
-    assert shard_kv_heads(8, 1, 0) == list(range(8))
-    assert shard_kv_heads(8, 2, 1) == [4, 5, 6, 7]
-    assert shard_kv_heads(8, 4, 2) == [4, 5]
-    # fewer KV heads than ranks: vLLM replicates, rank r holds head r // (tp / kv)
-    assert [shard_kv_heads(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]
-    with pytest.raises(OscarError):
-        shard_kv_heads(6, 4, 0)
-    with pytest.raises(OscarError):
-        shard_kv_heads(8, 2, 2)
-
-
-def test_shard_params_takes_each_ranks_heads():
-    h, d = 4, 16
-    g = torch.Generator().manual_seed(0)
-    rots = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
-    params = LayerQuantParams(
-        rots, rots.flip(0), k_mean=torch.randn(h, d, generator=g), k_clip=torch.tensor([0.9, 0.8, 0.7, 0.6])
-    )
-    part = shard_params(params, shard_kv_heads(h, 2, 1))
-    assert torch.equal(part.k_rotation, rots[2:]) and torch.equal(part.v_rotation, rots.flip(0)[2:])
-    assert torch.equal(part.k_mean, params.k_mean[2:])
-    assert torch.allclose(part.k_clip, torch.tensor([0.7, 0.6]))
-    assert part.v_clip == 1.0
-    part.expand(2, d, torch.device("cpu"))  # a valid per-rank parameter set
-    layer = LayerQuantParams(rots[0], rots[1])  # one rotation per layer: every rank the same
-    assert shard_params(layer, [3]) is layer
-
-
-def test_shard_params_takes_each_ranks_feedback_and_keeps_shared_values():
-    # format version 2: the error-feedback matrices are per KV head like the rotations; a rank
-    # that kept all heads' matrices (or none) would serve other codes than `oscar eval` measured
-    h, d = 4, 16
-    g = torch.Generator().manual_seed(1)
-    rots = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
-    fb = torch.tril(torch.randn(h, d, d, generator=g), diagonal=-1)
-    mean = torch.randn(d, generator=g)  # one mean shared by every head: not a per-head row
-    params = LayerQuantParams(rots, rots, k_mean=mean, k_feedback=fb, v_feedback=fb.flip(0))
-    part = shard_params(params, shard_kv_heads(h, 4, 2))
-    assert torch.equal(part.k_feedback, fb[2:3]) and torch.equal(part.v_feedback, fb.flip(0)[2:3])
-    assert torch.equal(part.k_mean, mean)
-    part.expand(1, d, torch.device("cpu"))
-
-
-def test_shard_params_takes_each_ranks_rope_mean_and_keeps_the_frequencies():
-    # format version 3: the pre-RoPE key mean is per KV head like k_mean; the RoPE frequencies
-    # are the model's, [d/2], shared — indexing them by head would corrupt them silently
-    h, d = 4, 16
-    g = torch.Generator().manual_seed(2)
-    rots = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
-    rm = torch.randn(h, d, generator=g)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)  # [8], longer than the rank's 1 head
-    params = LayerQuantParams(rots, rots, k_rope_mean=rm, k_rope_inv_freq=inv_freq)
-    part = shard_params(params, shard_kv_heads(h, 4, 1))
-    assert torch.equal(part.k_rope_mean, rm[1:2]) and torch.equal(part.k_rope_inv_freq, inv_freq)
-    ep = part.expand(1, d, torch.device("cpu"))
-    assert torch.equal(ep.k_rope_mean, rm[1:2]) and ep.rope_pairs == d // 2
-
-
-def test_cell_bytes_equal_kernel_page_bytes():
-    from oscar_vllm.settings import cell_bytes
-
-    for h, d, group, page in ((3, 64, 64, 16), (8, 128, 128, 128), (2, 128, 32, 64)):
-        lo = CacheLayout(num_kv_heads=h, head_dim=d, page_size=page, group_size=group)
-        assert h * page * cell_bytes(d, group) == page_bytes(lo)
-    assert cell_bytes(64, 64) * 1.0 / (2 * 64 * 2) < 1 / 6  # vs BF16 K+V: 6.4x smaller
 
 
 def test_prefix_caching_must_be_off_where_the_guard_cannot_hook(monkeypatch):
@@ -219,7 +133,7 @@ def test_exact_prefix_caching_where_every_layer_is_int2_and_the_hybrid_manager_i
     assert cc.prefix_cache_retention_interval == 1024
 
 
-def test_window_records_mode_follows_the_model_runner_unless_chosen():
+def test_window_records_mode_is_transient_where_slots_are_never_lost_unless_chosen(monkeypatch):
     from types import SimpleNamespace
 
     def cfg(v2, records=None, caching=True):
@@ -232,7 +146,12 @@ def test_window_records_mode_follows_the_model_runner_unless_chosen():
             use_v2_model_runner=v2,
         )
 
-    # auto: transient where a running request's window slot is its persistent V2 row, held on V1
+    # auto: transient where a running request's window slot is never lost: its persistent V2 row,
+    # or on V1 its request id's slot (the runner hook); held only where the hook is impossible
+    monkeypatch.setattr(compat, "track_v1_requests", lambda *a: True)
+    assert compat.window_records_mode(cfg(v2=True)) == "transient"
+    assert compat.window_records_mode(cfg(v2=False)) == "transient"
+    monkeypatch.setattr(compat, "track_v1_requests", lambda *a: False)
     assert compat.window_records_mode(cfg(v2=True)) == "transient"
     assert compat.window_records_mode(cfg(v2=False)) == "held"
     assert compat.window_records_mode(cfg(v2=True, records="held")) == "held"

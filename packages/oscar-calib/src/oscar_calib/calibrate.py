@@ -57,7 +57,8 @@ CONFIG_VERSION = 1
 CLIP_SEARCHES = ("output", "row", "kl")
 #: which rows are written with error-feedback codes (CalibrationConfig.feedback)
 FEEDBACK_MODES = ("none", "k", "v", "kv")
-#: default ``rope_pairs`` (CalibrationConfig): 8. The H200 study (benchmarks/rope_study.py, docs/results.md
+#: default ``rope_pairs`` (CalibrationConfig): 8. The H200 study (lab/calib_studies/rope_study.py,
+#: docs/results.md
 #: "sixth study") ranked 16 first on the calibration split (mean KL 0.0146 vs 0.0157 for 8, 0.0201 without),
 #: but its decode score term costs x1.48-1.57 at 32k-128k against x1.04-1.20 for 8 (docs/kernels.md);
 #: on held-out text 8 and 16 are within 1-7 % in KL. ``--rope-pairs 16`` for accuracy first, 0 for format 2.

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from oscar_math import int2_mask
 from oscar_math.errors import check
 
 from .attention import attention_modules, attention_override, sdpa_attention
@@ -169,7 +170,7 @@ class _HeadProblem:
             s_end = int(pb.max()) + 1
             k_pos = torch.arange(s_end)
             causal = k_pos[None, :] <= pb[:, None]
-            quant = (k_pos[None, :] >= sink) & (k_pos[None, :] <= pb[:, None] - recent)
+            quant = int2_mask(pb, k_pos, sink, recent)
             logits = (qb @ self.k[:s_end].T).masked_fill(~causal, float("-inf"))
             outs.append(torch.softmax(logits, -1) @ self.v[:s_end])
             self.blocks.append((qb, s_end, quant, quant.float(), logits))

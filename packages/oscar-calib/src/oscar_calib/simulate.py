@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, check
+from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, check, int2_mask
 
 from .schemes import KVScheme
 
@@ -114,13 +114,12 @@ def quantized_region(
     ``[c·chunk, min((c+1)·chunk, seq_len))`` and keys of its own chunk stay exact.
     """
     if chunk == 1:
-        return (k_pos[None, :] >= sink) & (k_pos[None, :] <= q_pos[:, None] - recent)
+        return int2_mask(q_pos, k_pos, sink, recent)
     start = torch.div(q_pos, chunk, rounding_mode="floor") * chunk
     end = start + chunk - 1
     if seq_len is not None:
         end = end.clamp(max=seq_len - 1)
-    k = k_pos[None, :]
-    return (k >= sink) & (k <= end[:, None] - recent) & (k < start[:, None])
+    return int2_mask(end, k_pos, sink, recent) & (k_pos[None, :] < start[:, None])
 
 
 def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:

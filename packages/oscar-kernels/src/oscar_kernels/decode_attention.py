@@ -42,7 +42,7 @@ DECODE_IMPLS = ("auto", "gluon", "tl")
 #: launch defaults per kernel: (block_n, num_warps, programs_per_sm). ``programs_per_sm`` is
 #: the kernel's residency (Gluon: 164-168 registers, 65536 / (168·32) = 12 one-warp programs
 #: per SM), which :func:`choose_num_splits` fills in whole waves. Gluon: H200 sweeps
-#: (docs/performance.md, benchmarks/decode_sweep.py)
+#: (docs/performance.md, lab/kernel_studies/decode_sweep.py)
 _DEFAULTS = {"gluon": (32, 1, 12), "tl": (128, 4, 8)}
 
 #: most INT2 splits per (sequence, KV head): 198 is one full wave of the Gluon kernel at

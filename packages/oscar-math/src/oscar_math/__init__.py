@@ -56,10 +56,13 @@ from .quantize import (
 )
 from .rotation import HadamardMode, compose_rotation, hadamard_rotation, identity_rotation, is_orthogonal
 from .rotationzoo import REFERENCE_K_FILE, REFERENCE_V_FILE, import_rotationzoo
+from .windows import bf16_ring_start, int2_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "int2_mask",
+    "bf16_ring_start",
     "DEFAULT_SINK",
     "DEFAULT_RECENT",
     "model_geometry",

@@ -8,7 +8,6 @@ SGLang classes and hooks that use it live in :mod:`oscar_sglang.sglang_glue`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import os
@@ -21,8 +20,15 @@ import torch
 
 from oscar_kernels import CacheLayout, ExpandedParams, LayerQuantParams, PagedKVCache, page_bytes
 from oscar_kernels.reference.attention import rope_mean_at
+from oscar_kernels.serving import (
+    check_head_dim,
+    kv_heads_of_rank,
+    load_for_serving,
+    rank_layout,
+    shard_params,
+)
+from oscar_kernels.serving import window_bytes_per_slot as _slot_bytes
 from oscar_math import unpack_int2
-from oscar_math.artifact import Rotations, load_rotations
 from oscar_math.errors import OscarError
 
 __all__ = [
@@ -115,29 +121,6 @@ def rotations_path() -> str:
     return path
 
 
-def kv_heads_of_rank(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
-    """Global KV-head indices held by attention-TP rank ``tp_rank``.
-
-    Same split as SGLang's ``QKVParallelLinear``: with at least as many KV heads as
-    ranks each rank takes a contiguous block of ``total / tp`` heads; with fewer, each
-    head is replicated on ``tp / total`` consecutive ranks.
-    """
-    if not (0 <= tp_rank < tp_size):
-        raise OscarError(f"Invalid tp_rank: expected 0 <= rank < {tp_size}, got {tp_rank}")
-    if total_kv_heads >= tp_size:
-        if total_kv_heads % tp_size:
-            raise OscarError(
-                f"Invalid tensor parallel size: {total_kv_heads} KV heads do not split over {tp_size} ranks"
-            )
-        n = total_kv_heads // tp_size
-        return list(range(tp_rank * n, (tp_rank + 1) * n))
-    if tp_size % total_kv_heads:
-        raise OscarError(
-            f"Invalid tensor parallel size: {tp_size} ranks do not replicate {total_kv_heads} KV heads evenly"
-        )
-    return [tp_rank // (tp_size // total_kv_heads)]
-
-
 @dataclass(frozen=True)
 class RankQuant:
     """What one rank needs: its cache layout and per-layer params for its KV heads.
@@ -155,23 +138,12 @@ class RankQuant:
     path: str
 
 
-@functools.lru_cache(maxsize=4)
-def _load(path: str, num_layers: int, num_kv_heads: int, head_dim: int) -> Rotations:
-    return load_rotations(path, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-
-
 def check_geometry(head_dim: int, v_head_dim: int | None) -> None:
     """Reject attention shapes the kernels do not serve (one line, at start-up)."""
-    if v_head_dim is not None and v_head_dim != head_dim:
-        raise OscarError(
-            f"--attention-backend {BACKEND_NAME}: key head dim {head_dim} != value head dim {v_head_dim} "
-            "(MLA-style attention is not supported)"
-        )
-    if head_dim < 16 or head_dim % 16:
-        raise OscarError(
-            f"--attention-backend {BACKEND_NAME}: unsupported head dim {head_dim} (the INT2 kernels need a "
-            "multiple of 16)"
-        )
+    try:
+        check_head_dim(head_dim, v_head_dim)
+    except OscarError as e:
+        raise OscarError(f"--attention-backend {BACKEND_NAME}: {e}") from None
 
 
 def load_rank_quant(
@@ -193,43 +165,15 @@ def load_rank_quant(
     for another geometry (layers, KV heads, head dim) or an unsupported head dim.
     """
     check_geometry(head_dim, v_head_dim)
-    rot = _load(str(path), num_layers, total_kv_heads, head_dim)
+    rot = load_for_serving(str(path), num_layers, total_kv_heads, head_dim)
     heads = kv_heads_of_rank(total_kv_heads, tp_size, tp_rank)
-    layout = CacheLayout(
-        num_kv_heads=len(heads),
-        head_dim=head_dim,
-        page_size=page_size,
-        group_size=rot.group_size,
-        sink_tokens=rot.sink_tokens,
-        recent_tokens=rot.recent_tokens,
-    )
-    idx = torch.tensor(heads)
+    layout = rank_layout(rot, len(heads), head_dim, page_size)
     params: dict[int, ExpandedParams] = {}
     for i in range(num_layers) if layer_ids is None else layer_ids:
-        lq = LayerQuantParams.from_rotations(rot, i)
-        if lq.granularity == "kv_head":
-            # each rank keeps the rotations of the KV heads it holds (see kv_heads_of_rank)
-            lq = LayerQuantParams(
-                k_rotation=lq.k_rotation[idx],
-                v_rotation=lq.v_rotation[idx],
-                k_mean=None if lq.k_mean is None else lq.k_mean[idx],
-                k_clip=torch.as_tensor(lq.k_clip).reshape(-1)[idx],
-                v_clip=torch.as_tensor(lq.v_clip).reshape(-1)[idx],
-                # error-feedback matrices (artifact format version 2): dropping them would
-                # serve plain rounding, not what `oscar eval` measured
-                k_feedback=None if lq.k_feedback is None else lq.k_feedback[idx],
-                v_feedback=None if lq.v_feedback is None else lq.v_feedback[idx],
-                # pre-RoPE key mean (format version 3) per head; the RoPE frequencies are shared
-                k_rope_mean=_rows(lq.k_rope_mean, idx),
-                k_rope_inv_freq=lq.k_rope_inv_freq,
-            )
+        # each rank keeps the parameters of the KV heads it holds (one field table for every engine)
+        lq = shard_params(LayerQuantParams.from_rotations(rot, i), heads)
         params[i] = lq.expand(len(heads), head_dim, torch.device(device))
     return RankQuant(layout, params, heads, str(path))
-
-
-def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
-    """A per-head ``[H, ...]`` tensor's rows of this rank (a shared ``[d]`` vector as is)."""
-    return t if t is None or t.dim() == 1 else t[idx]
 
 
 def int2_bytes_per_token(layout: CacheLayout, num_layers: int) -> int:
@@ -239,7 +183,9 @@ def int2_bytes_per_token(layout: CacheLayout, num_layers: int) -> int:
 
 def window_bytes_per_slot(layout: CacheLayout, num_layers: int) -> int:
     """BF16 sink + recent rows of K and V for one request slot over ``num_layers`` layers."""
-    return num_layers * 2 * layout.num_kv_heads * layout.window_tokens * layout.head_dim * 2
+    return _slot_bytes(
+        num_layers, layout.num_kv_heads, layout.head_dim, layout.sink_tokens, layout.recent_tokens
+    )
 
 
 def tokens_after_windows(

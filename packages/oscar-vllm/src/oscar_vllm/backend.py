@@ -41,10 +41,11 @@ from typing import Any, ClassVar
 import torch
 
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
+from oscar_kernels.serving import cell_bytes, check_head_dim, kv_heads_of_rank, rank_layout, shard_params
 from oscar_math.errors import OscarError
 
 from . import compat, startup
-from .settings import cell_bytes, check_head_dim, load_checked, settings_from, shard_kv_heads, shard_params
+from .settings import load_checked, settings_from
 from .step import (
     RecordStamps,
     RequestSlots,
@@ -90,7 +91,6 @@ __all__ = [
     "OscarAttentionImpl",
     "OscarWindowBackend",
     "OscarWindowLayer",
-    "cell_bytes",
 ]
 
 #: suffix of the window layers of an INT2 layer (``<layer name>.oscar_window_<g>``)
@@ -353,19 +353,12 @@ class OscarAttentionImpl(AttentionImpl):
         rot = self.rotations
         _LOADED_GROUP["group"] = rot.group_size
         pc = cfg.parallel_config
-        self.heads = shard_kv_heads(
+        self.heads = kv_heads_of_rank(
             int(cfg.model_config.get_total_num_kv_heads()), pc.tensor_parallel_size, _tp_rank()
         )
         if len(self.heads) != num_kv_heads:
             raise OscarError(f"OSCAR: this rank holds {num_kv_heads} KV heads, expected {len(self.heads)}")
-        self.layout = CacheLayout(
-            num_kv_heads=num_kv_heads,
-            head_dim=head_size,
-            page_size=int(cfg.cache_config.block_size),
-            group_size=rot.group_size,
-            sink_tokens=rot.sink_tokens,
-            recent_tokens=rot.recent_tokens,
-        )
+        self.layout = rank_layout(rot, num_kv_heads, head_size, int(cfg.cache_config.block_size))
         self.max_seqs = int(cfg.scheduler_config.max_num_seqs)
         self.device = torch.device(cfg.device_config.device)
         self.windows: tuple[torch.Tensor, ...] | None = None

@@ -269,7 +269,9 @@ def _args_select_oscar(args: Any) -> bool:
 
 
 def _oscar_max_num_seqs(args: Any, engine_default: int, model_config: Any, parallel_config: Any) -> int:
-    from .settings import default_max_num_seqs, load_checked, settings_from, window_bytes_per_slot
+    from oscar_kernels.serving import window_bytes_per_slot
+
+    from .settings import default_max_num_seqs, load_checked, settings_from
 
     try:
         settings = settings_from(getattr(args, "additional_config", None))

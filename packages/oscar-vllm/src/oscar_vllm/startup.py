@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .settings import cell_bytes, window_bytes_per_slot
+from oscar_kernels.serving import cell_bytes, window_bytes_per_slot
 
 __all__ = [
     "bits_per_element",
@@ -145,7 +145,9 @@ def announce_active(vllm_config: Any, rotations: Any) -> None:
 
 def report_kv(vllm_config: Any, kv_cache_config: Any) -> None:
     """Log :func:`kv_line` for an engine whose KV cache vLLM has just sized (engine-core process)."""
-    from .settings import load_checked, settings_from, shard_kv_heads
+    from oscar_kernels.serving import kv_heads_of_rank
+
+    from .settings import load_checked, settings_from
 
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     settings = settings_from(getattr(vllm_config, "additional_config", None))
@@ -165,7 +167,7 @@ def report_kv(vllm_config: Any, kv_cache_config: Any) -> None:
         block,
         num_layers,
         len(settings.exclude_layers),
-        len(shard_kv_heads(total_kv, int(vllm_config.parallel_config.tensor_parallel_size), 0)),
+        len(kv_heads_of_rank(total_kv, int(vllm_config.parallel_config.tensor_parallel_size), 0)),
         head_dim,
         int(rot.group_size),
         int(rot.sink_tokens) + int(rot.recent_tokens),

@@ -22,6 +22,7 @@ from oscar_kernels import (
     paged_write,
     write_window_records,
 )
+from oscar_math import bf16_ring_start
 from oscar_math.errors import OscarError
 
 __all__ = [
@@ -533,7 +534,7 @@ def hit_window_positions(n_cached: int, sink: int, recent: int) -> list[int]:
     """Positions whose BF16 rows a request hitting ``n_cached`` tokens reads: ``[0, sink)`` and
     ``(n_cached - recent, n_cached)``, both cut to ``[0, n_cached)``."""
     head = list(range(min(sink, n_cached)))
-    tail = range(max(sink, n_cached - recent + 1), n_cached)
+    tail = range(bf16_ring_start(n_cached, sink, recent), n_cached)  # what the query at n_cached reads
     return head + list(tail)
 
 

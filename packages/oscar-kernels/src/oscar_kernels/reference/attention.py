@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from oscar_math import unpack_int2
+from oscar_math import bf16_ring_start, int2_mask, unpack_int2
 from oscar_math.rope_center import rope_position_mean
 
 from ..layout import PagedKVCache
@@ -94,7 +94,7 @@ def gather_rotated_kv(
         k[:ns] = cache.k_sink[window_slot, :, :ns].transpose(0, 1).to(dtype)
         v[:ns] = cache.v_sink[window_slot, :, :ns].transpose(0, 1).to(dtype)
     if lo.recent_tokens > 0:
-        r0 = max(s, window_end - lo.recent_tokens)
+        r0 = bf16_ring_start(window_end - 1, s, lo.recent_tokens)  # the query at window_end - 1
         if r0 < length:
             rows = torch.arange(r0, length, device=cache.device) % lo.recent_tokens
             k[r0:] = cache.k_recent[window_slot, :, rows].transpose(0, 1).to(dtype)
@@ -178,7 +178,7 @@ def extend_attention_ref(
             kb[:ns] = cache.k_sink[ws, :, :ns].transpose(0, 1).float()
             vb[:ns] = cache.v_sink[ws, :, :ns].transpose(0, 1).float()
         if r > 0:
-            r0 = max(s, p - r + 1)  # the oldest prefix key the first query reads in BF16
+            r0 = bf16_ring_start(p, s, r)  # the oldest prefix key the first query reads in BF16
             if r0 < p:
                 rows = torch.arange(r0, p, device=q.device) % r
                 kb[r0:p] = cache.k_recent[ws, :, rows].transpose(0, 1).float()
@@ -189,7 +189,7 @@ def extend_attention_ref(
         qpos = p + torch.arange(m, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
         causal = j <= qpos  # [m, n]
-        quant = (j >= s) & (j <= qpos - r)
+        quant = int2_mask(qpos[:, 0], j[0], s, r)
         out[s0:s1] = _attend_mixed(qr[s0:s1], kb, vb, kq, vq, scale, causal, quant)
     return unrotate_output(out, ep, q.dtype)
 

@@ -4,7 +4,7 @@ Prints the layer mean of the searched (untempered, ``clip_power=1``) key clip ra
 every sampled row weighted alike ("logit") and weighted by the attention its token receives
 ("attention"), for the ``oscar calibrate`` defaults otherwise (CPU, float32)::
 
-    OSCAR_SMOLLM2_GGUF=... python packages/oscar-calib/benchmarks/clip_objectives.py --tokens 16384
+    OSCAR_SMOLLM2_GGUF=... python lab/calib_studies/clip_objectives.py --tokens 16384
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ exactly what ``oscar calibrate`` stores. Same serving semantics as ``oscar eval`
 
 ::
 
-    python packages/oscar-calib/benchmarks/long_context_eval.py --out $OUT \\
+    python lab/calib_studies/long_context_eval.py --out $OUT \\
         --artifact "row pK.7 (previous default)=art/row-pK.7.safetensors" \\
         --artifact "output K+V (new default)=art/output-KV.safetensors" --ablate "output K+V (new default)" \\
         --other-text stdlib-docstrings.txt

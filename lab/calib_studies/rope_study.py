@@ -22,8 +22,8 @@ search are computed on the residual keys. Same bits per element as ``oscar2``.
 
 ::
 
-    python packages/oscar-calib/benchmarks/rope_study.py --out $OUT/study --budget-s 200       # H200, < 5 min
-    python packages/oscar-calib/benchmarks/rope_study.py --out o --tiny                        # CPU dry run
+    python lab/calib_studies/rope_study.py --out $OUT/study --budget-s 200       # H200, < 5 min
+    python lab/calib_studies/rope_study.py --out o --tiny                        # CPU dry run
 """
 
 from __future__ import annotations

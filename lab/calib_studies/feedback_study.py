@@ -15,8 +15,8 @@ feedback, and combined with the pre-RoPE key mean (emulation).
 
 ::
 
-    python packages/oscar-calib/benchmarks/feedback_study.py --out $OUT              # calibrates (GPU)
-    python packages/oscar-calib/benchmarks/feedback_study.py --out o --artifact a.safetensors \\
+    python lab/calib_studies/feedback_study.py --out $OUT              # calibrates (GPU)
+    python lab/calib_studies/feedback_study.py --out o --artifact a.safetensors \\
         --contexts 2048 --num-seqs 2 --select-contexts --select-seqs                  # CPU, quick
 """
 

@@ -5,7 +5,7 @@ contexts up to the model's 8k, and ``model.generate`` through :class:`OscarCache
 GPU. Prints a table last and writes JSON under ``--out``.
 
     OSCAR_SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        python packages/oscar-calib/benchmarks/gpu_model_run.py --out $OUT
+        python lab/calib_studies/gpu_model_run.py --out $OUT
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ it, its objective is checked against the end-to-end ranking the H200 study measu
 global key powers (pK.5 / pK.7 / pK1: 8k KL 0.071 / 0.053 / 0.073 on the calibration split).
 Artifacts and ``output_clip_study.json`` go to ``--out``; ``long_context_eval.py`` evaluates them::
 
-    OMP_NUM_THREADS=2 python packages/oscar-calib/benchmarks/output_clip_study.py --out issue13-artifacts
+    OMP_NUM_THREADS=2 python lab/calib_studies/output_clip_study.py --out issue13-artifacts
 """
 
 from __future__ import annotations

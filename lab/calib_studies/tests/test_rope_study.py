@@ -1,4 +1,4 @@
-"""The H200 study script of the pre-RoPE key mean (benchmarks/rope_study.py), dry-run on CPU."""
+"""The H200 study script of the pre-RoPE key mean (lab/calib_studies/rope_study.py), dry-run on CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ values, added back to the attention output) — emulation only, every row agains
 
 ::
 
-    python packages/oscar-calib/benchmarks/error_split_probe.py --out $OUT/split      # H200, ~2 min
+    python lab/calib_studies/error_split_probe.py --out $OUT/split      # H200, ~2 min
 """
 
 from __future__ import annotations

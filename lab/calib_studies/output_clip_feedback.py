@@ -3,7 +3,7 @@ search, and vs the output search scored with plain rounding (the old behaviour),
 calibration split at 2k (seed 1234, 2 sequences; not the search's seed+1 sequences). CPU,
 about 12 minutes on 2 cores; prints JSON::
 
-    OSCAR_CACHE_DIR=... python packages/oscar-calib/benchmarks/output_clip_feedback.py > result.json
+    OSCAR_CACHE_DIR=... python lab/calib_studies/output_clip_feedback.py > result.json
 """
 
 import dataclasses

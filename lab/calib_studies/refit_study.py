@@ -21,7 +21,7 @@ scale/zero change (:func:`oscar_math.feedback.quantize_int2_feedback`, ``refit_w
 
 ::
 
-    python packages/oscar-calib/benchmarks/refit_study.py --out $OUT/study --served 8192
+    python lab/calib_studies/refit_study.py --out $OUT/study --served 8192
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ distance of the loop's final hidden states to each emulation. Run from the repos
 root (results in docs/serving.md):
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src:packages/oscar-calib/src \\
-        python packages/oscar-calib/benchmarks/paged_vs_emulation.py
+        python lab/calib_studies/paged_vs_emulation.py
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from oscar_calib.simulate import Windows, simulate
 from oscar_calib.text import builtin_text, split_text, tokenize
 from oscar_math.artifact import load_rotations
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 LENGTH = 512
 
 

@@ -9,7 +9,7 @@ position-aware mean would give. Same shipped text snapshots, windows and sequenc
 
 ::
 
-    python packages/oscar-calib/benchmarks/long_context_study3b.py --out $OUT
+    python lab/calib_studies/long_context_study3b.py --out $OUT
 """
 
 from __future__ import annotations

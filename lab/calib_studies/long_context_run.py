@@ -8,12 +8,12 @@ calibration split, every baseline confirmed on held-out text and on text of anot
    with the lowest mean KL(bf16 ‖ variant), averaged over the selection contexts, wins.
 3. **Confirmation** on the held-out part (the split ``oscar eval`` uses) at every context,
    with every baseline and the chosen variant's ablations, and on ``--other-text`` (a file
-   of another kind, e.g. ``benchmarks/other_text.py``'s standard-library docstrings), used whole.
+   of another kind, e.g. ``lab/calib_studies/other_text.py``'s standard-library docstrings), used whole.
 
 Same serving semantics as ``oscar eval`` (:mod:`oscar_calib.simulate`), windows sink 64 +
 recent 256. Writes ``long_context.json`` and the chosen artifact under ``--out``::
 
-    OSCAR_SMOLLM2_GGUF=... python packages/oscar-calib/benchmarks/long_context_run.py --out $OUT \\
+    OSCAR_SMOLLM2_GGUF=... python lab/calib_studies/long_context_run.py --out $OUT \\
         --other-text stdlib-docstrings.txt
 """
 

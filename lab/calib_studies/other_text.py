@@ -5,7 +5,7 @@ topics). This script collects the docstrings of a fixed list of standard-library
 and their public classes and functions (API documentation, a different document set),
 in a fixed order, so a long-context claim can be checked on text calibration never saw::
 
-    python packages/oscar-calib/benchmarks/other_text.py --out stdlib-docstrings.txt
+    python lab/calib_studies/other_text.py --out stdlib-docstrings.txt
 """
 
 from __future__ import annotations

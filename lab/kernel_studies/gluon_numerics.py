@@ -38,6 +38,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# gpu_run and timing stay with the product benchmarks
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../packages/oscar-kernels/benchmarks"))
 import gpu_run as G  # noqa: E402
 from timing import bench_graph_ms, bench_ms  # noqa: E402
 

@@ -19,7 +19,7 @@ bf16 perplexity 10.9 on one machine and 8.0 on the other).
 
 Writes ``study3.json`` (per-sequence values) and the compared artifacts under ``--out``::
 
-    python packages/oscar-calib/benchmarks/long_context_study3.py --out $OUT
+    python lab/calib_studies/long_context_study3.py --out $OUT
 """
 
 from __future__ import annotations
