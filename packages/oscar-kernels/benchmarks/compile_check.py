@@ -62,6 +62,8 @@ def _compile_tl(block_n: int, num_warps: int, gqa: int, d: int, windows: bool, g
         PAGED_BF16=False,
         DOT=tl.bfloat16,
         UNPACK=0,
+        ROPE_R=0,  # no pre-RoPE mean term (format 2); the kernel's defaults must be spelled out here
+        ROPE_P=0,
         stride_st=1,  # as the runtime specialises the benchmark shape
     )
     sig, attrs = {}, {}

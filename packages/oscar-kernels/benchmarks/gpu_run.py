@@ -186,9 +186,7 @@ def raw_effective(k, v, ep, lo, n_win_end):
     return kq, vq, kr.double(), vr.double()
 
 
-def check_case(
-    name, d, hkv, g, page, group, sink, recent, lens, gran, steps, seed, log, precise=False, unpack="asm"
-):
+def check_case(name, d, hkv, g, page, group, sink, recent, lens, gran, steps, seed, log, precise=False):
     gen = torch.Generator().manual_seed(seed)
     lo = ok.CacheLayout(hkv, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=recent)
     params = make_params(hkv, d, gran, gen)
@@ -219,7 +217,7 @@ def check_case(
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     q = torch.randn(bsz, hkv * g, d, generator=gen).to(DEV, torch.bfloat16)
     dec_mod._empty = _poison
-    o = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton", unpack=unpack).double()
+    o = ok.decode_attention(q, cache, ep, bt, sl, ws, backend="triton").double()
     dec_mod._empty = torch.empty
     res["decode_finite"] = bool(torch.isfinite(o).all())
     res["decode_impl"] = dec_mod.resolve_launch(cache, q)[0]
@@ -260,9 +258,7 @@ def check_case(
         sl1 = torch.tensor([p], dtype=torch.int32, device=DEV)
         ok.paged_write(cache, ep, *args, sl1, ws[b : b + 1], backend="triton", precise=precise, parts="ring")
     ext_mod._empty = _poison
-    oe = ok.extend_attention(
-        qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton", unpack=unpack
-    ).double()
+    oe = ok.extend_attention(qe, ke, ve, cache, ep, cu, prefix, bt, ws, max(chunk), backend="triton").double()
     ext_mod._empty = torch.empty
     res["extend_finite"] = bool(torch.isfinite(oe).all()) if oe.numel() else True
     qer = ok.rotate_queries(qe, ep).double()

@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -379,6 +380,37 @@ def _gluon_ptx_or_skip(**kw) -> str:
     if r.stdout.startswith("SKIP "):
         pytest.skip(r.stdout[5:].strip())
     return r.stdout
+
+
+_COMPILE_TL = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("compile_check", sys.argv[1])
+cc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cc)
+try:
+    from triton.backends.compiler import GPUTarget  # noqa: F401
+except ImportError as e:
+    print(f"SKIP installed Triton cannot target CUDA offline: {e}")
+    sys.exit(0)
+sys.stdout.write(cc._compile_tl(64, 4, 4, 128, True, None, 90).asm["ptx"])
+"""
+
+
+@needs_triton
+def test_tl_decode_kernel_compiles_for_sm90_with_the_ptx_unpack():
+    """The portable decode kernel's GPU path (what CPU tests, run through the interpreter, never
+    lower) compiles for sm_90 without a GPU: tensor-core dots and the ``prmt`` unpack of the codes."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the decode tests compile and run this kernel for real")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILE_TL, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    if r.stdout.startswith("SKIP "):
+        pytest.skip(r.stdout[5:].strip())
+    assert "mma.sync.aligned" in r.stdout and "prmt.b32" in r.stdout
 
 
 @needs_triton

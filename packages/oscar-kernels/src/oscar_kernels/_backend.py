@@ -60,12 +60,8 @@ def dot_dtype():
     return tl.float32 if interpreting() else tl.bfloat16
 
 
-UNPACK_MODES = ("asm", "int16", "convert")
-
-
-def unpack_mode(name: str) -> int:
-    """Kernel constexpr for how INT2 codes become dot operands (see ``kernels/attention.py``)."""
-    check(name in UNPACK_MODES, "unpack", f"one of {UNPACK_MODES}", name)
-    if interpreting():  # no inline PTX, and bf16 casts are inexact in the interpreter
-        return 2 if name == "convert" else 3
-    return UNPACK_MODES.index(name)
+def unpack_mode() -> int:
+    """Kernel constexpr for how INT2 codes become dot operands (``kernels/attention.py``'s
+    ``_codes``): the PTX unpack on a GPU, float32 under the interpreter (no inline PTX there,
+    and its bf16 casts are inexact)."""
+    return 3 if interpreting() else 0

@@ -284,7 +284,6 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
-    unpack: str = "asm",
     programs_per_sm: int | None = None,
     impl: str = "auto",
     check_bounds: bool | None = None,
@@ -307,8 +306,6 @@ def decode_attention(
             resident programs per SM that :func:`choose_num_splits` fills (``None``: the kernel's default,
             see ``_DEFAULTS``; for the Gluon kernel ``num_stages >= 2`` means the next tile's
             loads are issued before the current tile is computed, 1 that they are not).
-        unpack: how the ``tl`` kernel turns INT2 codes into operands: ``asm`` (PTX
-            ``prmt``), ``int16`` or ``convert`` (the Gluon kernel always uses its PTX unpack).
         impl: ``auto`` (Gluon where :func:`gluon_unavailable_reason` is ``None``, else
             ``tl``), ``gluon`` (error where it cannot run) or ``tl``. Same results up to
             float rounding.
@@ -331,7 +328,6 @@ def decode_attention(
     )
     check_decode_bounds(cache, block_table, seq_lens, window_slots, check_bounds)  # off under graph capture
     check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
-    unpack_mode(unpack)  # validates the name
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     if not use_triton(cache.device, backend):
         return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
@@ -359,7 +355,6 @@ def decode_attention(
         block_n,
         num_warps,
         num_stages,
-        unpack=unpack,
         impl=impl,
         unrotate=ep.v_rotation,
         out_dtype=q.dtype,
@@ -421,7 +416,6 @@ def _launch_decode(
     num_warps,
     num_stages,
     bf16_pages=None,
-    unpack="asm",
     impl="tl",
     unrotate=None,
     out_dtype=torch.float32,
@@ -519,7 +513,7 @@ def _launch_decode(
             BLOCK_W=64,
             PAGED_BF16=bf16_pages is not None,
             DOT=dot_dtype(),
-            UNPACK=unpack_mode(unpack),
+            UNPACK=unpack_mode(),
             **rope_args,
             **opts,
         )

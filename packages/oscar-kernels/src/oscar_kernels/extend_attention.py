@@ -57,7 +57,6 @@ def extend_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    unpack: str = "asm",
     check_bounds: bool | None = None,
     dense: DenseAttention | None = None,
     host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
@@ -85,7 +84,7 @@ def extend_attention(
         prefix_lens: ``[B]`` int32 cached tokens before each chunk.
         block_table: ``[B, max_pages]`` int32; window_slots: ``[B]`` int32.
         max_query_len: host int, the longest chunk (sizes the grid).
-        backend, block_m, block_n, num_warps, num_stages, unpack: as :func:`oscar_kernels.decode_attention`.
+        backend, block_m, block_n, num_warps, num_stages: as :func:`oscar_kernels.decode_attention`.
         check_bounds: check that chunk offsets, prefix pages and window rows are in range
             (one host synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s
             setting, off while a CUDA graph is captured). Raises :class:`OscarError`.
@@ -182,7 +181,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT=dot_dtype(),
-        UNPACK=unpack_mode(unpack),
+        UNPACK=unpack_mode(),
         **opts,
     )
     return unrotate_output(out, ep, q.dtype)

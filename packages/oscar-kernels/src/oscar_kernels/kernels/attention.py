@@ -40,13 +40,14 @@ def _softmax_step(s2, m_i, l_i):
 
 @triton.jit
 def _codes(c, SHIFT: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
-    """``OFF + ((c >> SHIFT) & 3)`` of a uint8 tile as dot operands (``OFF`` = :func:`_offset`).
+    """``128 + ((c >> SHIFT) & 3)`` of a uint8 tile as dot operands (the 128 is folded out of the
+    dot products by the callers).
 
-    ``UNPACK`` selects how (all exact): 0 = PTX (GPU only): four bytes per call —
-    shift, mask and two ``prmt`` that put each 2-bit code under the bf16 exponent of
-    128 (``0x4300 | c`` = 128 + c), about one integer op per element, no int→float
-    conversion; 1 = the same bit trick in plain Triton ops on int16; 2 = an
-    int→float conversion (offset 0); 3 = the interpreter's float32 path.
+    ``UNPACK`` selects how (both exact): 0 = PTX (GPU): four bytes per call — shift, mask and
+    two ``prmt`` that put each 2-bit code under the bf16 exponent of 128 (``0x4300 | c`` =
+    128 + c), about one integer op per element, no int→float conversion; 3 = the
+    interpreter's float32 path (no inline PTX there). Other unpacks measured slower on the
+    H200 (docs/performance.md) and were removed.
     """
     if UNPACK == 0:
         if SHIFT == 0:
@@ -89,23 +90,13 @@ def _codes(c, SHIFT: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr):
                 is_pure=True,
                 pack=4,
             )
-    elif UNPACK == 1:
-        r = (((c >> SHIFT) & 3).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-    elif UNPACK == 2:
-        r = ((c >> SHIFT) & 3).to(DOT)
     else:
         r = (((c >> SHIFT) & 3).to(tl.float32) + 128.0).to(DOT)
     return r
 
 
-@triton.jit
-def _offset(UNPACK: tl.constexpr):
-    """The constant :func:`_codes` adds to every code (folded out of the dot products)."""
-    if UNPACK == 2:
-        off = 0.0
-    else:
-        off = 128.0
-    return off
+#: the constant :func:`_codes` adds to every code (folded out of the dot products)
+CODE_OFFSET = tl.constexpr(128.0)
 
 
 #: Cody-Waite split of 2π for the RoPE-mean score term: ``TWO_PI_HI`` has 8 significant bits
@@ -193,7 +184,7 @@ def _int2_scores(
         acc = tl.dot(q2, tl.trans(_codes(kc, 4, DOT, UNPACK)), acc)
         acc = tl.dot(q3, tl.trans(_codes(kc, 6, DOT, UNPACK)), acc)
         # q·(s*c + z) = s*(q·(c+OFF)) + (z - OFF*s)*sum(q)
-        s = acc * ks[None, :] + qsum[:, None] * (kz - _offset(UNPACK) * ks)[None, :]
+        s = acc * ks[None, :] + qsum[:, None] * (kz - CODE_OFFSET * ks)[None, :]
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -240,7 +231,7 @@ def _int2_pv(
         vz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
         pv = (p * vs[None, :]).to(DOT)
         # p·(s*c + z) = (p*s)·(c+OFF) + sum(p*z) - OFF*sum(p*s)   (sums of the rounded operand)
-        corr = (tl.sum(p * vz[None, :], 1) - _offset(UNPACK) * tl.sum(pv.to(tl.float32), 1))[:, None]
+        corr = (tl.sum(p * vz[None, :], 1) - CODE_OFFSET * tl.sum(pv.to(tl.float32), 1))[:, None]
         acc0 = tl.dot(pv, _codes(vc, 0, DOT, UNPACK), acc0) + corr
         acc1 = tl.dot(pv, _codes(vc, 2, DOT, UNPACK), acc1) + corr
         acc2 = tl.dot(pv, _codes(vc, 4, DOT, UNPACK), acc2) + corr
