@@ -17,7 +17,7 @@ from .layout import (
     layout_bytes_per_token,
     page_bytes,
 )
-from .ops import decode_attention_op, register_ops
+from .ops import decode_attention_op, extend_attention_op, paged_write_op, register_ops
 from .paged_write import paged_write
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference import decode_attention_ref, extend_attention_ref, gather_rotated_kv, paged_write_ref
@@ -49,6 +49,8 @@ __all__ = [
     "dense_attention_ref",
     "DenseAttention",
     "decode_attention_op",
+    "extend_attention_op",
+    "paged_write_op",
     "register_ops",
     "ExpandedParams",
     "LayerQuantParams",
