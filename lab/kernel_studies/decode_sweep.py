@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -51,8 +52,8 @@ SPLITS = {1: (33, 66, 99, 132, 198), 8: (16, 24, 33, 66)}  # swept with the defa
 
 
 def set_knobs(knobs: dict) -> None:
-    for k, v in knobs.items():
-        setattr(dec, k, v)
+    """The knobs (names as in the old module globals) as the decode op's default launch rules."""
+    dec.DEFAULT_TUNING = replace(dec.DEFAULT_TUNING, **{k.lower(): v for k, v in knobs.items()})
 
 
 def us(fn) -> float:
@@ -68,9 +69,8 @@ def parts(s, ns):
     d, g = s["d"], s["g"]
     lo = cache.layout
     out = {"rotate": us(lambda: dec._rotate_queries_triton(q, ep))}
-    rows, dec.ROTATE_ROWS_PER_PROGRAM = dec.ROTATE_ROWS_PER_PROGRAM, 0
-    out["rotate_one_program_per_row"] = us(lambda: dec._rotate_queries_triton(q, ep))
-    dec.ROTATE_ROWS_PER_PROGRAM = rows
+    per_row = replace(dec.DEFAULT_TUNING, rotate_rows_per_program=0)
+    out["rotate_one_program_per_row"] = us(lambda: dec._rotate_queries_triton(q, ep, "tl", per_row))
     sc = 1 / math.sqrt(d)
     out["split+merge"] = us(
         lambda: dec._launch_decode(s["q_rot"], cache, bt, sl, ws, sc, g, ns, 32, 1, 2, impl="gluon")

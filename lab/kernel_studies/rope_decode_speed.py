@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -82,9 +83,8 @@ def main() -> None:
         gen = torch.Generator().manual_seed(ctx)
         base_out = None
         for pairs, knobs in configs:
-            saved = {k: getattr(dec, k) for k in knobs}
-            for k, v in knobs.items():
-                setattr(dec, k, v)
+            saved = dec.DEFAULT_TUNING
+            dec.DEFAULT_TUNING = replace(saved, **{k.lower(): v for k, v in knobs.items()})
             row = dict(ctx=ctx, batch=bsz, pairs=pairs, knobs=knobs)
             try:
                 ep = with_pairs(s["ep"], 8, 128, pairs, gen)
@@ -109,8 +109,7 @@ def main() -> None:
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc()
             finally:
-                for k, v in saved.items():
-                    setattr(dec, k, v)
+                dec.DEFAULT_TUNING = saved
             rows.append(row)
             print(json.dumps(row), flush=True)
         s = None

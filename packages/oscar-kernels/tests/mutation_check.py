@@ -172,15 +172,15 @@ MUTATIONS = (
     Mutation(
         "decode-16-byte-ring-from-one-wave",
         "src/oscar_kernels/decode_attention.py",
-        "programs >= ASYNC_WIDE_MIN_WAVES * wave",
+        "programs >= wide_waves * wave",
         "programs >= wave",
         ("tests/test_decode_attention.py", "-k", "async_ring_rule"),
     ),
     Mutation(
         "decode-ring-tiles-rounded-down",
         "src/oscar_kernels/decode_attention.py",
-        "if -(-per // block_n) < ASYNC_MIN_TILES:",
-        "if per // block_n < ASYNC_MIN_TILES:",
+        "if -(-per // block_n) < tuning.async_min_tiles:",
+        "if per // block_n < tuning.async_min_tiles:",
         ("tests/test_decode_attention.py", "-k", "async_ring_rule"),
     ),
     # the pre-RoPE key mean's score term (format version 3, tests/test_rope_mean_attention.py)

@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,7 @@ def test_split_and_window_program_counts(monkeypatch):
     assert [splits(1, c) for c in (8192, 32768, 131072)] == [66, 132, 198]  # 198: one full wave
     assert [splits(8, c) for c in (8192, 32768, 131072)] == [33, 24, 99]  # 32k: 33 = 1.33 waves
     assert [splits(32, c) for c in (8192, 32768, 131072)] == [6, 33, 33]
-    assert dec.choose_num_splits(1, 1, 1 << 30, cpu, 32, 1 << 12) == dec.MAX_SPLITS
+    assert dec.choose_num_splits(1, 1, 1 << 30, cpu, 32, 1 << 12) == dec.DEFAULT_TUNING.max_splits
     assert splits(64, 100, 64) == 1 and splits(1, 256) == 4  # two 32-token tiles per split at least
     assert window_programs(64, 256) == 10 and window_programs(0, 0) == 0 and window_programs(5, 12) == 2
     assert window_programs(64, 256, 64) == 5 and window_programs(40, 40, 32) == 4
@@ -139,14 +140,14 @@ def test_async_ring_rule(monkeypatch):
     }, got
     # the boundary: 16 tiles of 32 tokens per split (the last one partial: 496 tokens) and not
     # one tile fewer (480 tokens)
-    assert dec.async_ring_mode(320 + 2 * 496, 64, 256, 2, 32, 16, 132)[0] == dec.ASYNC_STAGES
+    assert dec.async_ring_mode(320 + 2 * 496, 64, 256, 2, 32, 16, 132)[0] == dec.DEFAULT_TUNING.async_stages
     assert dec.async_ring_mode(320 + 2 * 480, 64, 256, 2, 32, 16, 132)[0] == 0
     assert dec.async_ring_mode(0, 64, 256, 1, 32, 8, 132) == (0, False)  # no INT2 tokens at all
     # pages of 32 tokens: 64-token tiles would cross pages
     assert dec.gluon_block_n(8, CacheLayout(8, 128, page_size=32), 131072, cpu, 12) == 32
-    monkeypatch.setattr(dec, "ASYNC_STAGES", 0)  # switched off
-    assert dec.async_ring_mode(1 << 20, 64, 256, 1, 32, 1 << 20, 132) == (0, False)
-    assert dec.gluon_block_n(8, lo, 131072, cpu, 12) == 32
+    off = replace(dec.DEFAULT_TUNING, async_stages=0)  # switched off
+    assert dec.async_ring_mode(1 << 20, 64, 256, 1, 32, 1 << 20, 132, off) == (0, False)
+    assert dec.gluon_block_n(8, lo, 131072, cpu, 12, off) == 32
 
 
 def test_gluon_switch(monkeypatch):
@@ -228,21 +229,19 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     import importlib
 
     dec = importlib.import_module("oscar_kernels.decode_attention")
+    tuning = dec.DEFAULT_TUNING
     if variant == 0:
-        monkeypatch.setattr(dec, "WINDOW_TOKENS", 64)
-        monkeypatch.setattr(dec, "MERGE_PRELOAD_MAX_D", 0)
-        monkeypatch.setattr(dec, "ROTATE_ROWS_PER_PROGRAM", 0)
+        tuning = replace(tuning, window_tokens=64, merge_preload_max_d=0, rotate_rows_per_program=0)
     gen = torch.Generator().manual_seed(g + 10 * variant)
     lo = CacheLayout(2, 128, page_size=16, sink_tokens=5, recent_tokens=12)
     lens = [0, 3, 17, 18, 32, 33, 95, 257, 1001]
     if variant >= 2:
         if variant != 3:
-            monkeypatch.setattr(dec, "ASYNC_MIN_TILES", 0)
+            tuning = replace(tuning, async_min_tiles=0)
         if variant in (2, 5):  # 16-byte copies however small the grid
-            monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", 0)
+            tuning = replace(tuning, async_wide_min_waves=0)
         if variant == 4:
-            monkeypatch.setattr(dec, "ASYNC_STAGES", 2)
-            monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", None)
+            tuning = replace(tuning, async_stages=2, async_wide_min_waves=None)
         # one-page tiles: page and sink multiples of the tile (64-token tiles: sink 64; with
         # sink 32 a 64-token launch has no one-page tiles, so no ring: this variant failed so
         # on the H200, 2026-12-01, before the sink was changed; not re-run since)
@@ -259,7 +258,17 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     for splits in (1, 4, 9):
         bn = {"block_n": 64} if variant == 5 else {}
         out = decode_attention(
-            q, cache, params, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon", **bn
+            q,
+            cache,
+            params,
+            bt,
+            sl,
+            ws,
+            backend="triton",
+            num_splits=splits,
+            impl="gluon",
+            tuning=tuning,
+            **bn,
         )
         assert torch.isfinite(out).all() and out[0].abs().max() == 0
         assert rel(out, ref) < 1e-2, (splits, rel(out, ref))
@@ -481,3 +490,85 @@ def test_merge_of_many_partials_in_chunks():
     want[2] = 0.0
     assert torch.isfinite(out).all()
     assert torch.allclose(out.double().cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_tuning_read_names_a_field_of_decode_tuning():
+    """The launch rules are one frozen config: every ``tuning.<name>`` the decode module reads is a
+    field of :class:`DecodeTuning` (a misspelt one in a GPU-only branch would otherwise fail only
+    on a GPU), and no module-level knob is left for a sweep to patch."""
+    import ast
+    import dataclasses
+
+    dec = sys.modules.get("oscar_kernels.decode_attention") or __import__(
+        "oscar_kernels.decode_attention", fromlist=["x"]
+    )
+    fields = {f.name for f in dataclasses.fields(dec.DecodeTuning)}
+    tree = ast.parse(Path(dec.__file__).read_text())
+    reads = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "tuning"
+    }
+    assert reads and reads <= fields, reads - fields
+    assert fields <= reads  # every rule is used
+    knobs = [
+        t.id
+        for n in tree.body
+        if isinstance(n, ast.Assign | ast.AnnAssign)
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name) and t.id.isupper()
+    ]
+    # the kernels' launch table, the public names and the diagnostics dict: nothing else
+    assert sorted(knobs) == ["DECODE_IMPLS", "DEFAULT_TUNING", "LAST_COMPILED", "_DEFAULTS"], knobs
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dec.DEFAULT_TUNING.use_pdl = False
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the Gluon tests launch the kernel for real")
+@pytest.mark.parametrize("case", ["rule", "tuned"])
+def test_gluon_launcher_host_logic_runs_on_cpu(monkeypatch, case):
+    """The Gluon path of ``_launch_decode`` up to the kernel launch (a stand-in records the launch):
+    the host code that only a GPU would run otherwise — grid, window programs, the ``cp.async``
+    ring rule and the score term's mode — follows the tuning passed in."""
+    import importlib
+
+    dec = importlib.import_module("oscar_kernels.decode_attention")
+    ag = pytest.importorskip("oscar_kernels.kernels.attention_gluon")
+    if getattr(ag, "GLUON_IMPORT_ERROR", None) is not None:
+        pytest.skip(f"installed Triton has no Gluon: {ag.GLUON_IMPORT_ERROR}")
+    seen = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.update(kw, grid=grid, nargs=len(args))
+
+            return run
+
+    monkeypatch.setattr(ag, "decode_split_kernel_gluon", Launch())
+    monkeypatch.setattr(dec, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(
+        dec, "_empty", lambda *shape, dtype, device: torch.zeros(*shape, dtype=dtype, device=device)
+    )
+    gen = torch.Generator().manual_seed(3)
+    lo = CacheLayout(2, 128, page_size=64, sink_tokens=64, recent_tokens=40)
+    lens = [70, 3000]
+    cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head")
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q_rot = torch.randn(2, 8, 128, generator=gen).bfloat16()
+    tuning = (
+        dec.DEFAULT_TUNING
+        if case == "rule"
+        else replace(dec.DEFAULT_TUNING, window_tokens=64, async_stages=0)
+    )
+    rope = (torch.zeros(2, 8, 2, 8), torch.zeros(8), 8, 8)
+    ns = 2
+    dec._launch_decode(q_rot, cache, bt, sl, ws, 0.1, 4, ns, 32, 1, 2, impl="gluon", rope=rope, tuning=tuning)
+    w_tok = 32 if case == "rule" else 64
+    assert seen["W_TOK"] == w_tok and seen["grid"] == (2 * 2, ns + ag.window_programs(64, 40, w_tok))
+    # the rule: splits of ceil((3008 - 104) / 2 / 32) = 46 tiles take the ring (4-8-byte copies:
+    # 4 programs are far below 2 waves); switched off by async_stages=0
+    assert (seen["ASYNC"], seen["ASYNC_WIDE"]) == ((3, False) if case == "rule" else (0, False))
+    assert seen["ROPE_MODE"] == 1  # 32-token tiles: one reduced angle per element
+    assert seen["ONE_PAGE"] and seen["PREFETCH"] and not seen["PDL"]

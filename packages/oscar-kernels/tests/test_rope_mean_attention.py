@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,11 +127,14 @@ def test_decode_rope_long_positions(monkeypatch, impl, pairs):
     # Gluon, R = 8: by angle addition (forced on 32-token tiles) and one angle per element (the
     # rule there); R = 64: one angle per element
     for min_bn in (0, 1 << 30) if impl == "gluon" and pairs == 8 else (None,):
-        if min_bn is not None:
-            monkeypatch.setattr(dec, "ROPE_ADDITION_MIN_BLOCK_N", min_bn)
+        tuning = (
+            dec.DEFAULT_TUNING
+            if min_bn is None
+            else replace(dec.DEFAULT_TUNING, rope_addition_min_block_n=min_bn)
+        )
         for splits in (None, 7) if gpu else (5,):
             out = decode_attention(
-                q, cache, ep, bt, sl, ws, backend="triton", num_splits=splits, impl=impl, **kw
+                q, cache, ep, bt, sl, ws, backend="triton", num_splits=splits, impl=impl, tuning=tuning, **kw
             )
             for b in range(len(lens)):
                 assert rel(out[b], ref[b]) < 1e-2, (min_bn, b, splits, rel(out[b], ref[b]))
@@ -145,9 +149,12 @@ def test_gluon_rope_builds_match_reference(monkeypatch, variant, pairs):
     """Every Gluon build the op launches, with the term (R = 1: by angle addition, forced on
     32-token tiles too; R = 64: one angle per element): register prefetch (and none), the
     ``cp.async`` ring with 4-8-byte and 16-byte copies, 64-token tiles; 1 … 9 splits."""
-    monkeypatch.setattr(dec, "ROPE_ADDITION_MIN_BLOCK_N", 0)
-    monkeypatch.setattr(dec, "ASYNC_MIN_TILES", 0 if variant.startswith("ring") else 1 << 30)
-    monkeypatch.setattr(dec, "ASYNC_WIDE_MIN_WAVES", 0 if "wide" in variant else None)
+    tuning = replace(
+        dec.DEFAULT_TUNING,
+        rope_addition_min_block_n=0,
+        async_min_tiles=0 if variant.startswith("ring") else 1 << 30,
+        async_wide_min_waves=0 if "wide" in variant else None,
+    )
     sink = 64 if variant == "ring-wide-64" else 32
     lo = CacheLayout(2, 128, page_size=64, sink_tokens=sink, recent_tokens=40)
     lens = [0, 3, 33, 72, 95, 160, 257, 1001, 2049]
@@ -164,7 +171,7 @@ def test_gluon_rope_builds_match_reference(monkeypatch, variant, pairs):
     for splits in (1, 4, 9):
         out = decode_attention(
             q, cache, ep, bt, sl, ws, backend="triton", num_splits=splits, impl="gluon",
-            num_stages=stages, **kw,
+            num_stages=stages, tuning=tuning, **kw,
         )  # fmt: skip
         assert torch.isfinite(out).all() and out[0].abs().max() == 0
         for b in range(1, len(lens)):

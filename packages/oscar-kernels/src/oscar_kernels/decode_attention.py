@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,8 @@ __all__ = [
     "paged_bf16_decode",
     "gluon_unavailable_reason",
     "DECODE_IMPLS",
+    "DecodeTuning",
+    "DEFAULT_TUNING",
 ]
 
 #: decode kernels: ``auto`` (``gluon`` where it serves the call, else ``tl``), ``gluon`` (Triton
@@ -45,18 +48,78 @@ DECODE_IMPLS = ("auto", "gluon", "tl")
 #: (docs/performance.md, lab/kernel_studies/decode_sweep.py)
 _DEFAULTS = {"gluon": (32, 1, 12), "tl": (128, 4, 8)}
 
-#: most INT2 splits per (sequence, KV head): 198 is one full wave of the Gluon kernel at
-#: batch 1 on the H200 (8 KV heads), its best split count at 128k (72 µs; 264: 79 µs)
-MAX_SPLITS = 256
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The decode op's launch rules: what the H200 sweeps chose (docs/performance.md,
+    lab/kernel_studies/decode_sweep.py). The defaults are what the product runs; an A/B run passes
+    another instance (``decode_attention(..., tuning=replace(DEFAULT_TUNING, use_pdl=False))``).
+
+    Attributes:
+        max_splits: most INT2 splits per (sequence, KV head); 198 is one full wave of the Gluon
+            kernel at batch 1 on the H200 (8 KV heads), its best split count at 128k (72 µs; 264:
+            79 µs).
+        use_pdl: programmatic dependent launch where :func:`pdl_available`.
+        merge_preload_max_d: the merge loads the ``[d, d]`` value rotation before it waits for the
+            split kernel (``PRELOAD``, 8 warps) where ``d <=`` this (``0``: never).
+        window_tokens: BF16 window tokens per Gluon program (``None``: the kernel's
+            ``WINDOW_TOKENS_PER_PROGRAM``).
+        rotate_rows_per_program: output elements per program of the query rotation (``0``: one
+            program per query row).
+        rotate_rows_small: programs of this many outputs where ``rotate_rows_per_program`` would
+            not fill the SMs (batch 1: 128 programs for 132 SMs; 8k x 1 op 18.6 vs 19.9 µs, 32k x 1
+            28.4 vs 31.1; at batch 8 16-output programs are 1 µs slower); ``0``: never.
+        async_stages: Gluon: a ``cp.async`` ring of this many shared-memory stages for the INT2
+            tiles instead of the register prefetch (``0``: never), by :func:`async_ring_mode`.
+        async_min_tiles: the ring is used when a split is at least this many INT2 tiles long (its
+            prologue of ``async_stages - 1`` tiles then pays off; the ring made the 8k x 1 op
+            3.6 µs slower with 4-tile splits).
+        async_wide_min_waves: the ring's code copies are 16 bytes per thread where the split
+            programs fill at least this many waves of 12 per SM (``0``: always; ``None``: never).
+            The 16-byte build has 128 registers (16 programs per SM): faster where there are
+            programs to fill 16 per SM (128k x 8: 278 vs 287 µs), slower where the split rule made
+            one wave of 12 (32k x 8: 104 vs 84 µs).
+        rope_addition_max_elements, rope_addition_min_block_n: Gluon kernel, the pre-RoPE mean's
+            score term by angle addition (``ROPE_MODE`` 2: a loop-invariant ``[block_n, 2·P]``
+            operand) where that operand has at most this many elements and tiles are at least this
+            many tokens, else one reduced angle per (token, pair slot) and tile (``ROPE_MODE`` 1).
+            H200, R = 8: addition 300 vs 367 µs at 128k x 8 (64-token tiles), but 20.4 vs 19.3 µs
+            at 8k x 1 and 111.1 vs 110.0 µs at 32k x 8 (32-token tiles).
+        long_split_tokens: 64-token Gluon tiles (``block_n`` left to the op) where the 16-byte ring
+            is used and the 32-token launch's splits are at least this long (128k x 8: 257 vs 278
+            µs split + merge).
+    """
+
+    max_splits: int = 256
+    use_pdl: bool = True
+    merge_preload_max_d: int = 128
+    window_tokens: int | None = None
+    rotate_rows_per_program: int = 32
+    rotate_rows_small: int = 16
+    async_stages: int = 3
+    async_min_tiles: int = 16
+    async_wide_min_waves: float | None = 2
+    rope_addition_max_elements: int = 1024
+    rope_addition_min_block_n: int = 64
+    long_split_tokens: int = 1024
 
 
-def pdl_available(device: torch.device) -> bool:
+#: the launch rules the product runs (what ``tuning=None`` means, looked up at call time)
+DEFAULT_TUNING = DecodeTuning()
+
+
+def _tuning(tuning: DecodeTuning | None) -> DecodeTuning:
+    return DEFAULT_TUNING if tuning is None else tuning
+
+
+def pdl_available(device: torch.device, tuning: DecodeTuning | None = None) -> bool:
     """Whether the decode op's kernels launch as programmatic dependents (PDL, sm_90+): each
     kernel starts while the one before it drains and waits (``griddepcontrol.wait``) only
     before reading that kernel's output. Host-side facts only (CUDA-graph safe)."""
+    tuning = _tuning(tuning)
     from ._backend import interpreting
 
-    if interpreting() or device.type != "cuda" or torch.version.hip is not None or not USE_PDL:
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None or not tuning.use_pdl:
         return False
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -73,52 +136,15 @@ def _pdl_supported(device_index: int) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
-#: programmatic dependent launch where :func:`pdl_available` (a switch for A/B timings)
-USE_PDL = True
-
-#: the merge loads the ``[d, d]`` value rotation before it waits for the split kernel
-#: (``PRELOAD``, 8 warps) where ``d <= MERGE_PRELOAD_MAX_D`` (``0``: never; A/B switch)
-MERGE_PRELOAD_MAX_D = 128
-
-#: BF16 window tokens per Gluon program (``None``: ``WINDOW_TOKENS_PER_PROGRAM``; a knob for sweeps)
-WINDOW_TOKENS: int | None = None
-
-#: output elements per program of the query rotation (``0``: one program per query row; A/B knob)
-ROTATE_ROWS_PER_PROGRAM = 32
-
-#: Gluon: ``cp.async`` ring of this many shared-memory stages for the INT2 tiles instead of the
-#: register prefetch (``0``: never), used by :func:`async_ring_mode`'s rule
-ASYNC_STAGES = 3
-
-#: the ring is used when a split is at least this many INT2 tiles long (its prologue of
-#: ``ASYNC_STAGES - 1`` tiles then pays off; short splits keep the register prefetch: the ring
-#: made the 8k x 1 op 3.6 µs slower, 4-tile splits; docs/performance.md)
-ASYNC_MIN_TILES = 16
-
-#: the ring's code copies are 16 bytes per thread (``ASYNC_WIDE``) where the split programs fill
-#: at least this many waves of 12 per SM (``0``: always; ``None``: never). The 16-byte build
-#: has 128 registers (16 programs per SM, a slower schedule per warp): faster where there are
-#: programs to fill 16 per SM (128k x 8: 278 vs 287 µs), slower where the split rule made one
-#: wave of 12 (32k x 8: 104 vs 84 µs); the 4-8-byte build keeps 168 registers
-ASYNC_WIDE_MIN_WAVES: float | None = 2
-
-#: Gluon kernel, pre-RoPE mean's score term: angle addition (``ROPE_MODE`` 2: a loop-invariant
-#: ``[block_n, 2·P]`` operand, ``block_n·2·P / 32`` registers per thread, and per tile only the
-#: coefficients turned by the tile's start) where that operand has at most this many elements
-#: and tiles are at least ``ROPE_ADDITION_MIN_BLOCK_N`` tokens, else one reduced angle per
-#: (token, pair slot) and tile (``ROPE_MODE`` 1). H200, R = 8 (docs/kernels.md): addition 300 vs
-#: 367 µs at 128k x 8 (64-token tiles), but 20.4 vs 19.3 µs at 8k x 1 and 111.1 vs 110.0 µs at
-#: 32k x 8 (32-token tiles)
-ROPE_ADDITION_MAX_ELEMENTS = 1024
-ROPE_ADDITION_MIN_BLOCK_N = 64
-
-#: 64-token tiles (``block_n`` left to the op) where the 16-byte ring is used and the 32-token
-#: launch's splits are at least this many tokens long (128k x 8: 257 vs 278 µs split+merge)
-LONG_SPLIT_TOKENS = 1024
-
-
 def async_ring_mode(
-    max_len: int, sink: int, recent: int, num_splits: int, block_n: int, programs: int, sms: int
+    max_len: int,
+    sink: int,
+    recent: int,
+    num_splits: int,
+    block_n: int,
+    programs: int,
+    sms: int,
+    tuning: DecodeTuning | None = None,
 ) -> tuple[int, bool]:
     """``(stages, wide)`` of the Gluon kernel's ``cp.async`` ring for a launch (``stages`` 0:
     register prefetch; ``wide``: 16-byte code copies).
@@ -128,33 +154,37 @@ def async_ring_mode(
     the same on every step and under graph capture: the longest split's tile count, as the
     kernel cuts the INT2 range.
     """
-    if ASYNC_STAGES <= 0:
+    tuning = _tuning(tuning)
+    if tuning.async_stages <= 0:
         return 0, False
     per = -(-max(0, max_len - sink - recent) // max(1, num_splits))
-    if -(-per // block_n) < ASYNC_MIN_TILES:
+    if -(-per // block_n) < tuning.async_min_tiles:
         return 0, False
     wave = _DEFAULTS["gluon"][2] * sms
-    return ASYNC_STAGES, ASYNC_WIDE_MIN_WAVES is not None and programs >= ASYNC_WIDE_MIN_WAVES * wave
+    wide_waves = tuning.async_wide_min_waves
+    return tuning.async_stages, wide_waves is not None and programs >= wide_waves * wave
 
 
-def gluon_block_n(batch: int, layout, max_len: int, device: torch.device, programs_per_sm: int) -> int:
+def gluon_block_n(
+    batch: int,
+    layout,
+    max_len: int,
+    device: torch.device,
+    programs_per_sm: int,
+    tuning: DecodeTuning | None = None,
+) -> int:
     """Tile size of the Gluon kernel when the caller leaves it open: 32 tokens, or 64 where the
-    32-token launch would use the 16-byte ring on splits of >= :data:`LONG_SPLIT_TOKENS`."""
+    32-token launch would use the 16-byte ring on splits of >= ``tuning.long_split_tokens``."""
+    tuning = _tuning(tuning)
     bn = _DEFAULTS["gluon"][0]
     if layout.page_size % 64 or layout.sink_tokens % 64:  # 64-token tiles would cross pages
         return bn
-    ns = choose_num_splits(batch, layout.num_kv_heads, max_len, device, bn, programs_per_sm)
+    ns = choose_num_splits(batch, layout.num_kv_heads, max_len, device, bn, programs_per_sm, tuning)
     progs = batch * layout.num_kv_heads * ns
     sink, recent = layout.sink_tokens, layout.recent_tokens
-    stages, wide = async_ring_mode(max_len, sink, recent, ns, bn, progs, _num_sms(device))
+    stages, wide = async_ring_mode(max_len, sink, recent, ns, bn, progs, _num_sms(device), tuning)
     per = -(-max(0, max_len - sink - recent) // ns)
-    return 64 if stages and wide and per >= LONG_SPLIT_TOKENS else bn
-
-
-#: query rotation in programs of 16 outputs where 32-output programs would not fill the SMs
-#: (batch 1: 128 programs for 132 SMs; 8k x 1 op 18.6 vs 19.9 µs, 32k x 1 28.4 vs 31.1; at
-#: batch 8 16-output programs are 1 µs slower)
-ROTATE_ROWS_SMALL = 16
+    return 64 if stages and wide and per >= tuning.long_split_tokens else bn
 
 
 def _num_sms(device: torch.device) -> int:
@@ -170,6 +200,7 @@ def choose_num_splits(
     device: torch.device,
     block_n: int = 64,
     programs_per_sm: int = 4,
+    tuning: DecodeTuning | None = None,
 ) -> int:
     """Splits of the INT2 range per (sequence, KV head), from host-known sizes only.
 
@@ -187,10 +218,11 @@ def choose_num_splits(
       short splits of the second wave cost less than fewer splits would: 33 splits 53–55 µs,
       24 splits 55–60 µs).
 
-    Never a split shorter than two tiles, at most :data:`MAX_SPLITS`. Depends on ``max_len``
+    Never a split shorter than two tiles, at most ``tuning.max_splits``. Depends on ``max_len``
     (``block_table.shape[1] * page_size``), not on the actual lengths, so it never reads
     device memory (CUDA-graph safe).
     """
+    tuning = _tuning(tuning)
     bh = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
     s = 2.0 * math.sqrt(max_len / bh)
@@ -201,7 +233,7 @@ def choose_num_splits(
     if wave < s * bh < 2 * wave and max_len >= 384 * s:
         s = wave // bh
     cap = max(1, max_len // (2 * block_n))
-    return int(max(1, min(int(s), cap, MAX_SPLITS)))
+    return int(max(1, min(int(s), cap, tuning.max_splits)))
 
 
 def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None) -> str | None:
@@ -287,6 +319,7 @@ def decode_attention(
     programs_per_sm: int | None = None,
     impl: str = "auto",
     check_bounds: bool | None = None,
+    tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -312,6 +345,7 @@ def decode_attention(
         check_bounds: check page ids and window rows against the cache (one host
             synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s setting, off
             while a CUDA graph is captured). An engine checks once per step, not per layer.
+        tuning: the launch rules (:class:`DecodeTuning`; ``None``: :data:`DEFAULT_TUNING`).
     Returns:
         ``[B, H_q, d]`` in ``q.dtype``.
     """
@@ -331,17 +365,26 @@ def decode_attention(
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     if not use_triton(cache.device, backend):
         return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
+    tuning = _tuning(tuning)
     free_block_n = block_n is None
     impl, block_n, num_warps, programs_per_sm = resolve_launch(
         cache, q, impl, block_n, num_warps, programs_per_sm
     )
     if impl == "gluon" and free_block_n and num_splits is None:
-        block_n = gluon_block_n(bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm)
+        block_n = gluon_block_n(
+            bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm, tuning
+        )
     scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    q_rot, rope = _rotate_queries_triton(q, ep, impl)
+    q_rot, rope = _rotate_queries_triton(q, ep, impl, tuning)
     if num_splits is None:
         num_splits = choose_num_splits(
-            bsz, lo.num_kv_heads, block_table.shape[1] * lo.page_size, cache.device, block_n, programs_per_sm
+            bsz,
+            lo.num_kv_heads,
+            block_table.shape[1] * lo.page_size,
+            cache.device,
+            block_n,
+            programs_per_sm,
+            tuning,
         )
     out = _launch_decode(
         q_rot,
@@ -359,6 +402,7 @@ def decode_attention(
         unrotate=ep.v_rotation,
         out_dtype=q.dtype,
         rope=rope,
+        tuning=tuning,
     )
     return out
 
@@ -371,12 +415,13 @@ def rope_slots(pairs: int, impl: str = "tl") -> int:
 
 
 def _rotate_queries_triton(
-    q: torch.Tensor, ep: ExpandedParams, impl: str = "tl"
+    q: torch.Tensor, ep: ExpandedParams, impl: str = "tl", tuning: DecodeTuning | None = None
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
     """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
     pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
     ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots` of the split kernel
     ``impl``), else ``(q_rot, None)``."""
+    tuning = _tuning(tuning)
     from .kernels.attention import rotate_rows_kernel
 
     bsz, hq, d = q.shape
@@ -384,9 +429,9 @@ def _rotate_queries_triton(
         q = q.contiguous()
     rot = ep.k_rotation  # q @ R_K: out[i] = Σ_j q[j]·R[j, i]
     out = _empty(bsz, hq, d, dtype=torch.bfloat16, device=q.device)
-    rows = ROTATE_ROWS_PER_PROGRAM
-    if rows and ROTATE_ROWS_SMALL and bsz * hq * d // rows < _num_sms(q.device):
-        rows = ROTATE_ROWS_SMALL
+    rows = tuning.rotate_rows_per_program
+    if rows and tuning.rotate_rows_small and bsz * hq * d // rows < _num_sms(q.device):
+        rows = tuning.rotate_rows_small
     rows = rows if rows and d % rows == 0 else 0
     nr = ep.rope_pairs
     rope, extra = None, {}
@@ -398,7 +443,8 @@ def _rotate_queries_triton(
         rope = (rc, ep.k_rope_theta.contiguous(), nr, npad)
     rotate_rows_kernel[(bsz * hq, d // rows if rows else 1)](
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
-        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device), ROWS=rows, **extra,
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device, tuning), ROWS=rows,
+        **extra,
     )  # fmt: skip
     return out, rope
 
@@ -420,10 +466,12 @@ def _launch_decode(
     unrotate=None,
     out_dtype=torch.float32,
     rope=None,
+    tuning: DecodeTuning | None = None,
 ):
     """Split kernel + merge; ``unrotate`` (``[H_kv, d, d]`` ``R_V``): the merge also returns
     ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output). ``rope``: the pre-RoPE
     mean's ``(C, θ, R, P)`` (:func:`_rotate_queries_triton`; ``None``: no score term)."""
+    tuning = _tuning(tuning)
     import triton
 
     from ._backend import interpreting
@@ -431,11 +479,11 @@ def _launch_decode(
 
     lo = cache.layout
     bsz, hq, d = q_rot.shape
-    pdl = pdl_available(q_rot.device)
+    pdl = pdl_available(q_rot.device, tuning)
     if impl == "gluon":
         from .kernels.attention_gluon import WINDOW_TOKENS_PER_PROGRAM, window_programs
 
-        w_tok = WINDOW_TOKENS or WINDOW_TOKENS_PER_PROGRAM
+        w_tok = tuning.window_tokens or WINDOW_TOKENS_PER_PROGRAM
         nt = num_splits + window_programs(lo.sink_tokens, lo.recent_tokens, w_tok)
     else:
         nt = num_splits + 2
@@ -469,10 +517,13 @@ def _launch_decode(
             max_len = block_table.shape[1] * lo.page_size
             ring, wide = async_ring_mode(
                 max_len, lo.sink_tokens, lo.recent_tokens, num_splits, block_n,
-                bsz * lo.num_kv_heads * num_splits, _num_sms(q_rot.device),
+                bsz * lo.num_kv_heads * num_splits, _num_sms(q_rot.device), tuning,
             )  # fmt: skip
         if rope is not None:  # angle addition where its loop-invariant operand is small
-            add = block_n >= ROPE_ADDITION_MIN_BLOCK_N and block_n * 2 * rope[3] <= ROPE_ADDITION_MAX_ELEMENTS
+            add = (
+                block_n >= tuning.rope_addition_min_block_n
+                and block_n * 2 * rope[3] <= tuning.rope_addition_max_elements
+            )
             rope_args["ROPE_MODE"] = 2 if add else 1
         LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
             *common,
@@ -520,7 +571,7 @@ def _launch_decode(
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
     out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
-    preload = unrotate is not None and d <= MERGE_PRELOAD_MAX_D
+    preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     merge_splits_kernel[(bsz * hq,)](
         po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
