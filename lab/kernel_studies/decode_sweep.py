@@ -141,7 +141,7 @@ def sweep_ring(ctx: int, bsz: int) -> dict:
     row = {"ctx": ctx, "batch": bsz, "splits": ns}
     per = math.ceil((ctx - lo.window_tokens) / ns)
     row["tiles_per_split"] = math.ceil(per / 32)
-    defaults = {k: getattr(dec, k) for k in RING_KNOBS}
+    defaults = {k: getattr(dec.DEFAULT_TUNING, k.lower()) for k in RING_KNOBS}
 
     def kernels(ns=ns, bn=32):
         return dec._launch_decode(
@@ -261,7 +261,7 @@ def sweep_shape(ctx: int, bsz: int) -> dict:
     _, bn, _, pps = dec.resolve_launch(s["cache"], s["q"], "gluon")
     bn = dec.gluon_block_n(bsz, s["cache"].layout, ctx, G.DEV, pps)
     row["default_splits"] = ok.choose_num_splits(bsz, 8, ctx, G.DEV, bn, pps)
-    defaults = {k: getattr(dec, k) for k in CONFIGS["session2"]}
+    defaults = {k: getattr(dec.DEFAULT_TUNING, k.lower()) for k in CONFIGS["session2"]}
     try:
         for name, knobs in CONFIGS.items():
             set_knobs(knobs)

@@ -87,7 +87,7 @@ def test_decode_input_errors():
 def test_split_and_window_program_counts(monkeypatch):
     """The split counts the H200 sweeps chose (docs/performance.md), on a simulated 132-SM
     device: sqrt growth, whole multiples of the SM count, no second partial wave; never
-    more than MAX_SPLITS nor splits shorter than two tiles. The Gluon kernel cuts the
+    more than DecodeTuning.max_splits nor splits shorter than two tiles. The Gluon kernel cuts the
     windows into 64-token programs."""
     from oscar_kernels.kernels.attention_gluon import window_programs
 
@@ -451,7 +451,7 @@ def test_gluon_kernel_compiles_for_sm90(gqa, d, block_n, windows, one_page):
 
 @needs_triton
 def test_gluon_cp_async_ring_compiles_for_sm90():
-    """The experimental ``cp.async`` ring of the INT2 tiles (``ASYNC_STAGES``) compiles for sm_90
+    """The experimental ``cp.async`` ring of the INT2 tiles (``DecodeTuning.async_stages``) compiles for sm_90
     on both Triton versions (3.6 ``async_copy_global_to_shared``, 3.9 ``async_load``): the tile
     copies are ``cp.async`` into shared memory and the codes still reach ``mma.sync`` unpacked
     in registers."""
