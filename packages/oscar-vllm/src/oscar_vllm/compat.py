@@ -1,7 +1,7 @@
 """Every vLLM-version-specific piece of glue, in one module.
 
 Run against vLLM 0.32.0 (the CPU build the tests use); checked against vLLM 0.33.0's sources
-(``benchmarks/api_check.py`` and a file-by-file diff; docs/vllm.md has the audit table: nothing
+(``benchmarks/api_check.py`` and a file-by-file diff; lab/NOTES_vllm.md has the audit table: nothing
 used here changed). Names that may differ are looked up defensively here, so a difference shows
 up as one :class:`~oscar_math.errors.OscarError` naming the vLLM version, not as an
 ``AttributeError`` deep in a worker.
