@@ -36,6 +36,7 @@ def test_request_slots_keep_a_skipped_requests_slot_until_it_ends():
     assert s.rows_for(0) is None  # outside a step (dummy and capture runs): no rows
     assert s.step(set(), ["a", "b", "c"]) == [0, 1, 2]
     assert s.rows_for(3) == [0, 1, 2] and s.rows_for(2) is None  # a dummy batch of another size
+    assert s.rows_for(5) == [0, 1, 2, 0, 0]  # a batch padded for a CUDA graph: padding rows slot 0
     # "b" skipped while "a" finished and "d" arrived: "d" takes a's slot, never b's
     assert s.step({"a"}, ["c", "d"]) == [2, 0]
     # however long "b" is skipped, it comes back to its own slot (its windows are still there)

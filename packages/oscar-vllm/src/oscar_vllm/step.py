@@ -168,8 +168,12 @@ class RequestSlots:
         self.rows = None
 
     def rows_for(self, num_reqs: int) -> list[int] | None:
-        """This step's slots if a step of ``num_reqs`` rows is running, else ``None``."""
-        return self.rows if self.rows is not None and len(self.rows) == num_reqs else None
+        """This step's slots for a batch of ``num_reqs`` rows, else ``None`` (no step running, or a
+        batch of other requests). Rows past the step's requests are the runner's padding (a CUDA
+        graph's batch size): slot 0, which they never write (no tokens)."""
+        if self.rows is None or num_reqs < len(self.rows):
+            return None
+        return self.rows + [0] * (num_reqs - len(self.rows))
 
 
 def build_step(
