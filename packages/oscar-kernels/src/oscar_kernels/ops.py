@@ -210,16 +210,14 @@ def extend_attention_op(
     v: torch.Tensor,
     cache: PagedKVCache,
     params: ExpandedParams,
-    cu_seqlens_q: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    window_slots: torch.Tensor,
-    max_query_len: int,
+    *batch: torch.Tensor | int,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`oscar_kernels.extend_attention` through ``torch.ops.oscar.extend_attention`` (the
-    Triton or reference path; the dense FlashAttention path takes a callable, which an op cannot)."""
+    """:func:`oscar_kernels.extend_attention` through ``torch.ops.oscar.extend_attention``;
+    ``batch``: its ``cu_seqlens_q, prefix_lens, block_table, window_slots, max_query_len``. The
+    Triton or reference path (the dense FlashAttention path takes a callable, which an op cannot)."""
     register_ops()
+    cu_seqlens_q, prefix_lens, block_table, window_slots, max_query_len = batch
     scale = softmax_scale if softmax_scale is not None else cache.layout.head_dim**-0.5
     return torch.ops.oscar.extend_attention(
         q, k, v, _cache_list(cache), _params_list(params), params.has_mean, cu_seqlens_q, prefix_lens,
@@ -232,17 +230,20 @@ def paged_write_op(
     params: ExpandedParams,
     key: torch.Tensor,
     value: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    seq_index: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window_slots: torch.Tensor,
+    *tokens: torch.Tensor,
     parts: str = "all",
 ) -> None:
-    """:func:`oscar_kernels.paged_write` through ``torch.ops.oscar.paged_write`` (writes ``cache``
-    in place, declared to the op's schema)."""
+    """:func:`oscar_kernels.paged_write` through ``torch.ops.oscar.paged_write``, which declares
+    ``cache`` written in place; ``tokens``: its ``slot_mapping, positions, seq_index, seq_lens,
+    window_slots``."""
     register_ops()
     torch.ops.oscar.paged_write(
-        key, value, _cache_list(cache), _params_list(params), params.has_mean, slot_mapping, positions,
-        seq_index, seq_lens, window_slots, cache.layout.group, parts,
-    )  # fmt: skip
+        key,
+        value,
+        _cache_list(cache),
+        _params_list(params),
+        params.has_mean,
+        *tokens,
+        cache.layout.group,
+        parts,
+    )
