@@ -67,6 +67,29 @@ def test_the_spec_counts_one_open_block_per_request_and_admits_the_in_flight_chu
     assert spec.max_admission_blocks_per_request(max_in_flight_tokens=4096, max_model_len=2048) == 129
 
 
+def test_a_pool_that_cannot_admit_one_request_is_refused_at_start_up(manager):
+    """One request of max_model_len needs its INT2 blocks plus the window records of an in-flight
+    chunk; a smaller pool is one clear error (it passed vLLM's own check and then the scheduler
+    waited forever: 20 blocks against 25 on the CPU build, 2026-12-03)."""
+    from types import SimpleNamespace
+
+    from oscar_vllm.records import check_admission
+
+    int2 = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=IB))
+    win = SimpleNamespace(kv_cache_spec=manager.kv_cache_spec)
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=1024),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+    )
+    need = 1024 // IB + (256 // WB + 1)  # 8 INT2 blocks + 17 window blocks
+    check_admission(cfg, SimpleNamespace(num_blocks=need, kv_cache_groups=[int2, win]))
+    with pytest.raises(
+        OscarError, match=rf"has {need - 1} blocks, but one request of max_model_len 1024 needs {need}"
+    ):
+        check_admission(cfg, SimpleNamespace(num_blocks=need - 1, kv_cache_groups=[int2, win]))
+    check_admission(cfg, None)  # another vLLM's return value: nothing to check
+
+
 def test_registration_keeps_vllms_own_specs_and_selects_the_manager():
     pytest.importorskip("vllm", reason="vLLM is not installed (run the nox session 'vllm')")
     import torch

@@ -167,12 +167,13 @@ def oscar_selected(vllm_config: Any) -> bool:
     return getattr(backend, "name", backend) == BACKEND_NAME
 
 
-def guard_prefix_caching(register_records: Any = None) -> None:
+def guard_prefix_caching(register_records: Any = None, check_records: Any = None) -> None:
     """Make the engine core turn prefix caching off when OSCAR is selected (idempotent).
 
     ``register_records(vllm_config)`` (:func:`oscar_vllm.records.register`, passed in so this
     module never imports the records module, which imports it) runs before the scheduler is
-    built when the window records are transient.
+    built when the window records are transient, and ``check_records(vllm_config,
+    kv_cache_config)`` (:func:`oscar_vllm.records.check_admission`) once vLLM has sized the pool.
 
     A cache hit hands a new request blocks computed by another one; their INT2 pages are
     there but the BF16 sink/recent rows of the hit tokens are not (the windows live per
@@ -208,6 +209,10 @@ def guard_prefix_caching(register_records: Any = None) -> None:
             _dense_window_checkpoints(vllm_config.cache_config)
             if window_records_mode(vllm_config) == "transient" and register_records is not None:
                 register_records(vllm_config)  # the scheduler in this process builds the manager
+                out = original(self, vllm_config)
+                if check_records is not None:
+                    check_records(vllm_config, out)
+                return out
         return original(self, vllm_config)
 
     _initialize_kv_caches._oscar_guard = True  # type: ignore[attr-defined]

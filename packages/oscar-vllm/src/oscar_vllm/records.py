@@ -33,11 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from oscar_math.errors import OscarError
+
 from . import compat
 
 SlidingWindowManager, SlidingWindowSpec = compat.sliding_window_api()
 
-__all__ = ["OscarWindowSpec", "OscarWindowManager", "register"]
+__all__ = ["OscarWindowSpec", "OscarWindowManager", "register", "check_admission"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -116,3 +118,38 @@ def register(vllm_config: Any = None) -> None:
         return
     compat.register_kv_spec(OscarWindowSpec, OscarWindowManager, SlidingWindowSpec, vllm_config)
     _registered = True
+
+
+def check_admission(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse at start-up a KV pool that could never admit one request.
+
+    vLLM sizes the pool with each spec's per-request bytes, which for transient records count one
+    window block; but admitting a request's chunk also takes the window blocks of the chunk's tokens
+    (:meth:`OscarWindowSpec.max_admission_blocks_per_request`). A pool smaller than one request of
+    ``max_model_len`` plus those blocks passes vLLM's own check and then never schedules anything
+    (seen on the CPU build: 19 blocks, a 600-token prompt needing 22, the engine waiting forever).
+
+    Raises:
+        OscarError: one line with the numbers and what to change.
+    """
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return
+    max_len = int(vllm_config.model_config.max_model_len)
+    in_flight = compat.in_flight_tokens(vllm_config)
+    need = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, OscarWindowSpec):
+            need += spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=in_flight, max_model_len=max_len
+            )
+        else:
+            need += _cdiv(max_len, int(spec.block_size))
+    have = int(kv_cache_config.num_blocks)
+    if have < need:
+        raise OscarError(
+            f"the KV cache has {have} blocks, but one request of max_model_len {max_len} needs {need} "
+            f"(its pages and the window records of a {in_flight}-token chunk); give the KV cache more memory "
+            "(--kv-cache-memory-bytes / --gpu-memory-utilization) or lower --max-model-len, "
+            "--max-num-batched-tokens or --max-num-seqs"
+        )

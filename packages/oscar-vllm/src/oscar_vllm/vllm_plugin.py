@@ -39,7 +39,7 @@ def register() -> None:
             startup.install_cpu_note()
             from . import records  # imports vLLM's sliding-window classes: only a supported vLLM
 
-            compat.guard_prefix_caching(records.register)
+            compat.guard_prefix_caching(records.register, records.check_admission)
             compat.default_max_num_seqs()
             startup.install_kv_report()
     except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
