@@ -242,22 +242,25 @@ def test_triton_decode_matches_reference(case):
     assert max_rel(got, want) < 2e-2, max_rel(got, want)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize(("h", "g", "d"), [(8, 4, 128), (3, 3, 64), (2, 1, 32)])
-def test_rotations_of_a_token_do_not_depend_on_the_rest_of_the_batch(h, g, d):
+def test_rotations_of_a_token_do_not_depend_on_the_rest_of_the_batch(h, g, d, backend):
     """The per-head rotations around the kernels give every token the same ``[G, d] @ [d, d]``
     product bitwise, whatever else is in the call (a hit and a miss, a chunk and its decode must
     rotate a token alike), without materialising the rotation per token."""
-    from oscar_kernels.rotate import _per_head_matmul, rotate_chunk, rotate_queries
+    from oscar_kernels.rotate import _rotate, rotate_chunk, rotate_queries
 
     gen = torch.Generator().manual_seed(h * 100 + d)
-    x = torch.randn(61, h, g, d, generator=gen).to(DEVICE)
+    x = torch.randn(161, h, g, d, generator=gen).to(DEVICE)
     rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0].to(DEVICE)
-    full = _per_head_matmul(x, rot)
-    for part in (slice(0, 1), slice(5, 12), slice(33, 61)):
-        assert torch.equal(_per_head_matmul(x[part], rot), full[part])
+    full = _rotate(x, rot, torch.float32, backend=backend)
+    for part in (slice(0, 1), slice(5, 12), slice(33, 161), slice(64, 65)):
+        assert torch.equal(_rotate(x[part], rot, torch.float32, backend=backend), full[part])
     assert torch.allclose(full, torch.einsum("nhgd,hde->nhge", x.double(), rot.double()).float(), atol=1e-4)
     ep = make_params(h, d, "kv_head", gen).expand(h, d, DEVICE)
-    q = torch.randn(61, h * g, d, generator=gen).to(DEVICE)
-    k = torch.randn(61, h, d, generator=gen).to(DEVICE)
-    assert torch.equal(rotate_queries(q[9:10], ep), rotate_queries(q, ep)[9:10])
-    assert torch.equal(rotate_chunk(k[3:40], k[3:40], ep)[0], rotate_chunk(k, k, ep)[0][3:40])
+    q = torch.randn(161, h * g, d, generator=gen).to(DEVICE)
+    k = torch.randn(161, h, d, generator=gen).to(DEVICE)
+    one = rotate_queries(q[9:10], ep, backend=backend)
+    assert torch.equal(one, rotate_queries(q, ep, backend=backend)[9:10])
+    got = rotate_chunk(k[3:140], k[3:140], ep, backend=backend)[0]
+    assert torch.equal(got, rotate_chunk(k, k, ep, backend=backend)[0][3:140])

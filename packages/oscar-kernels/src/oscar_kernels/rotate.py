@@ -1,23 +1,28 @@
-"""Small dense rotations done once per call around the attention kernels (torch).
+"""Small dense rotations done once per call around the attention kernels.
 
 ``q_rot = q @ R_K`` once per step (instead of un-rotating every key) and
 ``o = o_rot @ R_Vᵀ`` once after the merge; keys/values of a prefill chunk are
 rotated the same way the write kernel rotates them. All in float32, then rounded to
 the dtype the kernels read (bf16), so the Triton path and the torch reference see
-identical inputs.
+identical inputs. On CUDA one Triton launch per call (``kernels/rotate.py``: fixed tiles,
+float32 products); the torch form below is its reference and the path everywhere else.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._backend import Backend, use_triton
 from .params import ExpandedParams
 
 __all__ = ["rotate_queries", "rotate_chunk", "unrotate_output"]
 
+# fixed, whatever the row count: a token's products must not depend on its batch
+_BLOCK_M, _BLOCK_N, _WARPS = 64, 64, 4
 
-def _per_head_matmul(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """``x[..., H_kv, G, d] @ rot[H_kv, d, d]``; one matmul when ``rot`` is shared.
+
+def _per_head_matmul_ref(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``x[..., H_kv, G, d] @ rot[H_kv, d, d]`` in torch; one matmul when ``rot`` is shared.
 
     Per head, one batched matmul of every token's ``[G, d]`` rows with that head's rotation
     expanded over the tokens (stride 0): the product a token gets is the same ``[G, d] @ [d, d]``
@@ -34,28 +39,76 @@ def _per_head_matmul(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return torch.stack(heads, dim=1).reshape(*lead, h, g, d)
 
 
-def rotate_queries(q: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor,
+    rot: torch.Tensor,
+    dtype: torch.dtype,
+    mean: torch.Tensor | None = None,
+    backend: Backend | str = "auto",
+) -> torch.Tensor:
+    """``((x - mean) @ rot)`` per KV head in float32, rounded to ``dtype``.
+
+    Args:
+        x: ``[..., H_kv, G, d]`` any float dtype.
+        rot: ``[H_kv, d, d]`` float32 (any strides: a transposed view rotates by ``rotᵀ``).
+        mean: ``[H_kv, d]`` float32 subtracted first (keys' mean), or ``None``.
+    Returns:
+        ``x``'s shape in ``dtype``.
+    """
+    *lead, h, g, d = x.shape
+    pow2 = d >= 16 and d & (d - 1) == 0
+    if not (pow2 and use_triton(x.device, backend)):
+        xf = x.float() if mean is None else x.float() - mean.unsqueeze(-2)
+        return _per_head_matmul_ref(xf, rot).to(dtype)
+    from .kernels.rotate import rotate_tiles_kernel
+
+    flat = x.reshape(-1, h, g, d)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    n = flat.shape[0]
+    out = torch.empty((n, h, g, d), dtype=dtype, device=x.device)
+    rows = n * g
+    if rows:
+        m = mean if mean is not None else rot  # not read without HAS_MEAN
+        grid = ((rows + _BLOCK_M - 1) // _BLOCK_M, h)
+        rotate_tiles_kernel[grid](
+            flat, flat.stride(0), flat.stride(1), flat.stride(2),
+            rot, rot.stride(0), rot.stride(1), rot.stride(2),
+            m, m.stride(0), out, rows, g,
+            H=h, D=d, BLOCK_M=_BLOCK_M, BLOCK_N=min(_BLOCK_N, d), HAS_MEAN=mean is not None,
+            num_warps=_WARPS,
+        )  # fmt: skip
+    return out.reshape(*lead, h, g, d)
+
+
+def rotate_queries(
+    q: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype = torch.bfloat16, backend: Backend | str = "auto"
+) -> torch.Tensor:
     """``[..., H_q, d]`` → ``q @ R_K`` of each query head's KV head, in ``dtype``."""
     h = ep.k_rotation.shape[0]
     *lead, hq, d = q.shape
-    x = q.float().reshape(*lead, h, hq // h, d)
-    return _per_head_matmul(x, ep.k_rotation).reshape(q.shape).to(dtype)
+    x = q.reshape(*lead, h, hq // h, d)
+    return _rotate(x, ep.k_rotation, dtype, backend=backend).reshape(q.shape)
 
 
 def rotate_chunk(
-    k: torch.Tensor, v: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype = torch.bfloat16
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ep: ExpandedParams,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, H_kv, d]`` keys/values → ``((k - k_mean) @ R_K, v @ R_V)`` in ``dtype``."""
-    kf = (k.float() - ep.k_mean).unsqueeze(-2)  # [T, H, 1, d]
-    vf = v.float().unsqueeze(-2)
-    kr = _per_head_matmul(kf, ep.k_rotation).squeeze(-2)
-    vr = _per_head_matmul(vf, ep.v_rotation).squeeze(-2)
-    return kr.to(dtype), vr.to(dtype)
+    kr = _rotate(k.unsqueeze(-2), ep.k_rotation, dtype, mean=ep.k_mean, backend=backend).squeeze(-2)
+    vr = _rotate(v.unsqueeze(-2), ep.v_rotation, dtype, backend=backend).squeeze(-2)
+    return kr, vr
 
 
-def unrotate_output(o: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype) -> torch.Tensor:
+def unrotate_output(
+    o: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype, backend: Backend | str = "auto"
+) -> torch.Tensor:
     """``[..., H_q, d]`` float32 rotated output → ``o @ R_Vᵀ`` in ``dtype``."""
     h = ep.v_rotation.shape[0]
     *lead, hq, d = o.shape
-    x = o.float().reshape(*lead, h, hq // h, d)
-    return _per_head_matmul(x, ep.v_rotation.transpose(-1, -2)).reshape(o.shape).to(dtype)
+    x = o.reshape(*lead, h, hq // h, d)
+    return _rotate(x, ep.v_rotation.transpose(-1, -2), dtype, backend=backend).reshape(o.shape)
