@@ -81,5 +81,6 @@ case "${1:-}" in
     stash) stash "$2" ;;
     run) shift; run "$@" ;;
     test) shift; tests "$@" ;;
-    *) echo "usage: gpu_engine.sh pack | stash N | run [suite args] | test [pytest args]" >&2; exit 2 ;;
+    setup) setup; echo "ready: PYTHONPATH=$PYTHONPATH" ;;  # then several pytest runs side by side
+    *) echo "usage: gpu_engine.sh pack | stash N | setup | run [suite args] | test [pytest args]" >&2; exit 2 ;;
 esac
