@@ -242,12 +242,22 @@ def test_triton_decode_matches_reference(case):
     assert max_rel(got, want) < 2e-2, max_rel(got, want)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+# the torch form is batch-invariant on CPU only: on CUDA cuBLAS picks a bmm algorithm by batch
+# count (all three shapes failed on the H200), which is why CUDA rotates with the Triton kernel
+_TORCH_ROTATION = pytest.param(
+    "torch",
+    marks=pytest.mark.skipif(
+        DEVICE.type == "cuda", reason="torch bmm rotations are not batch-invariant on CUDA (cuBLAS)"
+    ),
+)
+
+
+@pytest.mark.parametrize("backend", [_TORCH_ROTATION, pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize(("h", "g", "d"), [(8, 4, 128), (3, 3, 64), (2, 1, 32)])
 def test_rotations_of_a_token_do_not_depend_on_the_rest_of_the_batch(h, g, d, backend):
-    """The per-head rotations around the kernels give every token the same ``[G, d] @ [d, d]``
-    product bitwise, whatever else is in the call (a hit and a miss, a chunk and its decode must
-    rotate a token alike), without materialising the rotation per token."""
+    """The rotations around the kernels give every token the same product bitwise, whatever
+    else is in the call (a hit and a miss, a chunk and its decode must rotate a token alike),
+    without materialising the rotation per token."""
     from oscar_kernels.rotate import _rotate, rotate_chunk, rotate_queries
 
     gen = torch.Generator().manual_seed(h * 100 + d)

@@ -5,7 +5,10 @@
 rotated the same way the write kernel rotates them. All in float32, then rounded to
 the dtype the kernels read (bf16), so the Triton path and the torch reference see
 identical inputs. On CUDA one Triton launch per call (``kernels/rotate.py``: fixed tiles,
-float32 products); the torch form below is its reference and the path everywhere else.
+3×TF32 products of float32 accuracy); the torch form below is its reference and the path
+everywhere else. The Triton path is the one that is batch-invariant on CUDA: cuBLAS picks a
+``bmm`` algorithm by batch count, so the torch form's bits there depend on the batch (measured
+on the H200); on CPU both are.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
 """Triton body of :func:`oscar_kernels.rotate` on CUDA: per KV head, a tile of rows times that
-head's rotation in float32 (``tl.dot`` with IEEE products), rounded to the output dtype.
+head's rotation at float32 accuracy, rounded to the output dtype.
+
+Products are 3×TF32 (``tl.dot(..., input_precision="tf32x3")``: each operand split into a TF32
+high part and a TF32 remainder, three tensor-core products summed in float32), ~1e-6 relative
+like float32's own rounding. Measured on the H200 for 8192 tokens × 8 KV heads × 4 rows × 128
+(bf16 out): 0.146 ms, against 13.5 ms for IEEE float32 ``tl.dot`` (FMA loops) and 2.8 ms for the
+per-head ``torch.bmm`` it replaces, which is also not batch-invariant on CUDA (cuBLAS picks its
+algorithm by batch count).
 
 Tile sizes are fixed, never chosen from the row count: a row's products then run the same
 instructions in the same order whatever else is in the call, so a token's rotation is bitwise
@@ -40,5 +47,5 @@ def rotate_tiles_kernel(
     for n0 in tl.static_range(0, D, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         w = tl.load(rot_ptr + h * sr_h + k[:, None] * sr_i + n[None, :] * sr_j)
-        y = tl.dot(x, w, input_precision="ieee")
+        y = tl.dot(x, w, input_precision="tf32x3")
         _round_store_masked(out_ptr + out_row[:, None] + n[None, :], y, live[:, None])
