@@ -392,8 +392,14 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
             llm = dict(small, enforce_eager=eager, enable_prefix_caching=cache)
             cases.append(dict(base, name=name, backend=backend, llm=llm, work=work))
-        # preemption: 24 requests of 1,500 + 64 tokens; 160 MiB = 16 slots' windows (118 MB) + ~10k tokens
-        tight = dict(small, enforce_eager=True, kv_cache_memory_bytes=160 << 20, max_num_seqs=16)
+        # preemption: 24 requests of 1,500 + 64 tokens; 160 MiB = 16 slots' windows (118 MB) + ~10k tokens.
+        # max_model_len 2048 and 1,024-token chunks: one request's pages plus a chunk's window records
+        # (648 blocks) fit the pool (864); at vLLM's GPU default (4096, 32k batched tokens) one request
+        # needs 2,312 and the start-up check refuses the pool (H200, 2026-12-03)
+        fits = dict(
+            small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=16
+        )
+        tight = dict(fits, kv_cache_memory_bytes=160 << 20)
         cases.append(
             dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
         )
@@ -402,7 +408,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
                 base,
                 name="smol-oscar-many-roomy",
                 backend="OSCAR",
-                llm=dict(small, enforce_eager=True, max_num_seqs=16),
+                llm=dict(fits),
                 work=[["many", 24, 1500, 64]],
             )
         )

@@ -88,6 +88,14 @@ def test_a_pool_that_cannot_admit_one_request_is_refused_at_start_up(manager):
     ):
         check_admission(cfg, SimpleNamespace(num_blocks=need - 1, kv_cache_groups=[int2, win]))
     check_admission(cfg, None)  # another vLLM's return value: nothing to check
+    # the chunk named is the one a request can have: at most max_model_len tokens (the H200's
+    # default of 32,768 batched tokens against max_model_len 4096 was printed as a 32768-token chunk)
+    cfg.scheduler_config.max_num_batched_tokens = 8192
+    need = 1024 // IB + (1024 // WB + 1)
+    with pytest.raises(
+        OscarError, match=rf"needs {need} \(its pages and the window records of a 1024-token chunk\)"
+    ):
+        check_admission(cfg, SimpleNamespace(num_blocks=need - 1, kv_cache_groups=[int2, win]))
 
 
 def test_registration_keeps_vllms_own_specs_and_selects_the_manager():

@@ -147,9 +147,10 @@ def check_admission(vllm_config: Any, kv_cache_config: Any) -> None:
             need += _cdiv(max_len, int(spec.block_size))
     have = int(kv_cache_config.num_blocks)
     if have < need:
+        chunk = min(in_flight, max_len)  # a request's chunk never exceeds max_model_len
         raise OscarError(
             f"the KV cache has {have} blocks, but one request of max_model_len {max_len} needs {need} "
-            f"(its pages and the window records of a {in_flight}-token chunk); give the KV cache more memory "
+            f"(its pages and the window records of a {chunk}-token chunk); give the KV cache more memory "
             "(--kv-cache-memory-bytes / --gpu-memory-utilization) or lower --max-model-len, "
             "--max-num-batched-tokens or --max-num-seqs"
         )
