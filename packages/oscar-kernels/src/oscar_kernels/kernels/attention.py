@@ -614,7 +614,8 @@ def _rotate_store(x, rot_ptr, stride_ri, stride_rj, out_ptr, HEAD_DIM: tl.conste
 
 @triton.jit
 def _round_store_masked(ptrs, y, mask):
-    """:func:`_round_store` of the elements where ``mask`` holds."""
+    """Store float32 ``y`` in the pointers' dtype where ``mask`` holds (``None``: everywhere); bf16
+    is rounded to nearest even by hand, since the interpreter truncates float32 → bf16."""
     if ptrs.dtype.element_ty == tl.bfloat16:
         u = y.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -627,12 +628,7 @@ def _round_store_masked(ptrs, y, mask):
 def _round_store(ptrs, y):
     """Store float32 ``y`` in the pointers' dtype (bf16: round to nearest even by hand, since
     the interpreter truncates float32 → bf16)."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        u = y.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        tl.store(ptrs, u.to(tl.uint16).to(tl.bfloat16, bitcast=True))
-    else:
-        tl.store(ptrs, y)
+    _round_store_masked(ptrs, y, None)
 
 
 @triton.jit
