@@ -94,9 +94,30 @@ MUTATIONS = (
     Mutation(
         "rotate-queries-transposed",
         "src/oscar_kernels/rotate.py",
-        "return _per_head_matmul(x, ep.k_rotation).reshape(q.shape).to(dtype)",
-        "return _per_head_matmul(x, ep.k_rotation.transpose(-1, -2)).reshape(q.shape).to(dtype)",
+        "return _rotate(x, ep.k_rotation, dtype, backend=backend).reshape(q.shape)",
+        "return _rotate(x, ep.k_rotation.transpose(-1, -2), dtype, backend=backend).reshape(q.shape)",
         ("tests/test_oracle.py", "-k", "torch"),
+    ),
+    Mutation(
+        "rotate-tile-transposed",
+        "src/oscar_kernels/kernels/rotate.py",
+        "k[:, None] * sr_i + n[None, :] * sr_j",
+        "k[:, None] * sr_j + n[None, :] * sr_i",
+        ("tests/test_rotate.py",),
+    ),
+    Mutation(
+        "rotate-tile-key-mean-dropped",
+        "src/oscar_kernels/kernels/rotate.py",
+        "x = x - tl.load(mean_ptr",
+        "x = x + 0 * tl.load(mean_ptr",
+        ("tests/test_rotate.py",),
+    ),
+    Mutation(
+        "rotate-tile-truncates-bf16",
+        "src/oscar_kernels/kernels/attention.py",
+        "u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16",
+        "u = u >> 16",
+        ("tests/test_rotate.py",),
     ),
     Mutation(
         "triton-query-rotation-transposed",
