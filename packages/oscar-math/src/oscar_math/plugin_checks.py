@@ -12,12 +12,19 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from .plugins import available_engines, get_plugin_manager
 
-__all__ = ["fresh_plugin_manager", "plugin_installed", "check_plugin_module", "check_engine_listed"]
+__all__ = [
+    "fresh_plugin_manager",
+    "plugin_installed",
+    "check_plugin_module",
+    "check_engine_listed",
+    "contract_tests",
+]
 
 
 @contextmanager
@@ -61,3 +68,28 @@ def check_engine_listed(engine: str, package: str) -> None:
         _require(ok and err is None, f"{engine} is installed but listed as not importable: {err}")
     else:
         _require(not ok and engine in (err or "") and "ModuleNotFoundError" in (err or ""), f"reason: {err}")
+
+
+def contract_tests(engine: str, package: str, module: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The two contract tests of an engine plugin, for its test module to bind at top level::
+
+        test_plugin_module, test_engine_listed = contract_tests("vllm", "oscar-vllm", "oscar_vllm.plugin")
+
+    Each runs with a plugin manager built from the entry points alone; the listing test is skipped
+    with the reason where ``package`` is not installed (no ``oscar`` entry point ``engine``)."""
+
+    def test_plugin_module(monkeypatch: Any) -> None:
+        monkeypatch.delenv("OSCAR_PLUGINS", raising=False)
+        with fresh_plugin_manager():
+            check_plugin_module(module, engine)
+
+    def test_engine_listed(monkeypatch: Any) -> None:
+        if not plugin_installed(engine):
+            import pytest  # only ever called by pytest
+
+            pytest.skip(f"{package} not installed (no oscar entry point {engine})")
+        monkeypatch.delenv("OSCAR_PLUGINS", raising=False)
+        with fresh_plugin_manager():
+            check_engine_listed(engine, package)
+
+    return test_plugin_module, test_engine_listed
