@@ -35,12 +35,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, OscarError, check
+from oscar_math import OscarError, check
 from oscar_math.hookspecs import SchemeSpec, hookimpl
 
 from .schemes import KVScheme, SchemeContext, build_scheme
@@ -87,7 +87,7 @@ class PagedConfig:
         max_len: longest sequence (prompt + generated) in tokens; sizes the page pool
             (``max_seqs * ceil(max_len / page_size)`` pages) and the block table width.
         page_size: tokens per INT2 page.
-        sink, recent: BF16 windows (tokens).
+        sink, recent: BF16 windows (tokens); ``None``: the artifact's (what the engines serve).
         group_size: INT2 group (None: the artifact's, else the head dim).
         prefill_chunk: tokens per sequence per prefill step.
         kv: ``int2`` (the OSCAR cache) or ``bf16`` (plain BF16 pages, the baseline).
@@ -97,8 +97,8 @@ class PagedConfig:
     max_seqs: int = 8
     max_len: int = 8192
     page_size: int = 64
-    sink: int = DEFAULT_SINK
-    recent: int = DEFAULT_RECENT
+    sink: int | None = None
+    recent: int | None = None
     group_size: int | None = None
     prefill_chunk: int = 256
     kv: str = "int2"
@@ -108,8 +108,10 @@ class PagedConfig:
         for name in ("max_seqs", "max_len", "page_size", "prefill_chunk"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, name, "an integer >= 1", v)
-        check(isinstance(self.sink, int) and self.sink >= 0, "sink", "an integer >= 0", self.sink)
-        check(isinstance(self.recent, int) and self.recent >= 1, "recent", "an integer >= 1", self.recent)
+        sink_ok = self.sink is None or (isinstance(self.sink, int) and self.sink >= 0)
+        check(sink_ok, "sink", "None or an integer >= 0", self.sink)
+        recent_ok = self.recent is None or (isinstance(self.recent, int) and self.recent >= 1)
+        check(recent_ok, "recent", "None or an integer >= 1", self.recent)
         check(self.kv in KV_KINDS, "kv", f"one of {KV_KINDS}", repr(self.kv))
         check(
             self.backend in ("auto", "triton", "torch"),
@@ -203,9 +205,17 @@ class PagedLM:
                 (self.num_layers, self.num_kv_heads, self.head_dim),
                 (rotations.num_layers, rotations.num_kv_heads, rotations.head_dim),
             )
-            group = cfg.group_size or getattr(rotations, "group_size", None) or self.head_dim
-            self.layout = ok.CacheLayout(
-                self.num_kv_heads, self.head_dim, cfg.page_size, int(group), cfg.sink, cfg.recent
+            # the serving layout (the artifact's group and windows), then this loop's overrides
+            chosen = (
+                ("group_size", cfg.group_size),
+                ("sink_tokens", cfg.sink),
+                ("recent_tokens", cfg.recent),
+            )
+            from oscar_kernels.serving import rank_layout  # present: _kernels() imported the package
+
+            self.layout = replace(
+                rank_layout(rotations, self.num_kv_heads, self.head_dim, cfg.page_size),
+                **{name: v for name, v in chosen if v is not None},
             )
         num_pages = cfg.max_seqs * cfg.pages_per_seq
         self.caches: list[Any] = []
