@@ -197,6 +197,19 @@ def gpu(session: nox.Session) -> None:
         "python3", "-m", "pytest", "-q", "packages/oscar-kernels/tests", "tests/test_paged_serving.py",
         *session.posargs, env=env,
     )  # fmt: skip
+    # the vLLM part wherever vLLM imports here (on the H200: gpu_engine.sh stages it; its `test`
+    # action runs the same files): FA3's prefill semantics and the OpenAI server over HTTP
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        session.log("vLLM is not importable here: its GPU tests are not run (gpu_engine.sh stages it)")
+    else:
+        session.run("python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "-e", "packages/oscar-vllm")  # fmt: skip
+        session.run(
+            "python3", "-m", "pytest", "-q", "packages/oscar-vllm/tests/test_dense_prefill_gpu.py",
+            "packages/oscar-vllm/tests/test_http_server.py", env=env,
+        )  # fmt: skip
     if (Path(out) / "gpu_e2e.json").exists():
         import json
 
