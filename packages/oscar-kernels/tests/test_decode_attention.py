@@ -315,31 +315,10 @@ def test_decode_and_write_on_engine_buffer_views():
     k = torch.stack([keys[b][p] for b, p in rows])
     v = torch.stack([values[b][p] for b, p in rows])
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    paged_write(
-        view,
-        params,
-        k,
-        v,
-        slots.to(DEVICE),
-        pos.int().to(DEVICE),
-        b_idx.int().to(DEVICE),
-        sl,
-        ws,
-        backend="triton",
-    )
+    index = (slots.to(DEVICE), pos.int().to(DEVICE), b_idx.int().to(DEVICE), sl, ws)
+    paged_write(view, params, k, v, *index, backend="triton")
     plain = allocate_cache(lo, cache.num_pages, cache.max_seqs, DEVICE)
-    paged_write(
-        plain,
-        params,
-        k,
-        v,
-        slots.to(DEVICE),
-        pos.int().to(DEVICE),
-        b_idx.int().to(DEVICE),
-        sl,
-        ws,
-        backend="torch",
-    )
+    paged_write(plain, params, k, v, *index, backend="torch")
     pg, off = slots // 8, slots % 8
     for f in ("k_codes", "v_codes"):
         diff = (
