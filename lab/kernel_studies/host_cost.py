@@ -105,7 +105,7 @@ def main() -> None:
     for _ in range(a.iters):
         layer()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof).sort_stats(os.environ.get("OSCAR_SORT", "tottime")).print_stats(18)
 
 
 if __name__ == "__main__":
