@@ -9,7 +9,7 @@ Runs what ``oscar_vllm.step.run_layer`` runs for a decode step (``paged_write`` 
   µs each, so the loop is host-bound and its wall time per layer is the host cost, Triton's
   launcher included; ``--gpu`` also times each op alone.
 
-Prints µs per layer and the top functions by own time (cProfile).
+Prints µs per layer and the top functions by own time (cProfile; ``OSCAR_SORT=cumtime`` for the call tree).
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src TRITON_INTERPRET=1 \\
         python lab/kernel_studies/host_cost.py [--batch 1] [--ctx 2048]
