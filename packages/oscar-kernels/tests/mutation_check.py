@@ -321,9 +321,11 @@ def main(argv: list[str], mutations: tuple[Mutation, ...] = MUTATIONS) -> int:
         for m in chosen:
             _apply(_copy(Path(tmp) / m.name), m)  # every mutation's text must still exist
 
+        controls: dict[tuple[str, ...], tuple[int, str]] = {}
+
         def check(m: Mutation) -> tuple[bool, str]:
             t0 = time.time()
-            rc, last = _pytest(control, m.tests)
+            rc, last = controls[m.tests]
             if rc != 0:
                 return False, f"CONTROL FAILED  {m.name}: the unmutated tests fail ({last}); fix them first"
             rc, last = _pytest(Path(tmp) / m.name / "oscar-kernels", m.tests)
@@ -333,6 +335,9 @@ def main(argv: list[str], mutations: tuple[Mutation, ...] = MUTATIONS) -> int:
 
         # independent subprocesses: one per core (OSCAR_MUTATION_JOBS overrides), reported in order
         with ThreadPoolExecutor(max_workers=JOBS) as pool:
+            # each distinct test selection runs once unmutated (mutations share selections)
+            keys = list(dict.fromkeys(m.tests for m in chosen))
+            controls.update(zip(keys, pool.map(lambda t: _pytest(control, t), keys), strict=True))
             for m, (ok, line) in zip(chosen, pool.map(check, chosen), strict=True):
                 print(line, flush=True)
                 if not ok:
