@@ -15,6 +15,7 @@ Virtualenvs live outside the checkout (``$OSCAR_NOX_ENVDIR``, default
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -199,8 +200,6 @@ def gpu(session: nox.Session) -> None:
     )  # fmt: skip
     # the vLLM part wherever vLLM imports here (on the H200: gpu_engine.sh stages it; its `test`
     # action runs the same files): FA3's prefill semantics and the OpenAI server over HTTP
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         session.log("vLLM is not importable here: its GPU tests are not run (gpu_engine.sh stages it)")
     else:
