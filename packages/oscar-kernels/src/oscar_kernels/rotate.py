@@ -28,10 +28,10 @@ def _per_head_matmul_ref(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """``x[..., H_kv, G, d] @ rot[H_kv, d, d]`` in torch; one matmul when ``rot`` is shared.
 
     Per head, one batched matmul of every token's ``[G, d]`` rows with that head's rotation
-    expanded over the tokens (stride 0): the product a token gets is the same ``[G, d] @ [d, d]``
-    whatever else is in the batch (outputs must not depend on batching or chunking), and ``rot``
-    is never materialised per token (``x @ rot`` broadcast it: 8 GiB for a 16k-token chunk at 8 KV
-    heads × 128).
+    expanded over the tokens (stride 0), so ``rot`` is never materialised per token (``x @ rot``
+    broadcast it: 8 GiB for a 16k-token chunk at 8 KV heads × 128). On CPU the product a token gets
+    does not depend on the rest of the batch; on CUDA it does (cuBLAS picks the algorithm by batch
+    count), which is why CUDA takes the Triton kernel.
     """
     if rot.stride(0) == 0:  # one rotation per layer, expanded with stride 0
         return x @ rot[0]
@@ -49,7 +49,8 @@ def _rotate(
     mean: torch.Tensor | None = None,
     backend: Backend | str = "auto",
 ) -> torch.Tensor:
-    """``((x - mean) @ rot)`` per KV head in float32, rounded to ``dtype``.
+    """``((x - mean) @ rot)`` per KV head at float32 accuracy (3×TF32 on the Triton path),
+    rounded to ``dtype``.
 
     Args:
         x: ``[..., H_kv, G, d]`` any float dtype.
