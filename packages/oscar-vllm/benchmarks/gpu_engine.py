@@ -174,6 +174,48 @@ def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> 
     )
 
 
+def _py_profile(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict:  # noqa: ANN001
+    """Prefill ``prompts``, then ``steps`` decode steps under cProfile (engine core in-process): the
+    Python functions that make up an eager step's host time, by own time and by cumulative time."""
+    import cProfile
+    import pstats
+
+    eng = llm.llm_engine
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, pr in zip(ids, prompts, strict=True):
+        eng.add_request(rid, {"prompt_token_ids": pr}, sp)
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 2 and eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id in got:
+                got[o.request_id] = len(o.outputs[0].token_ids)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        eng.step()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
+
+    def name(k: tuple) -> str:
+        f, line, fn = k
+        return f"{'/'.join(f.split('/')[-2:])}:{line}:{fn}"[-90:]
+
+    rows = [
+        (name(k), v[1] // steps, round(1e3 * v[2] / steps, 3), round(1e3 * v[3] / steps, 3))
+        for k, v in st.items()
+    ]
+    return dict(
+        steps=steps,
+        ms_per_step_profiled=round(1e3 * wall / steps, 2),
+        top_own_ms=sorted(rows, key=lambda r: -r[2])[:40],
+        oscar_cum_ms=sorted((r for r in rows if "oscar" in r[0]), key=lambda r: -r[3])[:40],
+    )
+
+
 def _diagnostics(llm) -> dict:  # noqa: ANN001
     """OSCAR's own counters from the in-process worker (restores, records checked, mode)."""
     try:
@@ -252,6 +294,11 @@ def run_case(spec: dict) -> dict:
                 sp = SamplingParams(max_tokens=steps + 8, **greedy)
                 prompts = _prompts(batch, ctx, seed, vocab)
                 res[f"profile_{ctx}x{batch}"] = _profile_decode(llm, prompts, sp, f"p{seed}", steps)
+            elif kind == "pyprofile":  # ["pyprofile", CTX, BATCH, STEPS]: cProfile of decode steps
+                _, ctx, batch, steps = w
+                sp = SamplingParams(max_tokens=steps + 8, **greedy)
+                prompts = _prompts(batch, ctx, seed, vocab)
+                res[f"pyprofile_{ctx}x{batch}"] = _py_profile(llm, prompts, sp, f"y{seed}", steps)
             elif kind == "decode":
                 _, ctx, batch, gen = w
                 t_gen, out = _timed(
@@ -438,6 +485,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         ]
         # eager: the per-layer host cost (OSCAR's decode step minus FA3's, over 36 layers)
         w_eager = [["decode", 2048, 1, 64], ["decode", 2048, 16, 64], ["profile", 2048, 1, 8]]
+        w_eager.append(["pyprofile", 2048, 4, 8])  # which Python functions the eager host time is
         for name, backend, cache, extra in (
             ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
