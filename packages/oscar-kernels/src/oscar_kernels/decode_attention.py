@@ -13,6 +13,7 @@ from oscar_math import check
 
 from ._backend import Backend, KernelUnavailableError, dot_dtype, unpack_mode, use_triton
 from ._validate import check_decode_bounds, check_index_tensor, check_queries
+from .launch import launch
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import decode_attention_ref
@@ -441,7 +442,7 @@ def _rotate_queries_triton(
         ab, pairs = ep.k_rope_ab.contiguous(), ep.k_rope_pairs.contiguous()
         extra = dict(rc_ptr=rc, ab_ptr=ab, pairs_ptr=pairs, ROPE_R=nr, ROPE_P=npad)
         rope = (rc, ep.k_rope_theta.contiguous(), nr, npad)
-    rotate_rows_kernel[(bsz * hq, d // rows if rows else 1)](
+    launch(rotate_rows_kernel, (bsz * hq, d // rows if rows else 1),
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
         hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device, tuning), ROWS=rows,
         **extra,
@@ -525,7 +526,9 @@ def _launch_decode(
                 and block_n * 2 * rope[3] <= tuning.rope_addition_max_elements
             )
             rope_args["ROPE_MODE"] = 2 if add else 1
-        LAST_COMPILED["decode_split"] = decode_split_kernel_gluon[grid](
+        LAST_COMPILED["decode_split"] = launch(
+            decode_split_kernel_gluon,
+            grid,
             *common,
             num_splits,
             H_KV=lo.num_kv_heads,
@@ -549,7 +552,9 @@ def _launch_decode(
         )
     else:
         opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-        LAST_COMPILED["decode_split"] = decode_split_kernel[grid](
+        LAST_COMPILED["decode_split"] = launch(
+            decode_split_kernel,
+            grid,
             *common,
             H_KV=lo.num_kv_heads,
             GQA=g,
@@ -573,7 +578,7 @@ def _launch_decode(
     out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
     preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
-    merge_splits_kernel[(bsz * hq,)](
+    launch(merge_splits_kernel, (bsz * hq,),
         po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
         ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, PRELOAD=preload,
         **({"launch_pdl": True} if pdl else {}), **mopts,

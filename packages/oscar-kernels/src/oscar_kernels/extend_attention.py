@@ -14,6 +14,7 @@ from ._backend import Backend, dot_dtype, interpreting, unpack_mode, use_triton
 from ._validate import check_extend_bounds, check_index_tensor, check_queries
 from .decode_attention import rope_slots
 from .extend_dense import DenseAttention, extend_attention_dense
+from .launch import launch
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.attention import extend_attention_ref
@@ -152,7 +153,9 @@ def extend_attention(
         rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
         rc = torch.nn.functional.pad(rc, (0, npad - ep.rope_pairs)).contiguous()
         opts.update(rc_ptr=rc, rth_ptr=ep.k_rope_theta.contiguous(), ROPE_R=ep.rope_pairs, ROPE_P=npad)
-    LAST_COMPILED["extend"] = extend_kernel[grid](
+    LAST_COMPILED["extend"] = launch(
+        extend_kernel,
+        grid,
         q_rot,
         q_rot.stride(0),
         q_rot.stride(1),

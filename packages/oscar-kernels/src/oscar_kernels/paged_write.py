@@ -8,6 +8,7 @@ from oscar_math import check
 
 from ._backend import Backend, interpreting, use_triton
 from ._validate import check_write_bounds
+from .launch import launch
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference.paged_write import paged_write_ref
@@ -229,7 +230,9 @@ def _launch(
         warps = num_warps if num_warps is not None else (8 if rope_plain else 4)
         kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
         grid = (triton.cdiv(n, bt), lo.num_kv_heads)
-        LAST_COMPILED["paged_write"] = paged_write_kernel[grid](
+        LAST_COMPILED["paged_write"] = launch(
+            paged_write_kernel,
+            grid,
             x,
             x.stride(0),
             x.stride(1),

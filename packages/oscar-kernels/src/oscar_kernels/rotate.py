@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import Backend, use_triton
+from .launch import launch
 from .params import ExpandedParams
 
 __all__ = ["rotate_queries", "rotate_chunk", "unrotate_output"]
@@ -75,7 +76,7 @@ def _rotate(
     if rows:
         m = mean if mean is not None else rot  # not read without HAS_MEAN
         grid = ((rows + _BLOCK_M - 1) // _BLOCK_M, h)
-        rotate_tiles_kernel[grid](
+        launch(rotate_tiles_kernel, grid,
             flat, flat.stride(0), flat.stride(1), flat.stride(2),
             rot, rot.stride(0), rot.stride(1), rot.stride(2),
             m, m.stride(0), out, rows, g,

@@ -19,6 +19,7 @@ import torch
 from oscar_math import check
 
 from ._backend import Backend, use_triton
+from .launch import launch
 
 __all__ = ["write_window_records", "write_window_records_ref"]
 
@@ -159,7 +160,7 @@ def write_window_records(
     for t in (rows, ring_k, ring_v, sink_k, sink_v):
         check(t.numel() == 0 or t.stride(-1) == 1, "last stride of rows/ring/sink", 1, t.stride(-1))
     part = sink_part if sink else 0
-    window_records_kernel[(n, 2 * h)](
+    launch(window_records_kernel, (n, 2 * h),
         rows, rows.stride(0), rows.stride(1),
         tables, tables.stride(0), tables.stride(1),
         slot_mapping, seq_index, positions, window_slots, ring_rows,

@@ -1,0 +1,145 @@
+"""oscar_kernels.launch: a re-used compiled kernel is the one Triton would launch, with the call's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA, needs_triton
+
+from oscar_kernels import launch as L
+
+pytestmark = needs_triton
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride, alpha, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        x = tl.load(x_ptr + i * stride, mask=m)
+        y = tl.load(y_ptr + i, mask=m)
+        tl.store(out_ptr + i, alpha * x + y + SHIFT, mask=m)
+
+    return axpy_kernel
+
+
+def _key(kernel, *args, **kwargs):
+    return L._bind(L._Site(kernel), args, kwargs)[1:]
+
+
+def test_key_tells_apart_what_triton_specialises() -> None:
+    k = _kernel()
+    x = torch.randn(64)
+    y = torch.randn(64)
+    base = _key(k, x, y, y, 37, 2, 0.5, BLOCK=32)
+    assert _key(k, torch.randn(64), torch.randn(64), torch.randn(64), 37, 2, 1.5, BLOCK=32) == base
+    assert _key(k, x[1:], y, y, 37, 2, 0.5, BLOCK=32) != base  # 4-byte offset: not 16-byte aligned
+    assert _key(k, x.double(), y, y, 37, 2, 0.5, BLOCK=32) != base  # dtype
+    assert _key(k, x, y, y, 37, 1, 0.5, BLOCK=32) != base  # an int equal to 1 is a constant to Triton
+    assert _key(k, x, y, y, 48, 2, 0.5, BLOCK=32) != base  # a multiple of 16 is an alignment hint
+    assert _key(k, x, y, y, 1 << 40, 2, 0.5, BLOCK=32) != base  # int64
+    assert _key(k, x, y, y, 37, 2, 0.5, BLOCK=64) != base  # constexpr value
+    assert _key(k, x, y, y, 37, 2, 0.5, BLOCK=32, SHIFT=1) != base  # a constexpr default overridden
+    assert _key(k, x, y, y, 37, 2, 0.5, BLOCK=32, num_warps=8) != base  # launch option
+    assert _key(k, x, y, y, 37, 2, 0.5, BLOCK=32, SHIFT=0) == base  # the default spelt out
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def run(self, *a) -> None:  # noqa: ANN002
+        self.calls.append(a)
+
+
+class _FakeKernel:
+    """A kernel whose ``[grid]`` launch is Triton's slow path: counted, returns one compiled kernel
+    per distinct key so a wrong re-use shows."""
+
+    def __init__(self, real) -> None:  # noqa: ANN001
+        self.fn = real.fn
+        self.slow: list[tuple] = []
+        self.by_key: dict = {}
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.slow.append((grid, args, kwargs))
+            try:
+                key = _key(self, *args, **kwargs)
+            except L._Slow:
+                key = len(self.slow)
+            return self.by_key.setdefault(key, _FakeCompiled())
+
+        return run
+
+
+def test_reuses_the_compiled_kernel_of_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    class _Rt:
+        launch_enter_hook = launch_exit_hook = None
+
+    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 1234))
+    monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+    fk = _FakeKernel(_kernel())
+    L.clear_launch_cache()
+    x, y, o = torch.randn(64), torch.randn(64), torch.randn(64)
+    c1 = L.launch(fk, (3,), x, y, o, 37, 2, 0.5, BLOCK=32)
+    assert len(fk.slow) == 1 and c1.calls == []  # first: through Triton
+    x2 = torch.randn(64)
+    c2 = L.launch(fk, (5, 2), x2, y, o, 37, 2, 0.25, BLOCK=32)
+    assert c2 is c1 and len(fk.slow) == 1
+    # the launcher's arguments: grid, stream, handles, hooks, every value in parameter order
+    assert c1.calls == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x2, y, o, 37, 2, 0.25, 32, 0)]
+    c3 = L.launch(fk, (3,), x[1:], y, o, 37, 2, 0.5, BLOCK=32)  # unaligned: another specialisation
+    assert len(fk.slow) == 2 and c3 is not c1
+    L.launch(fk, (3,), x, y, o, 37, 1, 0.5, BLOCK=32)  # stride 1
+    assert len(fk.slow) == 3
+    L.launch(fk, (3,), x, y, o, 37, 2, 0.5, 32)  # the constexpr passed by position: same key
+    assert len(fk.slow) == 3 and len(c1.calls) == 2
+
+
+def test_hooks_or_unknown_arguments_go_through_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    class _Chain:
+        calls = [print]
+
+    class _Rt:
+        launch_enter_hook, launch_exit_hook = _Chain(), None
+
+    assert not L._hooks_quiet(_Rt)
+    _Rt.launch_enter_hook = type("Empty", (), {"calls": []})()
+    assert L._hooks_quiet(_Rt)
+    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 0))
+    monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+    fk = _FakeKernel(_kernel())
+    L.clear_launch_cache()
+    x = torch.randn(64)
+    for _ in range(2):
+        L.launch(fk, (1,), x, x, x, 37, 2, [0.5], BLOCK=32)  # a list: not in the key's vocabulary
+    assert len(fk.slow) == 2
+
+
+@pytest.mark.parametrize("n", [1, 37, 64, 100])
+def test_same_output_as_the_triton_launch(n: int) -> None:
+    """Interpreter (CPU): the fallback; CUDA: the re-used kernel's launches, new values each time."""
+    import triton
+
+    k = _kernel()
+    L.clear_launch_cache()
+    gen = torch.Generator().manual_seed(n)
+    for rep in range(3):  # the second and third reuse the first's compiled kernel on CUDA
+        x = torch.randn(2 * n, generator=gen).to(DEVICE)
+        y = torch.randn(n, generator=gen).to(DEVICE)
+        want = torch.empty(n, device=DEVICE)
+        got = torch.full((n,), float("nan"), device=DEVICE)
+        grid = (triton.cdiv(n, 32),)
+        k[grid](x, y, want, n, 2, 0.5 + rep, BLOCK=32)
+        L.launch(k, grid, x, y, got, n, 2, 0.5 + rep, BLOCK=32)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, (0.5 + rep) * x[::2] + y, rtol=1e-6, atol=1e-6)
+    if HAS_CUDA:
+        assert L.fast_launch_available()
+        assert sum(len(s.compiled) for s in L._SITES.values()) == 1
