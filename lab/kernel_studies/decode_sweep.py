@@ -73,7 +73,9 @@ def parts(s, ns):
     out["rotate_one_program_per_row"] = us(lambda: dec._rotate_queries_triton(q, ep, "tl", per_row))
     sc = 1 / math.sqrt(d)
     out["split+merge"] = us(
-        lambda: dec._launch_decode(s["q_rot"], cache, bt, sl, ws, sc, g, ns, 32, 1, 2, impl="gluon")
+        lambda: dec._launch_decode(
+            s["q_rot"], cache, bt, sl, ws, sc, g, dec.SplitLaunch(ns, 32, 1, 2), impl="gluon"
+        )
     )
     nt = ns + window_programs(lo.sink_tokens, lo.recent_tokens)
     bsz, hq = q.shape[:2]
@@ -145,8 +147,8 @@ def sweep_ring(ctx: int, bsz: int) -> dict:
 
     def kernels(ns=ns, bn=32):
         return dec._launch_decode(
-            s["q_rot"], s["cache"], s["bt"], s["sl"], s["ws"], 1 / math.sqrt(s["d"]), s["g"], ns, bn, 1, 2,
-            impl="gluon",
+            s["q_rot"], s["cache"], s["bt"], s["sl"], s["ws"], 1 / math.sqrt(s["d"]), s["g"],
+            dec.SplitLaunch(ns, bn, 1, 2), impl="gluon",
         )  # fmt: skip
 
     def measure(key, ns=ns, bn=32, op=True):
@@ -177,11 +179,7 @@ def sweep_ring(ctx: int, bsz: int) -> dict:
         set_knobs(defaults)
     s = None
     torch.cuda.empty_cache()
-    k = torch.randn(bsz, 8, ctx, 128, device=G.DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    qs = torch.randn(bsz, 32, 1, 128, device=G.DEV, dtype=torch.bfloat16)
-    F = torch.nn.functional
-    row["sdpa_us"] = us(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+    row["sdpa_us"] = _sdpa_us(bsz, ctx)
     return row
 
 
@@ -211,6 +209,27 @@ def print_ring_summary(res: dict) -> None:
 COPY_BPS = 4.27e12  # replaced by the measured copy bandwidth in main()
 
 
+def _sdpa_us(bsz: int, ctx: int) -> float:
+    """The BF16 baseline: torch SDPA over a dense ``[B, 8, ctx, 128]`` cache, 32 query heads."""
+    k = torch.randn(bsz, 8, ctx, 128, device=G.DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qs = torch.randn(bsz, 32, 1, 128, device=G.DEV, dtype=torch.bfloat16)
+    return us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+
+
+def _sweep(fn, shapes, res, path) -> None:  # noqa: ANN001
+    """``fn(ctx, batch)`` per shape into ``res["rows"]``, the JSON rewritten after each."""
+    for ctx, bsz in shapes:
+        try:
+            row = fn(ctx, bsz)
+        except Exception:  # one broken shape must not cost the device call
+            row = {"ctx": ctx, "batch": bsz, "error": traceback.format_exc()[-2000:]}
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+        torch.cuda.empty_cache()
+        json.dump(res, open(path, "w"), indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -223,34 +242,15 @@ def main() -> None:
         COPY_BPS = G.copy_bandwidth_gbs() * 1e9
         res = {"triton": __import__("triton").__version__, "copy_GBps": COPY_BPS / 1e9, "rows": []}
         t = time.time()
-        for ctx, bsz in [(131072, 8), (8192, 1)] + [
-            (c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)
-        ]:
-            if (ctx, bsz) in [(r["ctx"], r["batch"]) for r in res["rows"]]:
-                continue
-            try:
-                row = sweep_ring(ctx, bsz)
-            except Exception:  # one broken shape must not cost the device call
-                row = {"ctx": ctx, "batch": bsz, "error": traceback.format_exc()[-2000:]}
-            print(json.dumps(row), flush=True)
-            res["rows"].append(row)
-            torch.cuda.empty_cache()
-            json.dump(res, open(os.path.join(a.out, "decode_ring_sweep.json"), "w"), indent=1)
+        shapes = [(131072, 8), (8192, 1)] + [(c, b) for c in (8192, 32768, 131072) for b in (1, 8, 32)]
+        _sweep(sweep_ring, list(dict.fromkeys(shapes)), res, os.path.join(a.out, "decode_ring_sweep.json"))
         print(f"ring sweep {time.time() - t:.0f}s", flush=True)
         print_ring_summary(res)
         return
     res = {"triton": __import__("triton").__version__, "rows": []}
     t = time.time()
     shapes = [(c, b) for b in (1, 8) for c in (8192, 32768, 131072)]
-    for ctx, bsz in shapes:
-        try:
-            row = sweep_shape(ctx, bsz)
-        except Exception:  # one broken shape must not cost the device call
-            row = {"ctx": ctx, "batch": bsz, "error": traceback.format_exc()[-2000:]}
-        print(json.dumps(row), flush=True)
-        res["rows"].append(row)
-        torch.cuda.empty_cache()
-        json.dump(res, open(os.path.join(a.out, "decode_sweep.json"), "w"), indent=1)
+    _sweep(sweep_shape, shapes, res, os.path.join(a.out, "decode_sweep.json"))
     print(f"sweep {time.time() - t:.0f}s", flush=True)
 
 
@@ -277,11 +277,7 @@ def sweep_shape(ctx: int, bsz: int) -> dict:
     if bsz == 1 and ctx == 8192:
         row["parts_at_default"] = parts(s, row["default_splits"])
     s = None
-    k = torch.randn(bsz, 8, ctx, 128, device=G.DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    qs = torch.randn(bsz, 32, 1, 128, device=G.DEV, dtype=torch.bfloat16)
-    F = torch.nn.functional
-    row["sdpa_us"] = us(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+    row["sdpa_us"] = _sdpa_us(bsz, ctx)
     return row
 
 

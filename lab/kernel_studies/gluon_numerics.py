@@ -90,7 +90,9 @@ def numerics(tag, log, variants):
         for impl, bn, ns in cfgs:
             nw = 4 if impl == "tl" else 1
             try:
-                o = dec._launch_decode(q_rot, cache, bt, sl, ws, scale, g, ns, bn, nw, 2, impl=impl).double()
+                o = dec._launch_decode(
+                    q_rot, cache, bt, sl, ws, scale, g, dec.SplitLaunch(ns, bn, nw, 2), impl=impl
+                ).double()
             except Exception as e:  # noqa: BLE001 - report and go on
                 log(f"{tag} {impl} bn={bn} ns={ns} FAILED {e!r}")
                 continue

@@ -401,7 +401,9 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     row["num_splits"] = ns
 
     def kernels():
-        return dec_mod._launch_decode(q_rot, cache, bt, sl, ws, 1 / math.sqrt(d), g, ns, bn, nw, 2, impl=impl)
+        return dec_mod._launch_decode(
+            q_rot, cache, bt, sl, ws, 1 / math.sqrt(d), g, dec_mod.SplitLaunch(ns, bn, nw, 2), impl=impl
+        )
 
     kernels()
     kern = dec_mod.LAST_COMPILED.get("decode_split")
@@ -427,7 +429,15 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
         row["default_num_splits"] = ns0
         row["default_kernels_graph_ms"] = bench_graph_ms(
             lambda: dec_mod._launch_decode(
-                q_rot, cache, bt, sl, ws, 1 / math.sqrt(d), g, ns0, bn0, nw0, 2, impl=impl
+                q_rot,
+                cache,
+                bt,
+                sl,
+                ws,
+                1 / math.sqrt(d),
+                g,
+                dec_mod.SplitLaunch(ns0, bn0, nw0, 2),
+                impl=impl,
             )
         )
     cache = None

@@ -62,6 +62,13 @@ def test_decode_triton_matches_reference(d, h, g, page, group, granularity, spli
     assert out[0].abs().max() == 0  # empty sequence
     for b in range(1, len(lens)):
         assert rel(out[b], ref[b]) < 1e-2, (b, lens[b])
+    # into a caller's buffer (an engine's output rows): the same numbers, that buffer returned
+    buf = torch.full((len(lens) + 2, h * g, d), float("nan"), device=DEVICE).bfloat16()
+    kw = dict(backend="triton", num_splits=splits, block_n=16 if impl == "tl" else 32, impl=impl)
+    got = decode_attention(q, cache, params, bt, sl, ws, out=buf[1:-1], **kw)
+    assert got.data_ptr() == buf[1].data_ptr()
+    torch.testing.assert_close(buf[1:-1], out, rtol=0, atol=0)
+    assert buf[0].isnan().all() and buf[-1].isnan().all()
 
 
 def test_decode_input_errors():
@@ -78,6 +85,14 @@ def test_decode_input_errors():
         decode_attention(q, cache, params, bt, sl, ws, backend="cuda")
     with pytest.raises(OscarError, match="impl"):
         decode_attention(q, cache, params, bt, sl, ws, impl="fma")
+    with pytest.raises(OscarError, match="out"):
+        decode_attention(q, cache, params, bt, sl, ws, out=torch.empty(1, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(OscarError, match="out"):
+        decode_attention(q, cache, params, bt, sl, ws, out=torch.empty(1, 32, 4).transpose(1, 2))
+    ref = decode_attention(q, cache, params, bt, sl, ws, backend="torch")
+    buf = torch.empty_like(q)
+    assert decode_attention(q, cache, params, bt, sl, ws, backend="torch", out=buf) is buf
+    torch.testing.assert_close(buf, ref, rtol=0, atol=0)
     if DEVICE.type == "cpu" and HAS_TRITON:
         # head_dim 32 (and the interpreter/CPU) cannot take the Gluon kernel: a clear refusal
         with pytest.raises(KernelUnavailableError, match="impl='tl'"):
@@ -543,7 +558,19 @@ def test_gluon_launcher_host_logic_runs_on_cpu(monkeypatch, case):
     )
     rope = (torch.zeros(2, 8, 2, 8), torch.zeros(8), 8, 8)
     ns = 2
-    dec._launch_decode(q_rot, cache, bt, sl, ws, 0.1, 4, ns, 32, 1, 2, impl="gluon", rope=rope, tuning=tuning)
+    dec._launch_decode(
+        q_rot,
+        cache,
+        bt,
+        sl,
+        ws,
+        0.1,
+        4,
+        dec.SplitLaunch(ns, 32, 1, 2),
+        impl="gluon",
+        rope=rope,
+        tuning=tuning,
+    )
     w_tok = 32 if case == "rule" else 64
     assert seen["W_TOK"] == w_tok and seen["grid"] == (2 * 2, ns + ag.window_programs(64, 40, w_tok))
     # the rule: splits of ceil((3008 - 104) / 2 / 32) = 46 tiles take the ring (4-8-byte copies:

@@ -491,6 +491,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         # eager: the per-layer host cost (OSCAR's decode step minus FA3's, over 36 layers)
         w_eager = [["decode", 2048, 1, 64], ["decode", 2048, 16, 64], ["profile", 2048, 1, 8]]
         w_eager.append(["pyprofile", 2048, 4, 8])  # which Python functions the eager host time is
+        w_eager.append(["prefill", 32768])  # prefill runs attention eagerly in every configuration
         for name, backend, cache, extra in (
             ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),

@@ -38,6 +38,8 @@ def interpreting() -> bool:
 
 def use_triton(device: torch.device, backend: Backend | str) -> bool:
     """Whether to launch the Triton kernel for tensors on ``device``."""
+    if backend == "auto":  # the engines' case, several times per layer: no enum work
+        return device.type == "cuda" and triton_available()
     values = [b.value for b in Backend]
     check(backend in values, "backend", f"one of {values}", backend)
     b = Backend(backend)

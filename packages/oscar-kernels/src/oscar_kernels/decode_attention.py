@@ -6,6 +6,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -190,8 +191,13 @@ def gluon_block_n(
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(
@@ -250,17 +256,12 @@ def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None)
         return "switched off by OSCAR_GLUON_DECODE=0"
     if interpreting():
         return "the Triton interpreter does not run Gluon kernels"
-    if cache.device.type != "cuda":
-        return f"Gluon needs a CUDA device, got {cache.device}"
-    from .kernels.attention_gluon import GLUON_IMPORT_ERROR
-
-    if GLUON_IMPORT_ERROR is not None:
-        return f"triton.experimental.gluon is unavailable ({GLUON_IMPORT_ERROR})"
-    if torch.version.hip is not None:
-        return "the Gluon kernel uses NVIDIA mma_v2 and PTX"
-    major, _ = torch.cuda.get_device_capability(cache.device)
-    if major < 8:
-        return f"Gluon mma_v2 needs sm_80+, got sm_{major}x"
+    dev = cache.device
+    if dev.type != "cuda":
+        return f"Gluon needs a CUDA device, got {dev}"
+    why = _gluon_device_reason(dev.index if dev.index is not None else torch.cuda.current_device())
+    if why is not None:
+        return why
     if lo.head_dim % 128 != 0:
         return f"head_dim {lo.head_dim} is not a multiple of 128"
     if lo.group != lo.head_dim:
@@ -273,6 +274,21 @@ def gluon_unavailable_reason(cache: PagedKVCache, q: torch.Tensor | None = None)
         return "code pages are not 4-byte aligned (the kernel loads 32-bit code words)"
     if q is not None and triton_next_pow2(q.shape[1] // lo.num_kv_heads) > 64:
         return "GQA group > 64"
+    return None
+
+
+@functools.cache
+def _gluon_device_reason(index: int) -> str | None:
+    """The device and Triton facts of :func:`gluon_unavailable_reason`, once per device (host cost)."""
+    from .kernels.attention_gluon import GLUON_IMPORT_ERROR
+
+    if GLUON_IMPORT_ERROR is not None:
+        return f"triton.experimental.gluon is unavailable ({GLUON_IMPORT_ERROR})"
+    if torch.version.hip is not None:
+        return "the Gluon kernel uses NVIDIA mma_v2 and PTX"
+    major, _ = torch.cuda.get_device_capability(index)
+    if major < 8:
+        return f"Gluon mma_v2 needs sm_80+, got sm_{major}x"
     return None
 
 
@@ -321,6 +337,7 @@ def decode_attention(
     impl: str = "auto",
     check_bounds: bool | None = None,
     tuning: DecodeTuning | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of attention for ``B`` sequences of different lengths.
 
@@ -347,8 +364,10 @@ def decode_attention(
             synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s setting, off
             while a CUDA graph is captured). An engine checks once per step, not per layer.
         tuning: the launch rules (:class:`DecodeTuning`; ``None``: :data:`DEFAULT_TUNING`).
+        out: where to write the result (contiguous ``[B, H_q, d]`` in ``q.dtype``; an engine's
+            output buffer saves an allocation and a copy per layer); ``None``: a new tensor.
     Returns:
-        ``[B, H_q, d]`` in ``q.dtype``.
+        ``[B, H_q, d]`` in ``q.dtype`` (``out`` when given).
     """
     lo = cache.layout
     g = check_queries("q", q, cache, 3)
@@ -364,8 +383,16 @@ def decode_attention(
     check_decode_bounds(cache, block_table, seq_lens, window_slots, check_bounds)  # off under graph capture
     check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    if out is not None:
+        check(
+            tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype and out.is_contiguous(),
+            "out",
+            f"a contiguous {tuple(q.shape)} {q.dtype} tensor",
+            f"{tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}",
+        )
     if not use_triton(cache.device, backend):
-        return decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
+        res = decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
+        return res if out is None else out.copy_(res)
     tuning = _tuning(tuning)
     free_block_n = block_n is None
     impl, block_n, num_warps, programs_per_sm = resolve_launch(
@@ -387,7 +414,7 @@ def decode_attention(
             programs_per_sm,
             tuning,
         )
-    out = _launch_decode(
+    return _launch_decode(
         q_rot,
         cache,
         block_table,
@@ -395,17 +422,14 @@ def decode_attention(
         window_slots,
         scale,
         g,
-        num_splits,
-        block_n,
-        num_warps,
-        num_stages,
+        SplitLaunch(num_splits, block_n, num_warps, num_stages),
         impl=impl,
         unrotate=ep.v_rotation,
         out_dtype=q.dtype,
         rope=rope,
         tuning=tuning,
+        out=out,
     )
-    return out
 
 
 def rope_slots(pairs: int, impl: str = "tl") -> int:
@@ -450,6 +474,16 @@ def _rotate_queries_triton(
     return out, rope
 
 
+class SplitLaunch(NamedTuple):
+    """How the split kernel of one decode call launches (:func:`resolve_launch`,
+    :func:`choose_num_splits`)."""
+
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
 def _launch_decode(
     q_rot,
     cache,
@@ -458,25 +492,26 @@ def _launch_decode(
     window_slots,
     scale,
     g,
-    num_splits,
-    block_n,
-    num_warps,
-    num_stages,
+    split: SplitLaunch,
     bf16_pages=None,
     impl="tl",
     unrotate=None,
     out_dtype=torch.float32,
     rope=None,
     tuning: DecodeTuning | None = None,
+    out=None,
 ):
-    """Split kernel + merge; ``unrotate`` (``[H_kv, d, d]`` ``R_V``): the merge also returns
-    ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output). ``rope``: the pre-RoPE
-    mean's ``(C, θ, R, P)`` (:func:`_rotate_queries_triton`; ``None``: no score term)."""
+    """Split kernel + merge (launched as ``split`` says); ``unrotate`` (``[H_kv, d, d]`` ``R_V``):
+    the merge also returns ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output).
+    ``rope``: the pre-RoPE mean's ``(C, θ, R, P)`` (:func:`_rotate_queries_triton`; ``None``: no
+    score term)."""
     tuning = _tuning(tuning)
     import triton
 
     from ._backend import interpreting
     from .kernels.attention import decode_split_kernel, merge_splits_kernel
+
+    num_splits, block_n, num_warps, num_stages = split
 
     lo = cache.layout
     bsz, hq, d = q_rot.shape
@@ -575,7 +610,8 @@ def _launch_decode(
         )
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
-    out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
+    if out is None:
+        out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
     preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     launch(merge_splits_kernel, (bsz * hq,),
@@ -624,9 +660,6 @@ def paged_bf16_decode(
         torch.zeros_like(seq_lens),
         scale,
         q.shape[1] // h,
-        num_splits,
-        block_n,
-        num_warps,
-        num_stages,
+        SplitLaunch(num_splits, block_n, num_warps, num_stages),
         bf16_pages=(k_pages, v_pages),
     )

@@ -63,45 +63,21 @@ def register_ops() -> None:
     @torch.library.custom_op("oscar::decode_attention", mutates_args=())
     def _decode(
         q: torch.Tensor,
-        k_codes: torch.Tensor,
-        v_codes: torch.Tensor,
-        k_scale: torch.Tensor,
-        k_zero: torch.Tensor,
-        v_scale: torch.Tensor,
-        v_zero: torch.Tensor,
-        k_sink: torch.Tensor,
-        v_sink: torch.Tensor,
-        k_recent: torch.Tensor,
-        v_recent: torch.Tensor,
-        k_rotation: torch.Tensor,
-        v_rotation: torch.Tensor,
-        k_mean: torch.Tensor,
-        k_clip: torch.Tensor,
-        v_clip: torch.Tensor,
+        cache: list[torch.Tensor],
+        params: list[torch.Tensor | None],
+        has_mean: bool,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         window_slots: torch.Tensor,
         group_size: int,
         softmax_scale: float,
-        k_rope_mean: torch.Tensor | None = None,
-        k_rope_inv_freq: torch.Tensor | None = None,
-        k_rope_ab: torch.Tensor | None = None,
-        k_rope_theta: torch.Tensor | None = None,
-        k_rope_pairs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from .decode_attention import decode_attention
 
-        h, ps, d = k_codes.shape[1], k_codes.shape[2], q.shape[-1]
-        lo = CacheLayout(h, d, ps, group_size, k_sink.shape[2], k_recent.shape[2])
-        cache = PagedKVCache(
-            lo, k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, k_sink, v_sink, k_recent, v_recent
-        )
-        ep = ExpandedParams(
-            k_rotation, v_rotation, k_mean, k_clip, v_clip, True,
-            k_rope_mean=k_rope_mean, k_rope_inv_freq=k_rope_inv_freq, k_rope_ab=k_rope_ab,
-            k_rope_theta=k_rope_theta, k_rope_pairs=k_rope_pairs,
+        return decode_attention(
+            q, _cache_from(cache, group_size), _params_from(params, has_mean), block_table, seq_lens,
+            window_slots, softmax_scale,
         )  # fmt: skip
-        return decode_attention(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
 
     @_decode.register_fake
     def _(q, *args, **kwargs):
@@ -172,36 +148,11 @@ def decode_attention_op(
 ) -> torch.Tensor:
     """:func:`oscar_kernels.decode_attention` through ``torch.ops.oscar.decode_attention``."""
     register_ops()
-    c = cache
     scale = softmax_scale if softmax_scale is not None else cache.layout.head_dim**-0.5
     return torch.ops.oscar.decode_attention(
-        q,
-        c.k_codes,
-        c.v_codes,
-        c.k_scale,
-        c.k_zero,
-        c.v_scale,
-        c.v_zero,
-        c.k_sink,
-        c.v_sink,
-        c.k_recent,
-        c.v_recent,
-        params.k_rotation,
-        params.v_rotation,
-        params.k_mean,
-        params.k_clip,
-        params.v_clip,
-        block_table,
-        seq_lens,
-        window_slots,
-        cache.layout.group,
-        float(scale),
-        params.k_rope_mean,
-        params.k_rope_inv_freq,
-        params.k_rope_ab,
-        params.k_rope_theta,
-        params.k_rope_pairs,
-    )
+        q, _cache_list(cache), _params_list(params), params.has_mean, block_table, seq_lens,
+        window_slots, cache.layout.group, float(scale),
+    )  # fmt: skip
 
 
 def extend_attention_op(

@@ -145,43 +145,10 @@ def paged_write(
             cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, parts
         )
         return
-    _launch(
-        cache,
-        ep,
-        key,
-        value,
-        slot_mapping,
-        positions,
-        seq_index,
-        seq_lens,
-        window_slots,
-        precise,
-        block_t,
-        num_warps,
-        parts,
-    )
-
-
-def _launch(
-    cache,
-    ep,
-    key,
-    value,
-    slot_mapping,
-    positions,
-    seq_index,
-    seq_lens,
-    window_slots,
-    precise,
-    block_t,
-    num_warps,
-    parts,
-):
     import triton
 
     from .kernels.paged_write import paged_write_kernel
 
-    lo = cache.layout
     n = key.shape[0]
     default_bt = 128 if lo.head_dim <= 128 else 32
     prec = "ieee" if (precise or interpreting()) else "tf32"

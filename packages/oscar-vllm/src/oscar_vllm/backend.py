@@ -543,14 +543,22 @@ class OscarAttentionImpl(AttentionImpl):
         q = query[:n].view(n, h, d)
         k = key[:n].view(n, hk, d)
         v = value[:n].view(n, hk, d)
+        o = output[:n].view(n, h, d)  # a decode step's attention writes here directly
         if not self.cached:
-            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense)
+            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense, out=o)
         else:
             assert self._pages is not None
             b = md.seq_lens.shape[0]
-            tables = torch.stack(
-                [m.block_table[:b] for m in compat.window_metadata(self.window_names)]
-            )  # [groups, B, max_blocks]
+            metas = compat.window_metadata(self.window_names)
+            # [groups, B, max_blocks], once per step; per layer while a graph is captured, so every
+            # captured graph holds its own stack (a stack from a warm-up run would replay stale)
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            key = None if capturing else tuple(map(id, metas))
+            tables = md.window_tables.get(key) if key is not None else None
+            if tables is None:
+                tables = torch.stack([m.block_table[:b] for m in metas])
+                if key is not None:
+                    md.window_tables[key] = tables
             if md.stamps is not None:  # transient records: refuse a restore from records that are gone
                 self._check_records(md, tables)
             # only rows whose slot does not already hold their windows (the builder's SlotTracker),
@@ -558,9 +566,10 @@ class OscarAttentionImpl(AttentionImpl):
             if id(self) not in md.restored_by:
                 for row, slot, prefix in md.restore:
                     restore_windows(cache, slot, self._pages, tables[:, row], prefix)
-            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense)
+            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense, out=o)
             write_window_pages(cache, params, k, v, md, self._pages, tables)
-        output[:n].view(n, h, d).copy_(out)
+        if out is not o:
+            o.copy_(out)
         return output
 
 

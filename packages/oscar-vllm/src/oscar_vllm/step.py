@@ -74,6 +74,9 @@ class StepMetadata:
     bounds_checked: list[bool] = field(default_factory=lambda: [False])
     #: the layers (ids) whose windows the metadata builders already restored for this step
     restored_by: set[int] = field(default_factory=set)
+    #: the window groups' block tables stacked ``[G, B, max_blocks]``, by the ids of the groups'
+    #: metadata: every layer of a step reads the same groups, so one stack per step, not per layer
+    window_tables: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     #: per row on the host: query tokens (exact) and an upper bound of ``seq_lens`` (vLLM's V2
     #: runner gives bounds): they size a dense prefill's packed keys without a synchronisation
     query_lens_host: tuple[int, ...] = ()
@@ -346,13 +349,15 @@ def attend_step(
     backend: str = "auto",
     check_bounds: bool | None = None,
     dense: DenseAttention | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over the cache (after :func:`write_step`).
 
     Decode kernel when every row is a one-token decode (everything written before);
     otherwise one extend call over the whole mixed batch (a decode row is a one-token
     chunk; extend and decode agree there, see oscar-kernels' tests), after the INT2 +
-    sink write and before the ring write. Returns ``[T, H_q, d]`` in ``q.dtype``.
+    sink write and before the ring write. Returns ``[T, H_q, d]`` in ``q.dtype``; a decode step
+    writes it into ``out`` when given (contiguous, as ``q``), other steps return a new tensor.
     """
     if md.all_decode:
         return decode_attention(
@@ -365,6 +370,7 @@ def attend_step(
             softmax_scale=scale,
             backend=backend,
             check_bounds=check_bounds,
+            out=out,
         )
     return extend_attention(
         q,
@@ -395,22 +401,24 @@ def run_layer(
     scale: float,
     backend: str = "auto",
     dense: DenseAttention | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's step (what the backend runs): write, attend, and for an extend step the
     ring rows last — the windows apply per query token (``oscar_kernels.extend_attention``),
-    and a chunk's ring rows overwrite rows its first queries still read."""
+    and a chunk's ring rows overwrite rows its first queries still read. ``out``: as
+    :func:`attend_step`."""
     # the step's index tensors are the same for every layer: the first layer checks them against
     # its cache (host synchronisations), the others skip the checks
     cb = False if md.bounds_checked[0] else None
     if md.all_decode:
         write_step(cache, params, k, v, md, backend, check_bounds=cb)
-        out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb)
+        res = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb, out=out)
     else:
         write_step(cache, params, k, v, md, backend, parts="pages", check_bounds=cb)
-        out = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb, dense=dense)
+        res = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb, dense=dense)
         write_step(cache, params, k, v, md, backend, parts="ring", check_bounds=cb)
     md.bounds_checked[0] = True
-    return out
+    return res
 
 
 # ---- BF16 window rows in pages: what a prefix-cache hit needs (docs/vllm.md, "Prefix caching") --
