@@ -41,6 +41,8 @@ class Mutation:
     tests: tuple[str, ...]  # pytest arguments that must fail on the mutant
 
 
+LAUNCH = "src/oscar_kernels/launch.py"
+
 MUTATIONS = (
     Mutation(
         "window-record-ring-row-off-by-one",
@@ -256,6 +258,36 @@ MUTATIONS = (
         'pages, ring = parts != "ring", parts != "pages"',
         'pages, ring = parts != "ring", True',
         ("tests/test_chunk_invariance.py", "-k", "reference_schedules and group-d and chunks-of-7"),
+    ),
+    # the launcher's re-use of compiled kernels (launch.py): a key coarser than Triton's
+    # specialisation re-uses a kernel compiled for other facts; a wrong launcher call mixes values
+    Mutation(
+        "launch-key-ignores-alignment",
+        LAUNCH,
+        "put(not v.data_ptr() & 15)",
+        "put(True)",
+        ("tests/test_launch.py",),
+    ),
+    Mutation(
+        "launch-key-ignores-value-one",
+        LAUNCH,
+        "put(1 if v == 1 else 10",
+        "put(10",
+        ("tests/test_launch.py",),
+    ),
+    Mutation(
+        "launch-key-ignores-options",
+        LAUNCH,
+        "if k not in index]) if kwargs else ()",
+        "if False]) if kwargs else ()",
+        ("tests/test_launch.py",),
+    ),
+    Mutation(
+        "launch-grid-axes-swapped",
+        LAUNCH,
+        "grid[0], g1, g2,",
+        "grid[0], g2, g1,",
+        ("tests/test_launch.py",),
     ),
 )
 

@@ -27,7 +27,8 @@ def _kernel():
 
 
 def _key(kernel, *args, **kwargs):
-    return L._bind(L._Site(kernel), args, kwargs)[1:]
+    _, key, opts = L._bind(L._Site(kernel), args, kwargs)
+    return tuple(key), opts
 
 
 def test_key_tells_apart_what_triton_specialises() -> None:

@@ -23,8 +23,6 @@ import torch
 
 __all__ = ["launch", "clear_launch_cache", "fast_launch_available"]
 
-_INT32 = (-(1 << 31), (1 << 31) - 1)
-
 
 class _Slow(Exception):
     """An argument the key does not describe: launch through Triton."""
@@ -97,36 +95,50 @@ def _site(fn: Any) -> _Site:
     return s
 
 
-def _spec(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
-    t = type(a)
-    if t is int:
-        return (a == 1, a & 15 == 0, _INT32[0] <= a <= _INT32[1])
-    if t is float:
-        return float
-    if t is bool or a is None:
-        return a
-    raise _Slow
+def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
+    """Values in parameter order, the specialisation key, the launch options.
 
-
-def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, tuple, tuple]:
-    """Values in parameter order, the key of the non-constexpr values, the launch options."""
-    n = len(args)
-    vals = list(args)
+    The key gets per constexpr its value; per tensor its dtype, then whether its address is
+    16-byte aligned; per int 1 for the value 1, else 10 + (multiple of 16) + 2·(within int32);
+    per bool 20 + value; per float 30; None as is. A dtype only ever comes from a tensor, so
+    every sequence of entries reads back one way. Anything else: :class:`_Slow`.
+    """
     names = site.names
+    n = len(args)
     if n > len(names):
         raise _Slow
-    for i in range(n, len(names)):
-        v = kwargs.get(names[i], _MISSING)
-        if v is _MISSING:
-            v = site.defaults[i]
+    vals = list(args)
+    if n < len(names):
+        get, defaults = kwargs.get, site.defaults
+        for i in range(n, len(names)):
+            v = get(names[i], _MISSING)
             if v is _MISSING:
-                raise _Slow  # Triton says which argument is missing
-        vals.append(v)
-    const = site.const
-    key = tuple([v if const[i] else _spec(v) for i, v in enumerate(vals)])
-    opts = tuple(sorted((k, v) for k, v in kwargs.items() if k not in site.index)) if len(kwargs) else ()
+                v = defaults[i]
+                if v is _MISSING:
+                    raise _Slow  # Triton says which argument is missing
+            vals.append(v)
+    key: list = []
+    put, tensor = key.append, torch.Tensor
+    for v, c in zip(vals, site.const, strict=True):
+        if c:
+            put(v)
+            continue
+        t = type(v)
+        if t is int:
+            put(1 if v == 1 else 10 + (not v & 15) + 2 * (-0x80000000 <= v <= 0x7FFFFFFF))
+        elif isinstance(v, tensor):
+            put(v.dtype)
+            put(not v.data_ptr() & 15)
+        elif t is bool:
+            put(20 + v)
+        elif t is float:
+            put(30)
+        elif v is None:
+            put(None)
+        else:
+            raise _Slow
+    index = site.index
+    opts = tuple([(k, v) for k, v in kwargs.items() if k not in index]) if kwargs else ()
     return vals, key, opts
 
 
@@ -149,7 +161,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     try:
         vals, key, opts = _bind(site, args, kwargs)
         dev = current_device()
-        full = (dev, opts, key)
+        full = (dev, opts, *key)
         compiled = site.compiled.get(full)
     except (_Slow, TypeError):  # TypeError: an unhashable constexpr
         return kernel[grid](*args, **kwargs)
