@@ -39,8 +39,6 @@ PTX_KEYS = (
 def _compile_tl(block_n: int, num_warps: int, gqa: int, d: int, windows: bool, group: int | None, arch: int):
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from oscar_kernels.kernels.attention import decode_split_kernel as fn
 
@@ -59,13 +57,22 @@ def _compile_tl(block_n: int, num_warps: int, gqa: int, d: int, windows: bool, g
         NUM_SPLITS=16,
         BLOCK_N=block_n,
         BLOCK_W=64,
-        PAGED_BF16=False,
         DOT=tl.bfloat16,
         UNPACK=0,
         ROPE_R=0,  # no pre-RoPE mean term (format 2); the kernel's defaults must be spelled out here
         ROPE_P=0,
         stride_st=1,  # as the runtime specialises the benchmark shape
     )
+    return _compile(fn, consts, ptr, arch, num_warps)
+
+
+def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: ANN001, ANN202
+    """``fn`` compiled for ``sm_<arch>``: constexprs ``consts``, pointer types ``ptr`` (other
+    ``*_ptr`` arguments bf16), ``sm_scale_log2`` fp32, other arguments i32 divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -77,6 +84,17 @@ def _compile_tl(block_n: int, num_warps: int, gqa: int, d: int, windows: bool, g
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def compile_bf16_baseline(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
+    """The BF16-pages baseline split kernel (``kernels/bf16_decode.py``) for ``sm_<arch>``."""
+    import triton.language as tl
+
+    from oscar_kernels.kernels.bf16_decode import bf16_decode_split_kernel as fn
+
+    consts = dict(H_KV=8, GQA=4, G_PAD=16, HEAD_DIM=128, NUM_SPLITS=16, BLOCK_N=64, DOT=tl.bfloat16)
+    ptr = {"bt_ptr": "*i32", "seqlen_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32"}
+    return _compile(fn, consts, ptr, arch, num_warps)
 
 
 def compile_decode(

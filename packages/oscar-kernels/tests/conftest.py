@@ -204,3 +204,41 @@ def assert_one_step_rarely(name: str, x: torch.Tensor, y: torch.Tensor, frac: fl
     # one bf16 step is 2^-7 relative; near zero the fp32 rotation's cancellation error is
     # absolute (~1e-6 of the inputs' size, which is O(1) here), hence the 1e-4 floor
     assert ((xf - yf).abs() <= 2**-7 * yf.abs() + 1e-4)[off].all(), name
+
+
+_COMPILE_CHECK = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("compile_check", sys.argv[1])
+cc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cc)
+try:
+    from triton.backends.compiler import GPUTarget  # noqa: F401
+except ImportError as e:
+    print(f"SKIP installed Triton cannot target CUDA offline: {e}")
+    sys.exit(0)
+sys.stdout.write(eval(sys.argv[2], {"cc": cc}).asm["ptx"])
+"""
+
+
+def compile_check_ptx(call: str) -> str:
+    """PTX of ``benchmarks/compile_check.py``'s ``call`` (e.g. ``"cc.compile_bf16_baseline(90)"``),
+    compiled for the GPU without one, in a fresh process without the interpreter (kernels run
+    under ``TRITON_INTERPRET=1`` leave Triton's language module patched). Skips, with the reason,
+    on a GPU (the tests there compile and run the kernels for real) and where the installed
+    Triton cannot target CUDA offline."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if HAS_CUDA:
+        pytest.skip("on a GPU the kernel tests compile and run this kernel for real")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHECK, str(script), call],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    if r.stdout.startswith("SKIP "):
+        pytest.skip(r.stdout[5:].strip())
+    return r.stdout

@@ -259,6 +259,21 @@ MUTATIONS = (
         'pages, ring = parts != "ring", True',
         ("tests/test_chunk_invariance.py", "-k", "reference_schedules and group-d and chunks-of-7"),
     ),
+    # the BF16-pages baseline kernel (benchmarks compare INT2 against it)
+    Mutation(
+        "bf16-baseline-page-offset-off-by-one",
+        "src/oscar_kernels/kernels/bf16_decode.py",
+        "(tok % page_size) * stride_ct",
+        "((tok + 1) % page_size) * stride_ct",
+        ("tests/test_baseline.py", "-k", "matches"),
+    ),
+    Mutation(
+        "bf16-baseline-split-past-the-end",
+        "src/oscar_kernels/kernels/bf16_decode.py",
+        "hi = tl.minimum(length, lo + per)",
+        "hi = lo + per",
+        ("tests/test_baseline.py", "-k", "matches"),
+    ),
     # the launcher's re-use of compiled kernels (launch.py): a key coarser than Triton's
     # specialisation re-uses a kernel compiled for other facts; a wrong launcher call mixes values
     Mutation(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_TRITON, fill_cache, needs_triton
+from conftest import DEVICE, HAS_TRITON, compile_check_ptx, fill_cache, needs_triton
 
 from oscar_kernels import CacheLayout, KernelUnavailableError, decode_attention, decode_attention_ref
 from oscar_kernels.decode_attention import gluon_unavailable_reason
@@ -45,18 +45,8 @@ def test_decode_triton_matches_reference(d, h, g, page, group, granularity, spli
         pytest.skip(f"Gluon kernel cannot run here: {why}")
     sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     q = torch.randn(len(lens), h * g, d, generator=gen).bfloat16().to(DEVICE)
-    out = decode_attention(
-        q,
-        cache,
-        params,
-        bt,
-        sl,
-        ws,
-        backend="triton",
-        num_splits=splits,
-        block_n=16 if impl == "tl" else 32,
-        impl=impl,
-    )
+    kw = dict(backend="triton", num_splits=splits, block_n=16 if impl == "tl" else 32, impl=impl)
+    out = decode_attention(q, cache, params, bt, sl, ws, **kw)
     ref = decode_attention_ref(q, cache, params.expand(h, d, cache.device), bt, sl, ws)
     assert torch.isfinite(out).all()
     assert out[0].abs().max() == 0  # empty sequence
@@ -64,7 +54,6 @@ def test_decode_triton_matches_reference(d, h, g, page, group, granularity, spli
         assert rel(out[b], ref[b]) < 1e-2, (b, lens[b])
     # into a caller's buffer (an engine's output rows): the same numbers, that buffer returned
     buf = torch.full((len(lens) + 2, h * g, d), float("nan"), device=DEVICE).bfloat16()
-    kw = dict(backend="triton", num_splits=splits, block_n=16 if impl == "tl" else 32, impl=impl)
     got = decode_attention(q, cache, params, bt, sl, ws, out=buf[1:-1], **kw)
     assert got.data_ptr() == buf[1].data_ptr()
     torch.testing.assert_close(buf[1:-1], out, rtol=0, atol=0)
@@ -385,35 +374,12 @@ def _gluon_ptx_or_skip(**kw) -> str:
     return r.stdout
 
 
-_COMPILE_TL = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("compile_check", sys.argv[1])
-cc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cc)
-try:
-    from triton.backends.compiler import GPUTarget  # noqa: F401
-except ImportError as e:
-    print(f"SKIP installed Triton cannot target CUDA offline: {e}")
-    sys.exit(0)
-sys.stdout.write(cc._compile_tl(64, 4, 4, 128, True, None, 90).asm["ptx"])
-"""
-
-
 @needs_triton
 def test_tl_decode_kernel_compiles_for_sm90_with_the_ptx_unpack():
     """The portable decode kernel's GPU path (what CPU tests, run through the interpreter, never
     lower) compiles for sm_90 without a GPU: tensor-core dots and the ``prmt`` unpack of the codes."""
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the decode tests compile and run this kernel for real")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-c", _COMPILE_TL, str(script)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    if r.stdout.startswith("SKIP "):
-        pytest.skip(r.stdout[5:].strip())
-    assert "mma.sync.aligned" in r.stdout and "prmt.b32" in r.stdout
+    ptx = compile_check_ptx("cc._compile_tl(64, 4, 4, 128, True, None, 90)")
+    assert "mma.sync.aligned" in ptx and "prmt.b32" in ptx
 
 
 @needs_triton

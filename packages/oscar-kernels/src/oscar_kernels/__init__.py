@@ -5,7 +5,8 @@ Importing this package does not import Triton; kernels load on first use.
 
 from ._backend import Backend, KernelUnavailableError, triton_available
 from ._validate import set_bounds_checks
-from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention, paged_bf16_decode
+from .baseline import paged_bf16_decode
+from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention
 from .extend_attention import extend_attention
 from .extend_dense import DenseAttention, dense_attention_ref, extend_attention_dense
 from .layout import (

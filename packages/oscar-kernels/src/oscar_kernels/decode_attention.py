@@ -31,7 +31,6 @@ LAST_COMPILED: dict = {}
 __all__ = [
     "decode_attention",
     "choose_num_splits",
-    "paged_bf16_decode",
     "gluon_unavailable_reason",
     "DECODE_IMPLS",
     "DecodeTuning",
@@ -493,7 +492,6 @@ def _launch_decode(
     scale,
     g,
     split: SplitLaunch,
-    bf16_pages=None,
     impl="tl",
     unrotate=None,
     out_dtype=torch.float32,
@@ -509,7 +507,7 @@ def _launch_decode(
     import triton
 
     from ._backend import interpreting
-    from .kernels.attention import decode_split_kernel, merge_splits_kernel
+    from .kernels.attention import decode_split_kernel
 
     num_splits, block_n, num_warps, num_stages = split
 
@@ -525,7 +523,7 @@ def _launch_decode(
         nt = num_splits + 2
     po = _empty(bsz, hq, nt, d, dtype=torch.float32, device=q_rot.device)
     plse = _empty(bsz, hq, nt, dtype=torch.float32, device=q_rot.device)
-    kc, vc = (cache.k_codes, cache.v_codes) if bf16_pages is None else bf16_pages
+    kc, vc = cache.k_codes, cache.v_codes
     grid = (bsz * lo.num_kv_heads, nt)
     common = (
         q_rot,
@@ -596,70 +594,49 @@ def _launch_decode(
             G_PAD=max(16, triton.next_power_of_2(g)),  # tl.dot needs 16 rows
             HEAD_DIM=d,
             GROUP=lo.group,
-            SINK=lo.sink_tokens if bf16_pages is None else 0,
-            RECENT=lo.recent_tokens if bf16_pages is None else 0,
+            SINK=lo.sink_tokens,
+            RECENT=lo.recent_tokens,
             RING=max(1, lo.recent_tokens),
             NUM_SPLITS=num_splits,
             BLOCK_N=block_n,
             BLOCK_W=64,
-            PAGED_BF16=bf16_pages is not None,
             DOT=dot_dtype(),
             UNPACK=unpack_mode(),
             **rope_args,
             **opts,
         )
+    return merge_partials(po, plse, g, unrotate, out_dtype, out, pdl, tuning)
+
+
+def merge_partials(
+    po: torch.Tensor,
+    plse: torch.Tensor,
+    gqa: int,
+    unrotate: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
+    tuning: DecodeTuning | None = None,
+) -> torch.Tensor:
+    """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]``
+    (``merge_splits_kernel``); with ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ`` in
+    ``out_dtype``, else float32. ``pdl``: launched as a programmatic dependent of the split kernel."""
+    import triton
+
+    from ._backend import interpreting
+    from .kernels.attention import merge_splits_kernel
+
+    tuning = _tuning(tuning)
+    bsz, hq, nt, d = po.shape
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
     if out is None:
-        out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=q_rot.device)
+        out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=po.device)
     preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     launch(merge_splits_kernel, (bsz * hq,),
-        po, plse, out, rot, *rs, nt, hq, g, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
+        po, plse, out, rot, *rs, nt, hq, gqa, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
         ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, PRELOAD=preload,
         **({"launch_pdl": True} if pdl else {}), **mopts,
     )  # fmt: skip
     return out
-
-
-def paged_bf16_decode(
-    q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    num_splits: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-) -> torch.Tensor:
-    """Baseline: the same split-K kernel over plain BF16 pages (no rotation, no windows).
-
-    Args:
-        q: ``[B, H_q, d]`` bf16.
-        k_pages, v_pages: ``[num_pages, H_kv, page_size, d]`` bf16.
-        block_table: ``[B, max_pages]``; seq_lens: ``[B]``.
-    Returns:
-        ``[B, H_q, d]`` float32.
-    """
-    from .layout import CacheLayout, allocate_cache
-
-    n_pages, h, ps, d = k_pages.shape
-    lo = CacheLayout(h, d, page_size=ps, sink_tokens=0, recent_tokens=0)
-    shell = allocate_cache(lo, 1, 1, k_pages.device)  # scale/window tensors are not read
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    bsz = q.shape[0]
-    if num_splits is None:
-        num_splits = choose_num_splits(bsz, h, block_table.shape[1] * ps, q.device, block_n)
-    return _launch_decode(
-        q,
-        shell,
-        block_table,
-        seq_lens,
-        torch.zeros_like(seq_lens),
-        scale,
-        q.shape[1] // h,
-        SplitLaunch(num_splits, block_n, num_warps, num_stages),
-        bf16_pages=(k_pages, v_pages),
-    )

@@ -324,15 +324,89 @@ def _bf16_range(
         tok = t0 + tl.arange(0, BLOCK_W)
         tmask = tok < hi
         row = (tok % ring).to(tl.int64) * stride_row
-        s = _bf16_scores(q0, q1, q2, q3, base_k, row, tmask, Q4, DOT)
-        s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
-        acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_tile(
+            q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3, base_k, base_v, row, tmask, sm_scale_log2,
+            Q4, DOT,
+        )  # fmt: skip
     return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _bf16_tile(
+    q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3, k_ptr, v_ptr, row, tmask, sm_scale_log2,
+    Q4: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over 16-bit key/value rows starting at ``k_ptr/v_ptr + row``."""
+    s = _bf16_scores(q0, q1, q2, q3, k_ptr, row, tmask, Q4, DOT)
+    s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
+    p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+    acc0, acc1, acc2, acc3 = _rescale(acc0, acc1, acc2, acc3, alpha)
+    acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, v_ptr, row, tmask, Q4, DOT)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _rescale(acc0, acc1, acc2, acc3, alpha):
+    """The accumulators' rows times the online softmax's correction ``alpha``."""
+    return acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+
+
+@triton.jit
+def _decode_program(H_KV: tl.constexpr, GQA: tl.constexpr, G_PAD: tl.constexpr):
+    """A decode split program ``(b·H_kv + h, split)``: ``(b, h, split, row mask, query heads)`` of
+    its ``GQA`` query heads (``G_PAD`` rows, the padding masked)."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, G_PAD)
+    return pid // H_KV, pid % H_KV, tl.program_id(1), rows < GQA, (pid % H_KV) * GQA + rows
+
+
+@triton.jit
+def _page_rows(
+    bt_row_ptr, tok, tmask, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp, stride_sh, stride_st
+):
+    """Offsets of tokens ``tok`` of KV head ``h`` in the paged cache (block table row at
+    ``bt_row_ptr``): ``(code row, scale/zero row)``."""
+    page = tl.load(bt_row_ptr + tok // page_size, mask=tmask, other=0).to(tl.int64)
+    off = tok % page_size
+    return (
+        page * stride_cp + h * stride_ch + off * stride_ct,
+        page * stride_sp + h * stride_sh + off * stride_st,
+    )
+
+
+@triton.jit
+def _int2_values(
+    s2, m_i, l_i, acc0, acc1, acc2, acc3, v_row_ptr, vs_ptr, vz_ptr, mrow, tmask,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DOT: tl.constexpr, UNPACK: tl.constexpr,
+):  # fmt: skip
+    """The online softmax step of an INT2 tile with log2 scores ``s2`` (``-inf`` where masked)
+    and its values: codes at ``v_row_ptr[:, None] + column``, scale/zero rows ``mrow``."""
+    p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+    acc0, acc1, acc2, acc3 = _rescale(acc0, acc1, acc2, acc3, alpha)
+    j = tl.arange(0, HEAD_DIM // 4)
+    vc = tl.load(v_row_ptr[:, None] + j[None, :], mask=tmask[:, None], other=0)
+    acc0, acc1, acc2, acc3 = _int2_pv(
+        p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
+    )
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _init_state(ROWS: tl.constexpr, Q4: tl.constexpr):
+    """An empty online softmax for ``ROWS`` query rows: ``m``, ``l`` and four ``[ROWS, Q4]`` accumulators."""
+    z = tl.zeros([ROWS, Q4], tl.float32)
+    return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), z, z, z, z
+
+
+@triton.jit
+def _store_partial(po_ptr, plse_ptr, prow, rmask, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_DIM: tl.constexpr):
+    """A split's normalised partial output (row ``prow`` of ``po``, ``HEAD_DIM`` wide) and its
+    log2-sum-exp (``-inf`` for a split without keys)."""
+    has = l_i > 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    _store_rows(po_ptr, prow.to(tl.int64) * HEAD_DIM, rmask, acc0, acc1, acc2, acc3, inv, HEAD_DIM // 4)
+    tl.store(plse_ptr + prow, lse, mask=rmask)
 
 
 @triton.jit
@@ -377,10 +451,7 @@ def _bf16_rows_causal(
             ok = ok & (tok[None, :] > qpos[:, None] - RECENT)
         s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
+        acc0, acc1, acc2, acc3 = _rescale(acc0, acc1, acc2, acc3, alpha)
         acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, base_v, row, tmask, Q4, DOT)
     return m_i, l_i, acc0, acc1, acc2, acc3
 
@@ -455,7 +526,6 @@ def decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    PAGED_BF16: tl.constexpr,
     DOT: tl.constexpr,
     UNPACK: tl.constexpr,
     rc_ptr=None,
@@ -469,27 +539,15 @@ def decode_split_kernel(
     ``[SINK, max(SINK, L - RECENT))``; split ``NUM_SPLITS`` the sink, split
     ``NUM_SPLITS + 1`` the recent ring. Each writes its normalised partial output
     and log2-sum-exp to ``po [B, H_q, NUM_SPLITS + 2, d]`` / ``plse``.
-    ``PAGED_BF16`` (benchmark baseline): pages hold bf16 rows ``[P, H, page, d]``.
     ``ROPE_R > 0`` (pre-RoPE key mean): INT2 scores get :func:`_rope_scores` of the query rows'
     coefficients ``rc [B, H_q, 2, ROPE_P]`` and ``θ`` ``rth [ROPE_R]`` (0: today's kernel).
     """
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid // H_KV
-    h = pid % H_KV
+    b, h, split, rmask, hq = _decode_program(H_KV, GQA, G_PAD)
     Q4: tl.constexpr = HEAD_DIM // 4
     NT: tl.constexpr = NUM_SPLITS + 2
     length = tl.load(seqlen_ptr + b)
-    rows = tl.arange(0, G_PAD)
-    rmask = rows < GQA
-    hq = h * GQA + rows
     q0, q1, q2, q3, qsum = _load_q(q_ptr, b * stride_qb + hq * stride_qh, rmask, Q4, DOT)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc0 = tl.zeros([G_PAD, Q4], tl.float32)
-    acc1 = tl.zeros([G_PAD, Q4], tl.float32)
-    acc2 = tl.zeros([G_PAD, Q4], tl.float32)
-    acc3 = tl.zeros([G_PAD, Q4], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _init_state(G_PAD, Q4)
     j = tl.arange(0, Q4)
     if split < NUM_SPLITS:
         start = SINK
@@ -504,45 +562,21 @@ def decode_split_kernel(
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
-            page = tl.load(bt_ptr + b * stride_bt + tok // page_size, mask=tmask, other=0).to(tl.int64)
-            off = tok % page_size
-            crow = page * stride_cp + h * stride_ch + off * stride_ct
-            if PAGED_BF16:
-                s = _bf16_scores(q0, q1, q2, q3, kc_ptr, crow, tmask, Q4, DOT)
-            else:
-                mrow = page * stride_sp + h * stride_sh + off * stride_st
-                kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-                s = _int2_scores(
-                    q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
-                )
-                if ROPE_R > 0:
-                    s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)
+            crow, mrow = _page_rows(
+                bt_ptr + b * stride_bt, tok, tmask, page_size, h, stride_cp, stride_ch, stride_ct,
+                stride_sp, stride_sh, stride_st,
+            )  # fmt: skip
+            kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
+            s = _int2_scores(
+                q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
+            )
+            if ROPE_R > 0:
+                s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-            if PAGED_BF16:
-                acc0, acc1, acc2, acc3 = _bf16_pv(p, acc0, acc1, acc2, acc3, vc_ptr, crow, tmask, Q4, DOT)
-            else:
-                vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-                acc0, acc1, acc2, acc3 = _int2_pv(
-                    p,
-                    acc0,
-                    acc1,
-                    acc2,
-                    acc3,
-                    vc,
-                    vs_ptr,
-                    vz_ptr,
-                    mrow,
-                    tmask,
-                    GROUP,
-                    HEAD_DIM,
-                    DOT,
-                    UNPACK,
-                )
+            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
+                s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
+                GROUP, HEAD_DIM, DOT, UNPACK,
+            )  # fmt: skip
     elif split == NUM_SPLITS:
         if SINK > 0:
             ws = tl.load(wslot_ptr + b).to(tl.int64)
@@ -593,12 +627,8 @@ def decode_split_kernel(
                 Q4,
                 DOT,
             )
-    has = l_i > 0
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     prow = (b * (H_KV * GQA) + hq) * NT + split
-    _store_rows(po_ptr, prow.to(tl.int64) * HEAD_DIM, rmask, acc0, acc1, acc2, acc3, inv, Q4)
-    tl.store(plse_ptr + prow, lse, mask=rmask)
+    _store_partial(po_ptr, plse_ptr, prow, rmask, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_DIM)
 
 
 @triton.jit
@@ -819,12 +849,7 @@ def extend_kernel(
         t_hi = tl.minimum(total, t_lo + BLOCK_M)
         qrow = (qs + m).to(tl.int64) * stride_qt + hq * stride_qh
         q0, q1, q2, q3, qsum = _load_q(q_ptr, qrow, mmask, Q4, DOT)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc0 = tl.zeros([BLOCK_M, Q4], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, Q4], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, Q4], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, Q4], tl.float32)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _init_state(BLOCK_M, Q4)
         j = tl.arange(0, Q4)
         # sink rows (the chunk's own sink positions were written before this call)
         if SINK > 0:
@@ -863,10 +888,10 @@ def extend_kernel(
         for t0 in range(SINK, hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
-            page = tl.load(bt_ptr + b * stride_bt + tok // page_size, mask=tmask, other=0).to(tl.int64)
-            off = tok % page_size
-            crow = page * stride_cp + h * stride_ch + off * stride_ct
-            mrow = page * stride_sp + h * stride_sh + off * stride_st
+            crow, mrow = _page_rows(
+                bt_ptr + b * stride_bt, tok, tmask, page_size, h, stride_cp, stride_ch, stride_ct,
+                stride_sp, stride_sh, stride_st,
+            )  # fmt: skip
             kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
             s = _int2_scores(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
@@ -875,15 +900,10 @@ def extend_kernel(
                 s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)
             ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
             s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
-            acc0 = acc0 * alpha[:, None]
-            acc1 = acc1 * alpha[:, None]
-            acc2 = acc2 * alpha[:, None]
-            acc3 = acc3 * alpha[:, None]
-            vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-            acc0, acc1, acc2, acc3 = _int2_pv(
-                p, acc0, acc1, acc2, acc3, vc, vs_ptr, vz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
-            )
+            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
+                s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
+                GROUP, HEAD_DIM, DOT, UNPACK,
+            )  # fmt: skip
         if RECENT > 0:
             w0 = tl.maximum(t_lo - RECENT + 1, SINK)  # the oldest key any query of the block reads in BF16
             # recent ring: prefix keys (the chunk's ring rows are written after this call)
