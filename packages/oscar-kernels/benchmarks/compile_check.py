@@ -86,6 +86,25 @@ def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: A
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
+def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False):  # noqa: ANN201
+    """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
+    with the pre-RoPE key mean's score term (format 3)."""
+    import triton.language as tl
+
+    from oscar_kernels.kernels.attention import extend_kernel as fn
+
+    consts = dict(
+        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=64, BLOCK_N=64,
+        DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=16 if rope else 0,
+    )  # fmt: skip
+    ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
+    ptr.update(dict.fromkeys(("bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"), "*i32"))
+    ptr.update(dict.fromkeys(("o_ptr", "rc_ptr", "rth_ptr"), "*fp32"))
+    if not rope:
+        consts.update(rc_ptr=None, rth_ptr=None)
+    return _compile(fn, consts, ptr, arch, num_warps)
+
+
 def compile_bf16_baseline(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
     """The BF16-pages baseline split kernel (``kernels/bf16_decode.py``) for ``sm_<arch>``."""
     import triton.language as tl

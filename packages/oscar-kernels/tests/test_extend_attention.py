@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import DEVICE, fill_cache, needs_triton
+from conftest import DEVICE, compile_check_ptx, fill_cache, needs_triton
 
 from oscar_kernels import CacheLayout, decode_attention, extend_attention, extend_attention_ref
 
@@ -63,3 +63,12 @@ def test_extend_of_one_token_equals_decode():
     # the same rows under the same rule (the newest token: ring in decode, chunk in extend);
     # only the float32 summation order differs
     assert rel(ext, dec) < (1e-5 if DEVICE.type == "cpu" else 2e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("rope", [False, True])
+def test_extend_kernel_compiles_for_sm90(rope):
+    """The extend kernel's GPU path (the interpreter never lowers it) compiles for sm_90 offline,
+    with tensor-core dots (``wgmma`` at 64-row blocks) and the PTX unpack of the codes."""
+    ptx = compile_check_ptx(f"cc.compile_extend(90, rope={rope})")
+    assert ("wgmma" in ptx or "mma.sync.aligned" in ptx) and "prmt.b32" in ptx
