@@ -216,6 +216,15 @@ def _py_profile(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict
     )
 
 
+def _preemptions(llm) -> float | str:  # noqa: ANN001
+    """vLLM's preemption counter (``vllm:num_preemptions``, from ``LLM.get_metrics``), or why not."""
+    try:
+        found = [m for m in llm.get_metrics() if "preempt" in m.name]
+    except Exception as e:  # metrics are optional here (log stats off, another vLLM)
+        return f"unavailable: {type(e).__name__}: {e}"
+    return sum(getattr(m, "value", 0) for m in found) if found else "no preemption metric"
+
+
 def _diagnostics(llm) -> dict:  # noqa: ANN001
     """OSCAR's own counters from the in-process worker (restores, records checked, mode)."""
     try:
@@ -407,6 +416,7 @@ def run_case(spec: dict) -> dict:
                 prompts = [_prompts(1, length, 900 + i, vocab)[0] for i in range(n)]
                 _, out = _timed(llm, prompts, SamplingParams(max_tokens=gen, **greedy))
                 res["many"] = [list(o.outputs[0].token_ids) for o in out]
+                res["preemptions"] = _preemptions(llm)
             else:
                 raise ValueError(f"unknown workload {kind}")
         except Exception as e:  # keep the engine's other workloads
@@ -448,9 +458,10 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         # needed 1,160 blocks (its pages plus the window records of vLLM's 2,048 in-flight tokens):
         # 160 MiB (864 blocks) was refused at start-up, and so was vLLM's GPU default (4096, 32k
         # batched tokens: 2,312 blocks)
-        fits = dict(
-            small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=16
-        )
+        fits = dict(  # log stats on: vLLM's preemption counter (LLM.get_metrics) says what happened
+            small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=16,
+            disable_log_stats=False,
+        )  # fmt: skip
         tight = dict(fits, kv_cache_memory_bytes=208 << 20)
         cases.append(
             dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
