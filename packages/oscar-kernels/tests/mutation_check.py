@@ -238,8 +238,8 @@ MUTATIONS = (
     Mutation(
         "extend-rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "\n            if ROPE_R > 0:\n                s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)",
-        "\n            if ROPE_R > 0:\n                s += _rope_scores(rc0, rc1, th_hi, th_lo, tok + 1)",
+        "s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)\n            ok = tmask[None, :]",
+        "s += _rope_scores(rc0, rc1, th_hi, th_lo, tok + 1)\n            ok = tmask[None, :]",
         ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
     ),
     Mutation(
