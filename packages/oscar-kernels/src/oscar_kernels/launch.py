@@ -60,9 +60,10 @@ def fast_launch_available() -> bool:
 class _Site:
     """One ``@triton.jit`` function's parameter table and its compiled kernels by key."""
 
-    __slots__ = ("names", "index", "const", "defaults", "compiled")
+    __slots__ = ("fn", "names", "index", "const", "defaults", "compiled")
 
     def __init__(self, fn: Any) -> None:
+        self.fn = fn  # held: the id that keys this site is never reused while it lives
         sig = inspect.signature(fn.fn).parameters  # the Python function's (every Triton version)
         self.names = list(sig)
         self.index = {n: i for i, n in enumerate(self.names)}
