@@ -158,13 +158,13 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     if rt is None or not fast_launch_available():
         return kernel[grid](*args, **kwargs)
     knobs_rt, current_device, current_stream = rt
-    site = _site(kernel)
     try:
+        site = _site(kernel)
         vals, key, opts = _bind(site, args, kwargs)
         dev = current_device()
         full = (dev, opts, *key)
         compiled = site.compiled.get(full)
-    except (_Slow, TypeError):  # TypeError: an unhashable constexpr
+    except (_Slow, TypeError, AttributeError):  # unhashable value; not a plain jit function (autotuner)
         return kernel[grid](*args, **kwargs)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
