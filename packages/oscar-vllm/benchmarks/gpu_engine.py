@@ -133,12 +133,8 @@ def _gpu_kernels(eng, steps: int | None, got: dict | None = None) -> dict:  # no
     )
 
 
-def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict:  # noqa: ANN001
-    """Prefill ``prompts``, then ``steps`` pure decode steps under the torch profiler: whether the
-    step replays a CUDA graph (``cudaGraphLaunch``) or launches OSCAR's kernels one by one, the
-    host time per step and the top host ops (the per-layer host cost, when attention runs eagerly)."""
-    import torch
-
+def _start_decoding(llm, prompts: list[list[int]], sp, tag: str):  # noqa: ANN001, ANN202
+    """Add ``prompts`` and step the engine until every request decodes; returns the engine."""
     eng = llm.llm_engine
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, pr in zip(ids, prompts, strict=True):
@@ -148,6 +144,16 @@ def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> 
         for o in eng.step():
             if o.request_id in got:
                 got[o.request_id] = len(o.outputs[0].token_ids)
+    return eng
+
+
+def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict:  # noqa: ANN001
+    """Prefill ``prompts``, then ``steps`` pure decode steps under the torch profiler: whether the
+    step replays a CUDA graph (``cudaGraphLaunch``) or launches OSCAR's kernels one by one, the
+    host time per step and the top host ops (the per-layer host cost, when attention runs eagerly)."""
+    import torch
+
+    eng = _start_decoding(llm, prompts, sp, tag)
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
@@ -180,15 +186,7 @@ def _py_profile(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict
     import cProfile
     import pstats
 
-    eng = llm.llm_engine
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, pr in zip(ids, prompts, strict=True):
-        eng.add_request(rid, {"prompt_token_ids": pr}, sp)
-    got = dict.fromkeys(ids, 0)
-    while min(got.values()) < 2 and eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.request_id in got:
-                got[o.request_id] = len(o.outputs[0].token_ids)
+    eng = _start_decoding(llm, prompts, sp, tag)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

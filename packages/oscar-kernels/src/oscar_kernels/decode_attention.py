@@ -621,8 +621,6 @@ def merge_partials(
     """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]``
     (``merge_splits_kernel``); with ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ`` in
     ``out_dtype``, else float32. ``pdl``: launched as a programmatic dependent of the split kernel."""
-    import triton
-
     from ._backend import interpreting
     from .kernels.attention import merge_splits_kernel
 
@@ -635,7 +633,7 @@ def merge_partials(
     preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     launch(merge_splits_kernel, (bsz * hq,),
-        po, plse, out, rot, *rs, nt, hq, gqa, HEAD_DIM=d, CH=min(64, triton.next_power_of_2(nt)),
+        po, plse, out, rot, *rs, nt, hq, gqa, HEAD_DIM=d, CH=min(64, triton_next_pow2(nt)),
         ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, PRELOAD=preload,
         **({"launch_pdl": True} if pdl else {}), **mopts,
     )  # fmt: skip
