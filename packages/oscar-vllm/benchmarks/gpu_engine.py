@@ -280,6 +280,7 @@ def run_case(spec: dict) -> dict:
     res["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
     res["kv_cache_size_tokens"] = getattr(cfg.cache_config, "kv_cache_size_tokens", None)
     res["num_gpu_blocks"] = getattr(cfg.cache_config, "num_gpu_blocks", None)
+    res["block_size"] = getattr(cfg.cache_config, "block_size", None)
     res["v2_runner"] = bool(getattr(cfg, "use_v2_model_runner", False))
     vocab = int(cfg.model_config.get_vocab_size())
     greedy = dict(temperature=0, ignore_eos=True, detokenize=False)

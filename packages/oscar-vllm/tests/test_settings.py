@@ -225,3 +225,36 @@ def test_oscar_engines_get_the_window_sized_default_and_a_users_value_is_kept(tm
     assert run(300) == 300  # the user's value
     assert run(None, backend="FLASH_ATTN") == 1024  # other backends: vLLM's default
     assert run(None, rotations=str(tmp_path / "missing.safetensors")) == 1024  # reported at start-up instead
+
+
+# ---- OSCAR's block_size default on a GPU: 64-token pages for the decode kernel --------------------
+
+
+class _ConfigArgs:
+    """Stands in for vLLM's EngineArgs: ``create_engine_config`` builds the cache config from
+    ``block_size`` (``None``: vLLM's default of 16)."""
+
+    def __init__(self, block_size, backend):
+        self.block_size = block_size
+        self.attention_backend = None
+        self.attention_config = type("A", (), {"backend": backend})()
+
+    def create_engine_config(self, usage_context=None):
+        return {"block_size": 16 if self.block_size is None else self.block_size}
+
+
+def test_oscar_engines_on_a_gpu_get_64_token_blocks_and_a_users_value_is_kept():
+    gpu = [True]
+    cls = type("Args", (_ConfigArgs,), {})
+    compat.wrap_block_size_default(cls, lambda: gpu[0])
+    compat.wrap_block_size_default(cls, lambda: gpu[0])  # idempotent: wrapped once
+
+    def run(block_size, backend="OSCAR"):
+        return cls(block_size, backend).create_engine_config()["block_size"]
+
+    assert run(None) == 64
+    assert run(16) == 16  # the user's value, even vLLM's default given explicitly
+    assert run(128) == 128
+    assert run(None, backend="FLASH_ATTN") == 16  # other backends: vLLM's default
+    gpu[0] = False
+    assert run(None) == 16  # the CPU build: the kernels there take any page size at one speed

@@ -44,11 +44,15 @@ __all__ = [
     "check_excluded",
     "load_checked",
     "default_max_num_seqs",
+    "GPU_BLOCK_SIZE",
 ]
 
 ENV_ROTATIONS = "OSCAR_ROTATIONS"
 #: values of ``additional_config["oscar"]["window_records"]``
 WINDOW_RECORDS = ("auto", "transient", "held")
+#: KV block (page) tokens of an OSCAR engine on a GPU when the user gives none (vLLM's default is
+#: 16): the decode kernel's 64-token tiles and 16-byte copies need pages of 64 (compat.default_block_size)
+GPU_BLOCK_SIZE = 64
 
 
 @dataclass(frozen=True)

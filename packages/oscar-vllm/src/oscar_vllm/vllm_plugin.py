@@ -41,6 +41,7 @@ def register() -> None:
 
             compat.guard_prefix_caching(records.register, records.check_admission)
             compat.default_max_num_seqs()
+            compat.default_block_size()
             startup.install_kv_report()
     except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
         log.warning(
