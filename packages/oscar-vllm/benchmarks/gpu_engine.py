@@ -452,16 +452,18 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
             llm = dict(small, enforce_eager=eager, enable_prefix_caching=cache)
             cases.append(dict(base, name=name, backend=backend, llm=llm, work=work))
-        # preemption: 24 requests of 1,500 + 64 tokens, max_model_len 2048, 1,024-token chunks.
-        # 208 MiB = 16 slots' windows (118 MB) + ~1,700 blocks. On the H200 (2026-12-03) one request
-        # needed 1,160 blocks (its pages plus the window records of vLLM's 2,048 in-flight tokens):
-        # 160 MiB (864 blocks) was refused at start-up, and so was vLLM's GPU default (4096, 32k
-        # batched tokens: 2,312 blocks)
+        # preemption: 24 requests of 1,500 + 64 tokens (37.5k tokens), all running at once
+        # (max_num_seqs 24), max_model_len 2048, 1,024-token chunks. With 16 slots and 208 MiB (H200,
+        # 2026-12-03) the 16 running requests' 25k tokens fitted in the ~26k-token cache: vLLM's
+        # counter read 0 preemptions (64-token blocks; not recorded in the 16-token run, same fit).
+        # Now: 24 slots' windows (~169 MiB)
+        # + ~95 MiB of pages (~26k tokens, less than the 37.5k the batch needs), so running requests
+        # must be preempted and resumed; the counter says how often.
         fits = dict(  # log stats on: vLLM's preemption counter (LLM.get_metrics) says what happened
-            small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=16,
+            small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=24,
             disable_log_stats=False,
         )  # fmt: skip
-        tight = dict(fits, kv_cache_memory_bytes=208 << 20)
+        tight = dict(fits, kv_cache_memory_bytes=264 << 20)
         cases.append(
             dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
         )
