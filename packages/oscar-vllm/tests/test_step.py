@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oscar_math.errors import OscarError
-from oscar_vllm.step import RequestSlots, WindowSlots, build_step, run_layer
+from oscar_vllm.step import FreshRows, RequestSlots, WindowSlots, build_step, run_layer
 
 
 def test_window_slots_follow_requests_by_first_block():
@@ -95,6 +95,102 @@ def test_the_v1_runner_hook_feeds_request_slots_from_scheduler_outputs(monkeypat
     assert compat.track_v1_requests() is True
     monkeypatch.setattr(compat, "_v1_runner_class", lambda: None)
     assert compat.track_v1_requests(slots, cfg) is False  # no hook: the caller falls back
+
+
+def _batch(*rows):
+    """``(query_start_loc_cpu, seq_lens_cpu)`` of rows given as ``(query_len, seq_len)``."""
+    qsl = [0]
+    for q, _ in rows:
+        qsl.append(qsl[-1] + q)
+    return torch.tensor(qsl), torch.tensor([n for _, n in rows])
+
+
+def test_fresh_rows_restore_exactly_at_a_requests_first_step_with_cached_tokens():
+    gen: dict[int, int] = {}
+    f = FreshRows(gen)
+    # slot 3: a new request, no cached tokens; slot 5: a prefix hit of 64 tokens (its first step)
+    gen.update({3: 1, 5: 1})
+    qsl, seq = _batch((10, 10), (30, 94))
+    assert f.plan(qsl, seq, [3, 5], 2) == ([3, 5], [(1, 5, 64)])
+    # the same requests decode: their slots hold their windows, nothing to restore
+    qsl, seq = _batch((1, 11), (1, 95), (0, 0))  # a padding row (no tokens) gets slot 0
+    assert f.plan(qsl, seq, [3, 5, 7], 3) == ([3, 5, 0], [])
+    # slot 3 is given to another request (a hit of 128 tokens), slot 5's request keeps decoding
+    gen[3] += 1
+    qsl, seq = _batch((1, 96), (4, 132))
+    assert f.plan(qsl, seq, [5, 3], 2) == ([5, 3], [(1, 3, 128)])
+    # a resumed request recomputed from scratch (no cached tokens): a fresh slot, no restore
+    gen[5] += 1
+    qsl, seq = _batch((96, 96),)
+    assert f.plan(qsl, seq, [5], 1) == ([5], [])
+    # a slot the hook never counted (first sight): restored when it has cached tokens
+    qsl, seq = _batch((1, 40),)
+    assert f.plan(qsl, seq, [9], 1) == ([9], [(0, 9, 39)])
+    assert f.plan(qsl, seq, [9], 1) == ([9], [])
+
+
+def test_request_slots_count_the_requests_each_slot_was_given():
+    s = RequestSlots(2)
+    s.step(set(), ["a", "b"])
+    s.step(set(), ["a", "b"])  # the same requests: no new generation
+    assert s.generation == {0: 1, 1: 1}
+    s.step({"a"}, ["b", "c"])  # "c" takes a's slot
+    s.step({"c"}, ["c"])  # preempted and resumed in one step: a new request again
+    assert s.generation == {0: 3, 1: 1}
+
+
+def test_the_v2_runner_hook_counts_the_requests_each_row_was_given(monkeypatch):
+    """compat.track_v2_rows on a stand-in for vLLM's V2 runner class: a row's count goes up when
+    it gets a request other than the one it held (new, or resumed after preemption), not when a
+    request is re-added to its own row (streaming input); other engines' runners are untouched."""
+    from types import SimpleNamespace
+
+    from oscar_vllm import compat
+
+    class Runner:
+        def __init__(self, cfg):
+            self.vllm_config = cfg
+            self.req_states = SimpleNamespace(req_id_to_index={})
+            self.free = [0, 1, 2]
+
+        def finish_requests(self, so):
+            for rid in (*so.finished_req_ids, *(so.preempted_req_ids or ())):
+                row = self.req_states.req_id_to_index.pop(rid, None)
+                if row is not None:
+                    self.free.insert(0, row)
+
+        def add_requests(self, so):
+            for new in so.scheduled_new_reqs:
+                old = self.req_states.req_id_to_index.pop(new.req_id, None)  # a streaming update
+                if old is not None:
+                    self.free.insert(0, old)
+                self.req_states.req_id_to_index[new.req_id] = self.free.pop(0)
+
+        def step(self, new=(), finished=(), preempted=()):
+            so = SimpleNamespace(
+                scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+                finished_req_ids=set(finished),
+                preempted_req_ids=set(preempted),
+            )
+            self.finish_requests(so)
+            self.add_requests(so)
+
+    monkeypatch.setattr(compat, "_V2_ROWS", [None, None, None])
+    cfg = object()
+    gen = compat.track_v2_rows(cfg, Runner)
+    assert compat.track_v2_rows(cfg, Runner) is gen  # idempotent: wrapped once, one count
+    r = Runner(cfg)
+    r.step(new=["a", "b"])
+    assert gen == {0: 1, 1: 1}
+    r.step(new=["b"])  # "b" re-added to its own row (streaming input): its windows are there
+    assert gen == {0: 1, 1: 1}
+    r.step(new=["c"], finished=["a"])  # "c" takes a's row
+    assert gen == {0: 2, 1: 1}
+    r.step(new=["b"], preempted=["b"])  # preempted and resumed into the same row: starts over
+    assert gen == {0: 2, 1: 2}
+    other = Runner(object())  # another engine's runner in this process: left alone
+    other.step(new=["x"])
+    assert gen == {0: 2, 1: 2}
 
 
 def test_build_step_positions_and_decode_detection():

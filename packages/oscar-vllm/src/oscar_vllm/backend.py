@@ -47,6 +47,7 @@ from oscar_math.errors import OscarError
 from . import compat, startup
 from .settings import load_checked, settings_from
 from .step import (
+    FreshRows,
     RecordStamps,
     RequestSlots,
     SlotTracker,
@@ -210,6 +211,11 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         # its windows uses them, anything else (a hit) restores from the window pages
         self.cached = compat.exact_prefix_caching(vllm_config)
         self.tracker = SlotTracker(self.max_seqs)
+        # where slots follow request identity a restore is due exactly at a request's first step
+        # in its slot (step.FreshRows): no block ids read back from the device, so a step's
+        # metadata build never waits for the previous step's kernels
+        gen = compat.track_v2_rows(vllm_config) if v2 else getattr(self.requests, "generation", None)
+        self.fresh = FreshRows(gen) if self.cached and gen is not None else None
         # transient window records (records.py) are safe by construction where slots are request
         # rows (a running request never restores; vLLM accepts a hit only while its records are
         # cached); on the V1 runner every restore is also checked against record stamps, which
@@ -255,6 +261,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         restore: list[tuple[int, int, int]] = []
         if self._capturing:
             rows = [i % self.max_seqs for i in range(cm.num_reqs)]
+        elif self.cached and rows is not None and self.fresh is not None:
+            rows, restore = self.fresh.plan(cm.query_start_loc_cpu, seq_cpu, rows, cm.num_reqs)
+            self.tracker.restores += len(restore)
         elif self.cached:
             rows, restore = self._plan_cached(cm, seq_cpu, rows)
         md = build_step(

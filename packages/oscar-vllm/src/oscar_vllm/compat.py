@@ -54,6 +54,7 @@ __all__ = [
     "page_buffer",
     "request_slots",
     "track_v1_requests",
+    "track_v2_rows",
     "kv_cache_layouts",
     "attention_api",
     "tp_rank",
@@ -718,6 +719,77 @@ def track_v1_requests(slots: Any = None, vllm_config: Any = None) -> bool:
     cls._update_states = _update_states
     cls.execute_model = execute_model
     return True
+
+
+#: V2 model runner rows: how many requests each row has been given, the request id it holds, and the
+#: config of the engine they belong to (one OSCAR engine per process at a time, as _V1_SLOTS)
+_V2_ROWS: list[Any] = [None, None, None]
+
+
+def _v2_runner_class() -> type | None:
+    """vLLM's V2 model runner class if it has the two methods the row hook wraps."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001 - any import failure means: no hook, block-id tracking
+        return None
+    ok = callable(getattr(GPUModelRunner, "add_requests", None)) and callable(
+        getattr(GPUModelRunner, "finish_requests", None)
+    )
+    return GPUModelRunner if ok else None
+
+
+def track_v2_rows(vllm_config: Any, runner_class: type | None = None) -> dict[int, int] | None:
+    """Count, per row of vLLM's V2 model runner, the requests the row has been given.
+
+    The runner frees a row when its request finishes or is preempted (``finish_requests``) and
+    gives rows to new and resumed requests (``add_requests``; with the V2 runner vLLM's scheduler
+    sends resumed requests as new ones). The returned dict (row -> count) is bumped when a row
+    gets a request other than the one it held; a request re-added to its own row (a streaming
+    input update) keeps the count. :class:`oscar_vllm.step.FreshRows` turns it into restores
+    without reading block ids. ``None`` where the hook cannot be installed (then OSCAR tracks
+    slot contents by block ids, :func:`oscar_vllm.step.plan_slots`).
+    """
+    cls = runner_class or _v2_runner_class()
+    if cls is None:
+        return None
+    if _V2_ROWS[2] is not vllm_config:
+        _V2_ROWS[:] = [{}, {}, vllm_config]
+    gen = _V2_ROWS[0]
+    if getattr(cls.add_requests, "_oscar_rows", False):
+        return gen
+    add, finish = cls.add_requests, cls.finish_requests
+
+    def _mine(runner: Any) -> bool:
+        return getattr(runner, "vllm_config", None) is _V2_ROWS[2]
+
+    @functools.wraps(finish)
+    def finish_requests(self: Any, scheduler_output: Any) -> Any:
+        if _mine(self):
+            index = self.req_states.req_id_to_index
+            owner = _V2_ROWS[1]
+            for rid in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
+                row = index.get(rid)
+                if row is not None and owner.get(row) == rid:
+                    owner[row] = None
+        return finish(self, scheduler_output)
+
+    @functools.wraps(add)
+    def add_requests(self: Any, scheduler_output: Any) -> Any:
+        out = add(self, scheduler_output)
+        if _mine(self):
+            gen, owner = _V2_ROWS[0], _V2_ROWS[1]
+            index = self.req_states.req_id_to_index
+            for new in scheduler_output.scheduled_new_reqs:
+                row = index.get(new.req_id)
+                if row is not None and owner.get(row) != new.req_id:
+                    gen[row] = gen.get(row, 0) + 1
+                    owner[row] = new.req_id
+        return out
+
+    add_requests._oscar_rows = True  # type: ignore[attr-defined]
+    cls.finish_requests = finish_requests
+    cls.add_requests = add_requests
+    return gen
 
 
 def attention_layer_base() -> type:

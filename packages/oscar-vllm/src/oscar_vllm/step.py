@@ -149,6 +149,8 @@ class RequestSlots:
         self._free = deque(range(num_slots))  # released slots go to the back
         #: this step's slots in batch order, ``None`` outside a step (dummy and capture runs)
         self.rows: list[int] | None = None
+        #: per slot, how many requests it has been given (:class:`FreshRows` reads it)
+        self.generation: dict[int, int] = {}
 
     def step(self, ended: Iterable[str], row_ids: Sequence[str]) -> list[int]:
         """Release the slots of ``ended`` requests, then give each row its request's slot."""
@@ -163,6 +165,7 @@ class RequestSlots:
                 if not self._free:
                     raise OscarError(f"OSCAR: more than {self.num_slots} running requests (max_num_seqs)")
                 slot = self._slot_of[rid] = self._free.popleft()
+                self.generation[slot] = self.generation.get(slot, 0) + 1
             rows.append(slot)
         self.rows = rows
         return rows
@@ -177,6 +180,60 @@ class RequestSlots:
         if self.rows is None or num_reqs < len(self.rows):
             return None
         return self.rows + [0] * (num_reqs - len(self.rows))
+
+
+class FreshRows:
+    """Which of a step's window slots hold a request that has not run a step in them yet.
+
+    Where slots follow request identity (vLLM V2's persistent rows, :class:`RequestSlots` on the
+    V1 runner) a slot is exclusive to its request from its first step until it finishes, so it
+    holds that request's windows at every later step. A restore is then needed exactly at a
+    request's first step in its slot, and only with cached tokens (a prefix hit, or a resumed
+    request). The model-runner hook (or :class:`RequestSlots`) counts the requests each slot was
+    given (``generation``); this object remembers the count it saw last per slot. Deciding this
+    needs no block ids, so a step reads nothing back from the device (:func:`plan_slots` does).
+    """
+
+    def __init__(self, generation: dict[int, int]) -> None:
+        self.generation = generation  # shared with the hook, which only ever increments it
+        self._seen: dict[int, int] = {}
+
+    def plan(
+        self,
+        query_start_loc_cpu: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        rows: Sequence[int],
+        num_reqs: int,
+    ) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Slots of a batch's rows (padding rows, which have no tokens: slot 0) and the rows to
+        restore, ``(row, slot, prefix)``, as :func:`plan_slots` returns them."""
+        b = num_reqs
+        qsl = query_start_loc_cpu[: b + 1].tolist()
+        seq = seq_lens_cpu[:b].tolist()
+        slots, restore = [0] * b, []
+        for i in range(b):
+            qlen = qsl[i + 1] - qsl[i]
+            if qlen <= 0 or seq[i] <= 0:
+                continue
+            slot = int(rows[i])
+            slots[i] = slot
+            gen = self.generation.get(slot, 0)
+            if self._seen.get(slot) != gen:  # the slot's request runs its first step
+                self._seen[slot] = gen
+                prefix = int(seq[i]) - qlen
+                if prefix > 0:
+                    restore.append((i, slot, prefix))
+        return slots, restore
+
+
+def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``host`` on ``dev`` without waiting for the stream: a blocking copy from pageable memory ends
+    in a stream synchronisation, which would make the step's metadata build wait for the previous
+    step's kernels. Pinned memory and ``non_blocking`` (the host allocator keeps the buffer until
+    the copy has run)."""
+    if dev.type != "cuda" or host.device.type != "cpu":
+        return host.to(dev)
+    return host.pin_memory().to(dev, non_blocking=True)
 
 
 def build_step(
@@ -209,7 +266,7 @@ def build_step(
     prefix = seq - (qsl[1:] - qsl[:-1])
     table = block_table[:b].to(torch.int32)
     if window_slots is not None:
-        ws = window_slots[:b].to(device=dev, dtype=torch.int32)
+        ws = _to_device(window_slots[:b].to(torch.int32), dev)
     else:
         if slots is None:
             raise OscarError("OSCAR: no window slots for this batch")
