@@ -121,10 +121,14 @@ def test_fresh_rows_restore_exactly_at_a_requests_first_step_with_cached_tokens(
     assert f.plan(qsl, seq, [5, 3], 2) == ([5, 3], [(1, 3, 128)])
     # a resumed request recomputed from scratch (no cached tokens): a fresh slot, no restore
     gen[5] += 1
-    qsl, seq = _batch((96, 96),)
+    qsl, seq = _batch(
+        (96, 96),
+    )
     assert f.plan(qsl, seq, [5], 1) == ([5], [])
     # a slot the hook never counted (first sight): restored when it has cached tokens
-    qsl, seq = _batch((1, 40),)
+    qsl, seq = _batch(
+        (1, 40),
+    )
     assert f.plan(qsl, seq, [9], 1) == ([9], [(0, 9, 39)])
     assert f.plan(qsl, seq, [9], 1) == ([9], [])
 

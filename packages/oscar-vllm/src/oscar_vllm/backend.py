@@ -81,6 +81,11 @@ log = logging.getLogger("oscar_vllm")
 #: file to which every step's batch (chunk lengths, prefixes, window slots) is appended as one
 #: JSON line (diagnostics: outputs depend on chunk boundaries, docs/vllm.md "Reproducibility")
 STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
+#: ``1``: with vLLM's V2 runner, restores by request identity (step.FreshRows fed by
+#: compat.track_v2_rows) instead of the content tracker's per-step read of block ids. Off until an
+#: H200 run has checked it (docs/vllm.md, "Window slots by request identity"); the V1 runner's
+#: identity restores (RequestSlots) are on, checked by the CPU engine suite.
+V2_IDENTITY_ENV = "OSCAR_VLLM_V2_IDENTITY_RESTORES"
 
 #: group size of the artifact loaded by this process's layers (read by customize_spec)
 _LOADED_GROUP: dict[str, int] = {}
@@ -214,7 +219,10 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         # where slots follow request identity a restore is due exactly at a request's first step
         # in its slot (step.FreshRows): no block ids read back from the device, so a step's
         # metadata build never waits for the previous step's kernels
-        gen = compat.track_v2_rows(vllm_config) if v2 else getattr(self.requests, "generation", None)
+        if v2:
+            gen = compat.track_v2_rows(vllm_config) if os.environ.get(V2_IDENTITY_ENV) == "1" else None
+        else:
+            gen = getattr(self.requests, "generation", None)
         self.fresh = FreshRows(gen) if self.cached and gen is not None else None
         # transient window records (records.py) are safe by construction where slots are request
         # rows (a running request never restores; vLLM accepts a hit only while its records are
