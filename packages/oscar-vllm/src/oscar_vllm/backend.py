@@ -285,6 +285,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             None if rows is None else torch.as_tensor(rows, dtype=torch.int32),
             self.slots,
             num_tokens=int(cm.num_actual_tokens),
+            async_copy=self.fresh is not None,
         )
         self._step_no += 1
         md = replace(md, restore=tuple(restore), stamps=self.stamps, step_no=self._step_no)

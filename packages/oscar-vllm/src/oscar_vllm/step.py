@@ -226,12 +226,12 @@ class FreshRows:
         return slots, restore
 
 
-def _to_device(host: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """``host`` on ``dev`` without waiting for the stream: a blocking copy from pageable memory ends
-    in a stream synchronisation, which would make the step's metadata build wait for the previous
-    step's kernels. Pinned memory and ``non_blocking`` (the host allocator keeps the buffer until
-    the copy has run)."""
-    if dev.type != "cuda" or host.device.type != "cpu":
+def _to_device(host: torch.Tensor, dev: torch.device, async_copy: bool) -> torch.Tensor:
+    """``host`` on ``dev``; with ``async_copy`` without waiting for the stream: a blocking copy from
+    pageable memory ends in a stream synchronisation, which makes the step's metadata build wait for
+    the previous step's kernels. Pinned memory and ``non_blocking`` (the host allocator keeps the
+    buffer until the copy has run)."""
+    if not async_copy or dev.type != "cuda" or host.device.type != "cpu":
         return host.to(dev)
     return host.pin_memory().to(dev, non_blocking=True)
 
@@ -247,6 +247,7 @@ def build_step(
     window_slots: torch.Tensor | None,
     slots: WindowSlots | None,
     num_tokens: int | None = None,
+    async_copy: bool = False,
 ) -> StepMetadata:
     """:class:`StepMetadata` from vLLM's per-step tensors (``CommonAttentionMetadata`` fields).
 
@@ -254,7 +255,8 @@ def build_step(
     ``slots`` assigns them from the first KV block of each row (host lists). ``num_tokens``:
     vLLM's token count including CUDA-graph padding (``num_actual_tokens``; padding tokens have
     slot ``-1`` and belong to no row): the token tensors cover it, so a graph captured at that
-    size never reads stale entries.
+    size never reads stale entries. ``async_copy``: the window slots go to the device without a
+    stream synchronisation (where nothing else in the build reads the device).
     """
     b = num_reqs
     dev = seq_lens.device
@@ -266,7 +268,7 @@ def build_step(
     prefix = seq - (qsl[1:] - qsl[:-1])
     table = block_table[:b].to(torch.int32)
     if window_slots is not None:
-        ws = _to_device(window_slots[:b].to(torch.int32), dev)
+        ws = _to_device(window_slots[:b].to(torch.int32), dev, async_copy)
     else:
         if slots is None:
             raise OscarError("OSCAR: no window slots for this batch")
