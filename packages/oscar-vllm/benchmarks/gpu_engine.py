@@ -260,6 +260,7 @@ def _diagnostics(llm) -> dict:  # noqa: ANN001
 def run_case(spec: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.update(spec.get("env", {}))  # e.g. OSCAR_VLLM_V2_IDENTITY_RESTORES (this case's process only)
     from vllm import LLM, SamplingParams
 
     res: dict = {"name": spec["name"]}
@@ -459,6 +460,13 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         # Now: 24 slots' windows (~169 MiB)
         # + ~95 MiB of pages (~26k tokens, less than the 37.5k the batch needs), so running requests
         # must be preempted and resumed; the counter says how often.
+        # V2 identity restores (backend.V2_IDENTITY_ENV, off by default until checked here): the same
+        # work as smol-oscar-eager-cache; greedy tokens, perplexity and the hit must equal that case's
+        v2id = {"OSCAR_VLLM_V2_IDENTITY_RESTORES": "1"}
+        llm = dict(small, enforce_eager=True, enable_prefix_caching=True)
+        work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
+        name = "smol-oscar-eager-cache-v2id"
+        cases.append(dict(base, name=name, backend="OSCAR", llm=llm, work=work, env=v2id))
         fits = dict(  # log stats on: vLLM's preemption counter (LLM.get_metrics) says what happened
             small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=24,
             disable_log_stats=False,
@@ -506,6 +514,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         w_eager.append(["prefill", 32768])  # prefill runs attention eagerly in every configuration
         for name, backend, cache, extra in (
             ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
+            ("qwen-oscar-cache-v2id", "OSCAR", True, {"env": {"OSCAR_VLLM_V2_IDENTITY_RESTORES": "1"}}),
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),
@@ -515,6 +524,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         ):
             if a.skip_triton and backend == "TRITON_ATTN":
                 continue
+            env = extra.pop("env", {})
             llm = dict(big, enable_prefix_caching=cache, **extra)
             if extra.get("enforce_eager"):
                 llm.pop("compilation_config", None)
@@ -522,11 +532,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
                     dict(name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w_eager))
                 )
                 continue
-            cases.append(
-                dict(
-                    name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w), shared=True
-                )
-            )
+            case = dict(name=name, model=q, backend=backend, artifact=qwen_art, llm=llm, work=list(w))
+            cases.append(dict(case, shared=True, env=env))
     if q and a.tp_cases:
         # tensor parallelism (issue 26): TP = 1 vs TP = 2 on the same dummy weights and prompts, at
         # 8 KV heads (each rank holds 4) and at 1 KV head (replicated on both ranks)
