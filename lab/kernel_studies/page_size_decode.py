@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../packages/oscar-kernels/benchmarks"))
 import gpu_run as G  # noqa: E402
 from rope_decode_speed import with_pairs  # noqa: E402
-from timing import bench_graph_ms  # noqa: E402
+from timing import bench_graph_ms, run_meta  # noqa: E402
 
 import oscar_kernels as ok  # noqa: E402
 
@@ -39,28 +38,6 @@ DEV = torch.device("cuda")
 SHAPES = ((130000, 1, 131072), (32768, 8, 131072), (32768, 8, 32768))
 PAGES = (16, 64)
 PAIRS = (0, 8)
-
-
-def setup(ctx: int, bsz: int, width: int, page: int, hkv: int = 8, g: int = 4, d: int = 128) -> dict:
-    lo = ok.CacheLayout(hkv, d, page_size=page)
-    cols = width // page
-    used = -(-ctx // page)
-    num_pages = bsz * used
-    gen = torch.Generator().manual_seed(ctx + bsz)
-    cache = ok.allocate_cache(lo, num_pages, bsz, DEV)
-    for t in (cache.k_codes, cache.v_codes):
-        t.random_(0, 256)
-    for t in (cache.k_scale, cache.v_scale):
-        t.uniform_(0.01, 0.1)
-    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
-        t.normal_()
-    bt = torch.zeros(bsz, cols, dtype=torch.int32, device=DEV)  # unused columns: page 0, as vLLM pads
-    bt[:, :used] = torch.randperm(num_pages, device=DEV).int().reshape(bsz, used)
-    sl = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
-    ws = torch.arange(bsz, dtype=torch.int32, device=DEV)
-    ep = G.make_params(hkv, d, "kv_head", gen).expand(hkv, d, DEV)
-    q = torch.randn(bsz, hkv * g, d, device=DEV, dtype=torch.bfloat16)
-    return dict(cache=cache, bt=bt, sl=sl, ws=ws, ep=ep, q=q, gen=gen)
 
 
 def kernel_times(fn, reps: int = 20) -> dict:
@@ -93,11 +70,12 @@ def main() -> None:
     rows = []
     for ctx, bsz, width in SHAPES:
         for page in PAGES:
-            s = setup(ctx, bsz, width, page)
+            s = G._int2_decode_setup(ctx, bsz, page=page, width=width, gran="kv_head")
+            gen = torch.Generator().manual_seed(ctx)
             for pairs in PAIRS:
                 row = dict(ctx=ctx, batch=bsz, width=width, page=page, pairs=pairs)
                 try:
-                    ep = with_pairs(s["ep"], 8, 128, pairs, s["gen"])
+                    ep = with_pairs(s["ep"], 8, 128, pairs, gen)
 
                     def fn(ep=ep, s=s):
                         return ok.decode_attention(s["q"], s["cache"], ep, s["bt"], s["sl"], s["ws"])
@@ -121,12 +99,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             s = None
             torch.cuda.empty_cache()
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=__import__("triton").__version__,
-        time=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    )
+    meta = run_meta()
     with open(os.path.join(a.out, "page_size_decode.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(json.dumps(meta))

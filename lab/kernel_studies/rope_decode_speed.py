@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 import traceback
 from dataclasses import replace
 
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # gpu_run and timing stay with the product benchmarks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../packages/oscar-kernels/benchmarks"))
 import gpu_run as G  # noqa: E402
-from timing import bench_graph_ms  # noqa: E402
+from timing import bench_graph_ms, run_meta  # noqa: E402
 
 import oscar_kernels as ok  # noqa: E402
 
@@ -119,12 +118,7 @@ def main() -> None:
         b = base.get((r["ctx"], r["batch"]))
         if b and r.get("us"):
             r["slowdown"] = round(r["us"] / b, 3)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=__import__("triton").__version__,
-        time=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-    )
+    meta = run_meta()
     with open(os.path.join(a.out, "rope_decode_speed.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(json.dumps(meta))

@@ -351,12 +351,7 @@ def bench_decode(ctx, bsz, copy_gbs, log, tune=None):
     num_pages = bsz * pages_per
     gen = torch.Generator().manual_seed(ctx + bsz)
     cache = ok.allocate_cache(lo, num_pages, bsz, DEV)
-    for t in (cache.k_codes, cache.v_codes):
-        t.random_(0, 256)
-    for t in (cache.k_scale, cache.v_scale):
-        t.uniform_(0.01, 0.1)
-    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
-        t.normal_()
+    fill_random(cache)
     bt = torch.randperm(num_pages, device=DEV).int().reshape(bsz, pages_per)
     sl = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
     ws = torch.arange(bsz, dtype=torch.int32, device=DEV)
@@ -516,12 +511,7 @@ def bench_prefill(prefix, chunk, log):
     num_pages = math.ceil(total / 64)
     gen = torch.Generator().manual_seed(prefix)
     cache = ok.allocate_cache(lo, num_pages, 1, DEV)
-    for t in (cache.k_codes, cache.v_codes):
-        t.random_(0, 256)
-    for t in (cache.k_scale, cache.v_scale):
-        t.uniform_(0.01, 0.1)
-    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
-        t.normal_()
+    fill_random(cache)
     ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
     bt = torch.arange(num_pages, device=DEV, dtype=torch.int32)[None]
     q = torch.randn(chunk, hkv * g, d, device=DEV, dtype=torch.bfloat16)
@@ -557,21 +547,20 @@ def bench_prefill(prefix, chunk, log):
     return row
 
 
-def _int2_decode_setup(ctx, bsz, hkv=8, g=4, d=128, page=64):
+def _int2_decode_setup(ctx, bsz, hkv=8, g=4, d=128, page=64, width=None, gran="layer"):
+    """A random cache of ``bsz`` sequences of ``ctx`` tokens in scattered pages; ``width``: block-table
+    width in tokens (an engine's table is as wide as ``max_model_len``; unused columns page 0)."""
     lo = ok.CacheLayout(hkv, d, page_size=page)
-    num_pages = bsz * (ctx // page)
+    used = -(-ctx // page)
+    num_pages = bsz * used
     gen = torch.Generator().manual_seed(ctx + bsz)
     cache = ok.allocate_cache(lo, num_pages, bsz, DEV)
-    for t in (cache.k_codes, cache.v_codes):
-        t.random_(0, 256)
-    for t in (cache.k_scale, cache.v_scale):
-        t.uniform_(0.01, 0.1)
-    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
-        t.normal_()
-    bt = torch.randperm(num_pages, device=DEV).int().reshape(bsz, ctx // page)
+    fill_random(cache)
+    bt = torch.zeros(bsz, max(used, (width or 0) // page), dtype=torch.int32, device=DEV)
+    bt[:, :used] = torch.randperm(num_pages, device=DEV).int().reshape(bsz, used)
     sl = torch.full((bsz,), ctx, dtype=torch.int32, device=DEV)
     ws = torch.arange(bsz, dtype=torch.int32, device=DEV)
-    ep = make_params(hkv, d, "layer", gen).expand(hkv, d, DEV)
+    ep = make_params(hkv, d, gran, gen).expand(hkv, d, DEV)
     q = torch.randn(bsz, hkv * g, d, device=DEV, dtype=torch.bfloat16)
     nbytes = bsz * hkv * (ctx - lo.window_tokens) * 2 * (d // 4 + 4) + bsz * hkv * lo.window_tokens * d * 4
     return dict(
@@ -628,6 +617,16 @@ IMPL_CHECKS = [
 ]
 
 
+def fill_random(cache, scale_lo=0.01, scale_hi=0.1):
+    """Random codes, scales in ``[scale_lo, scale_hi)``, normal zeros and windows (never zeros)."""
+    for t in (cache.k_codes, cache.v_codes):
+        t.random_(0, 256)
+    for t in (cache.k_scale, cache.v_scale):
+        t.uniform_(scale_lo, scale_hi)
+    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
+        t.normal_()
+
+
 def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1, mode="random"):
     """A cache with random codes / scales / zeros / windows and scattered pages.
 
@@ -645,12 +644,7 @@ def random_cache(lo, lens, gen, scale_lo=0.01, scale_hi=0.1, mode="random"):
         i += n
     ws = torch.randperm(bsz + 2, generator=gen)[:bsz].int()
     cache = ok.allocate_cache(lo, num_pages, bsz + 2, DEV)
-    for t in (cache.k_codes, cache.v_codes):
-        t.random_(0, 256)
-    for t in (cache.k_scale, cache.v_scale):
-        t.uniform_(scale_lo, scale_hi)
-    for t in (cache.k_zero, cache.v_zero, cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
-        t.normal_()
+    fill_random(cache, scale_lo, scale_hi)
     if mode == "v-only":
         for t in (cache.k_scale, cache.k_zero, cache.k_sink, cache.k_recent):
             t.zero_()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -32,3 +34,15 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     y = torch.empty_like(x)
     ms = bench_ms(lambda: y.copy_(x), rep_ms=200)
     return 2 * x.numel() / ms / 1e6
+
+
+def run_meta() -> dict:
+    """What a results file records about the run: device, torch, Triton, UTC time."""
+    import triton
+
+    return dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        time=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    )
