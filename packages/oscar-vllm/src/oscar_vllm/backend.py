@@ -302,10 +302,12 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     def _plan_cached(
         self, cm: CommonAttentionMetadata, seq_cpu: torch.Tensor, fixed: Any
     ) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """Window slots and rows to restore with prefix caching (:func:`oscar_vllm.step.plan_slots`).
+        """Window slots and rows to restore with prefix caching by slot content
+        (:func:`oscar_vllm.step.plan_slots`), where :class:`~oscar_vllm.step.FreshRows` does not
+        serve: the runner gives no request identity, or V2's identity restores are off.
 
-        Copies the few block-table entries it needs to the host (one device-to-host copy on GPU;
-        with prefix caching the backend declares no CUDA-graph support, so this runs eagerly)."""
+        Copies the few block-table entries it needs to the host: a device-to-host copy on the GPU
+        that waits for the previous step's kernels (docs/vllm.md, "H200, 2026-12-03 evening")."""
         b = cm.num_reqs
         return plan_slots(
             self.tracker,
