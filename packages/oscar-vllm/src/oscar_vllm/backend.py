@@ -81,10 +81,11 @@ log = logging.getLogger("oscar_vllm")
 #: file to which every step's batch (chunk lengths, prefixes, window slots) is appended as one
 #: JSON line (diagnostics: outputs depend on chunk boundaries, docs/vllm.md "Reproducibility")
 STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
-#: ``1``: with vLLM's V2 runner, restores by request identity (step.FreshRows fed by
-#: compat.track_v2_rows) instead of the content tracker's per-step read of block ids. Off until an
-#: H200 run has checked it (docs/vllm.md, "Window slots by request identity"); the V1 runner's
-#: identity restores (RequestSlots) are on, checked by the CPU engine suite.
+#: ``0``: with vLLM's V2 runner, restores by the content tracker's per-step read of block ids
+#: (step.plan_slots) instead of by request identity (step.FreshRows fed by compat.track_v2_rows,
+#: the default since the H200 run of 2026-12-03 gave the same tokens, perplexity and prefix hits;
+#: docs/vllm.md, "Window slots by request identity"). The V1 runner restores by identity
+#: (RequestSlots), checked by the CPU engine suite.
 V2_IDENTITY_ENV = "OSCAR_VLLM_V2_IDENTITY_RESTORES"
 
 #: group size of the artifact loaded by this process's layers (read by customize_spec)
@@ -220,7 +221,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         # in its slot (step.FreshRows): no block ids read back from the device, so a step's
         # metadata build never waits for the previous step's kernels
         if v2:
-            gen = compat.track_v2_rows(vllm_config) if os.environ.get(V2_IDENTITY_ENV) == "1" else None
+            gen = compat.track_v2_rows(vllm_config) if os.environ.get(V2_IDENTITY_ENV) != "0" else None
         else:
             gen = getattr(self.requests, "generation", None)
         self.fresh = FreshRows(gen) if self.cached and gen is not None else None
