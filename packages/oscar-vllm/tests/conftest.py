@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +35,28 @@ def artifact(model_dir, tmp_path_factory) -> str:
     )
     del model
     return str(save_rotations(tmp_path_factory.mktemp("oscar") / "rot.safetensors", rot))
+
+
+def fresh_process_ran(request) -> bool:  # noqa: ANN001
+    """Where Triton was imported in this process without the interpreter (an earlier test in
+    the same worker), its own @triton.jit helpers cannot run interpreted: run this test alone in
+    a new process with ``TRITON_INTERPRET=1`` and fail if it fails there. False: run it here."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if "triton" not in sys.modules or os.environ.get("OSCAR_FRESH_PROCESS") == "1":
+        return False
+    env = dict(os.environ, TRITON_INTERPRET="1", OSCAR_FRESH_PROCESS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        request.node.nodeid,
+    ]
+    p = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return True

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import fresh_process_ran
 
 from oscar_math.errors import OscarError
 from oscar_vllm.step import FreshRows, RequestSlots, WindowSlots, build_step, run_layer
@@ -301,31 +300,6 @@ def test_outputs_depend_on_a_requests_own_chunks_only(monkeypatch):
     print(f"\nrequest 0, prompt as 20+20+4 vs 22+22 tokens: max |diff| {diff:.2e}")
 
 
-def _fresh_process_ran(request) -> bool:  # noqa: ANN001
-    """Where Triton was imported in this process without the interpreter (an earlier test in
-    the same worker), its own @triton.jit helpers cannot run interpreted: run this test alone in
-    a new process with ``TRITON_INTERPRET=1`` and fail if it fails there. False: run it here."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if "triton" not in sys.modules or os.environ.get("OSCAR_FRESH_PROCESS") == "1":
-        return False
-    env = dict(os.environ, TRITON_INTERPRET="1", OSCAR_FRESH_PROCESS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:xdist",
-        request.node.nodeid,
-    ]
-    p = subprocess.run(cmd, cwd=request.config.rootpath, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    return True
-
-
 def _gpu_check_module(monkeypatch, name: str):
     """``benchmarks/gpu_check.py`` imported as module ``name``; the Triton interpreter on CPU
     (skips, with the reason, without Triton)."""
@@ -343,7 +317,7 @@ def _gpu_check_module(monkeypatch, name: str):
 
 def test_gpu_check_script_reduced_on_cpu(monkeypatch, request):
     """The script the coordinator runs on the H200, in its reduced form through the Triton interpreter."""
-    if _fresh_process_ran(request):
+    if fresh_process_ran(request):
         return
     mod = _gpu_check_module(monkeypatch, "oscar_vllm_gpu_check")
     res = mod.run_case(mod.REDUCED[0], torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -369,7 +343,7 @@ def test_gpu_check_graph_case_reduced_on_cpu(monkeypatch, request):
     the replay), a mixed batch with padding rows and tokens. Planted: metadata handed over in
     fresh tensors instead of the buffers (what a replay would not see) fails it; so do token
     tensors that stop at the last real token (a replay would process stale padding entries)."""
-    if _fresh_process_ran(request):
+    if fresh_process_ran(request):
         return
     mod = _gpu_check_module(monkeypatch, "oscar_vllm_gpu_check_graph")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

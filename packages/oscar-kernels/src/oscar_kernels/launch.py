@@ -15,13 +15,15 @@ type not listed go through ``kernel[grid]`` unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["launch", "clear_launch_cache", "fast_launch_available"]
+__all__ = ["launch", "clear_launch_cache", "fast_launch_available", "record_launches", "compile_key"]
 
 
 class _Slow(Exception):
@@ -96,14 +98,8 @@ def _site(fn: Any) -> _Site:
     return s
 
 
-def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
-    """Values in parameter order, the specialisation key, the launch options.
-
-    The key gets per constexpr its value; per tensor its dtype, then whether its address is
-    16-byte aligned; per int 1 for the value 1, else 10 + (multiple of 16) + 2·(within int32);
-    per bool 20 + value; per float 30; None as is. A dtype only ever comes from a tensor, so
-    every sequence of entries reads back one way. Anything else: :class:`_Slow`.
-    """
+def _values(site: _Site, args: tuple, kwargs: dict) -> list:
+    """The call's values in parameter order (keywords and defaults filled in)."""
     names = site.names
     n = len(args)
     if n > len(names):
@@ -118,6 +114,18 @@ def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
                 if v is _MISSING:
                     raise _Slow  # Triton says which argument is missing
             vals.append(v)
+    return vals
+
+
+def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
+    """Values in parameter order, the specialisation key, the launch options.
+
+    The key gets per constexpr its value; per tensor its dtype, then whether its address is
+    16-byte aligned; per int 1 for the value 1, else 10 + (multiple of 16) + 2·(within int32);
+    per bool 20 + value; per float 30; None as is. A dtype only ever comes from a tensor, so
+    every sequence of entries reads back one way. Anything else: :class:`_Slow`.
+    """
+    vals = _values(site, args, kwargs)
     key: list = []
     put, tensor = key.append, torch.Tensor
     for v, c in zip(vals, site.const, strict=True):
@@ -154,6 +162,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     Returns:
         The compiled kernel (what ``kernel[grid](...)`` returns).
     """
+    if _RECORDERS:
+        key = compile_key(kernel, args, kwargs)
+        for seen in _RECORDERS:
+            seen.add(key)
     rt = _runtime()
     if rt is None or not fast_launch_available():
         return kernel[grid](*args, **kwargs)
@@ -179,3 +191,58 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
         knobs_rt.launch_enter_hook, knobs_rt.launch_exit_hook, *vals,
     )  # fmt: skip
     return compiled
+
+
+_RECORDERS: list[set[tuple]] = []
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[set[tuple]]:
+    """Collect the :func:`compile_key` of every :func:`launch` in the block (also under Triton's
+    interpreter): what a warm-up must have launched for serving to compile nothing."""
+    seen: set[tuple] = set()
+    _RECORDERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORDERS.remove(seen)
+
+
+def _unspecialised(kernel: Any, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """The parameters ``kernel`` does not specialise on value / on alignment (``@triton.jit``'s
+    ``do_not_specialize*``; Triton's interpreter keeps them in ``kwargs``)."""
+    opts = getattr(kernel, "kwargs", None) or {}
+    out = []
+    for attr in ("do_not_specialize", "do_not_specialize_on_alignment"):
+        given = getattr(kernel, attr, None) or opts.get(attr) or ()
+        out.append(frozenset(names[g] if isinstance(g, int) else g for g in given))
+    return out[0], out[1]
+
+
+def compile_key(kernel: Any, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles ``kernel`` per: its name, each constexpr's value, each tensor's dtype
+    and 16-byte alignment, each int's value class (1, a multiple of 16, other; int32 or wider),
+    each bool's value, and the launch options. Parameters the kernel does not specialise on
+    (``do_not_specialize``) count by type only. Coarser than :func:`launch`'s fast key, never
+    finer than Triton's own (so two calls with one key never compile twice)."""
+    site = _site(kernel)
+    key: list = [getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))]
+    try:
+        vals = _values(site, args, kwargs)
+    except _Slow:  # Triton itself will say what is wrong with the call
+        return (*key, "unbound")
+    opts = tuple((k, v) for k, v in kwargs.items() if k not in site.index)
+    no_value, no_align = _unspecialised(kernel, site.names)
+    for name, v, c in zip(site.names, vals, site.const, strict=True):
+        if c:
+            key.append(v)
+        elif isinstance(v, torch.Tensor):
+            key.append((v.dtype, name in no_align or not v.data_ptr() & 15))
+        elif type(v) is int:
+            wide = not -0x80000000 <= v <= 0x7FFFFFFF
+            key.append(("int", wide) if name in no_value else ("int", v == 1, not v & 15, wide))
+        elif type(v) is bool:
+            key.append(("bool", v))
+        else:
+            key.append(type(v).__name__)
+    return (*key, opts)

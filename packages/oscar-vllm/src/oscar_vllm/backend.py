@@ -35,12 +35,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import replace
+import time
+from dataclasses import fields, replace
 from typing import Any, ClassVar
 
 import torch
 
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
+from oscar_kernels.extend_attention import DENSE_MIN_QUERY
 from oscar_kernels.serving import cell_bytes, check_head_dim, kv_heads_of_rank, rank_layout, shard_params
 from oscar_math.errors import OscarError
 
@@ -65,6 +67,7 @@ from .step import (
     step_record,
     write_window_pages,
 )
+from .warmup import WARMUP_ENV, run_warmup, warmup_steps
 
 _attn = compat.attention_api()  # vLLM's attention interface
 AttentionBackend, AttentionImpl, AttentionMetadataBuilder = (
@@ -390,6 +393,8 @@ class OscarAttentionImpl(AttentionImpl):
         self._params = None
         # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense) where it runs
         self._dense = compat.dense_attention(head_size) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
+            compat.after_model_warm_up(warm_up_engine)
 
     def _allocate_windows(self) -> None:
         # Allocated (and touched) while the model is loaded, so they count as non-KV memory.
@@ -592,6 +597,63 @@ class OscarAttentionImpl(AttentionImpl):
         if out is not o:
             o.copy_(out)
         return output
+
+
+def _signature(params: object) -> tuple:
+    """What of a layer's parameters its kernels compile per: each tensor's shape, strides, dtype."""
+    return tuple(
+        (f.name, (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v)
+        for f in fields(params)  # type: ignore[arg-type]
+        for v in [getattr(params, f.name)]
+    )
+
+
+def warm_up_engine(worker: Any) -> None:
+    """Compile the OSCAR kernels of every distinct layer configuration of ``worker``'s model
+    (:mod:`oscar_vllm.warmup`), after vLLM's own warm-up; ``OSCAR_VLLM_WARMUP=0`` skips it."""
+    if os.environ.get(WARMUP_ENV) == "0":
+        return
+    cfg = worker.vllm_config
+    widths = compat.block_table_widths(worker.model_runner)
+    sc, max_len = cfg.scheduler_config, int(cfg.model_config.max_model_len)
+    t0, seen, steps_run = time.perf_counter(), set(), 0
+    for name, layer in cfg.compilation_config.static_forward_context.items():
+        impl, kv = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
+        kv = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
+        if not isinstance(impl, OscarAttentionImpl) or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+            continue
+        cache, params = impl._layer_state(layer, kv)
+        lo = cache.layout
+        width = widths.get(name) or -(-max_len // lo.page_size)
+        w_width = 0
+        if impl._plan is not None and impl.window_names:
+            w_width = widths.get(impl.window_names[0]) or -(-max_len // impl._plan.block_size)
+        key = (lo, impl._plan, width, w_width, impl.num_heads, impl._dense is not None, _signature(params))
+        if key in seen:
+            continue
+        seen.add(key)
+        steps = warmup_steps(
+            lo.page_size,
+            lo.recent_tokens,
+            int(sc.max_num_batched_tokens),
+            impl.max_seqs,
+            width * lo.page_size,
+            DENSE_MIN_QUERY if impl._dense is not None else None,
+        )
+        steps_run += run_warmup(
+            cache, params, impl.num_heads, impl.scale, steps, width, impl._plan, w_width, impl._dense
+        )
+    if seen:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        log.info(
+            "OSCAR: compiled its kernels for %d step shapes of %d layer configuration(s) in %.1f s, before "
+            "the first request (%s=0 skips this)",
+            steps_run,
+            len(seen),
+            time.perf_counter() - t0,
+            WARMUP_ENV,
+        )
 
 
 def _windows(layout: CacheLayout, max_seqs: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -55,6 +55,8 @@ __all__ = [
     "request_slots",
     "track_v1_requests",
     "track_v2_rows",
+    "after_model_warm_up",
+    "block_table_widths",
     "kv_cache_layouts",
     "attention_api",
     "tp_rank",
@@ -790,6 +792,55 @@ def track_v2_rows(vllm_config: Any, runner_class: type | None = None) -> dict[in
     cls.finish_requests = finish_requests
     cls.add_requests = add_requests
     return gen
+
+
+def _gpu_worker_class() -> type | None:
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:  # noqa: BLE001 - no GPU worker in this build: nothing to hook
+        return None
+    return Worker if callable(getattr(Worker, "compile_or_warm_up_model", None)) else None
+
+
+def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
+    """Run ``hook(worker)`` each time vLLM's GPU worker has finished its own warm-up and CUDA-graph
+    capture (``Worker.compile_or_warm_up_model``), before the engine serves. Idempotent per hook.
+    False where the worker class or the method is missing (then nothing runs)."""
+    cls = worker_class or _gpu_worker_class()
+    if cls is None:
+        return False
+    orig = cls.compile_or_warm_up_model
+    hooks = getattr(orig, "_oscar_hooks", None)
+    if hooks is None:
+        hooks = []
+
+        @functools.wraps(orig)
+        def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(self, *args, **kwargs)
+            for h in hooks:
+                h(self)
+            return out
+
+        compile_or_warm_up_model._oscar_hooks = hooks  # type: ignore[attr-defined]
+        cls.compile_or_warm_up_model = compile_or_warm_up_model
+    if hook not in hooks:
+        hooks.append(hook)
+    return True
+
+
+def block_table_widths(model_runner: Any) -> dict[str, int]:
+    """Per KV-cache layer name, the columns of the block table vLLM's runner gives its group's
+    backends (V2: ``block_tables.input_block_tables``; V1: the input batch's tables). Empty where
+    neither is found (callers then derive the width from ``max_model_len``)."""
+    try:
+        groups = model_runner.kv_cache_config.kv_cache_groups
+        tables = getattr(getattr(model_runner, "block_tables", None), "input_block_tables", None)
+        if tables is None:
+            multi = model_runner.input_batch.block_table
+            tables = [bt.block_table.gpu for bt in multi.block_tables]
+        return {name: int(t.shape[1]) for g, t in zip(groups, tables, strict=True) for name in g.layer_names}
+    except Exception:  # noqa: BLE001 - another runner: the caller's fallback
+        return {}
 
 
 def attention_layer_base() -> type:

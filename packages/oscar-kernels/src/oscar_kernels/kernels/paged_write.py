@@ -203,7 +203,8 @@ def _feedback_codes(
     return k0, k1, k2, k3
 
 
-@triton.jit
+# n_tokens only bounds the tiles: one compile for every token count of a tile size
+@triton.jit(do_not_specialize=["n_tokens"])
 def paged_write_kernel(
     x_ptr,
     stride_xt,

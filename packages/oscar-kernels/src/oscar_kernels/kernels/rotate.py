@@ -19,7 +19,7 @@ import triton.language as tl
 from .attention import _round_store_masked
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS"])  # a bound only: one compile for every token count
 def rotate_tiles_kernel(
     x_ptr, sx_n, sx_h, sx_g,
     rot_ptr, sr_h, sr_i, sr_j,

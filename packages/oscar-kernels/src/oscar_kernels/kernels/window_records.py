@@ -5,7 +5,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the tables' group stride is B·W, B the step's rows: not specialised, one compile for every batch
+@triton.jit(do_not_specialize=["tab_sg"])
 def window_records_kernel(
     rows_ptr, rows_s0, rows_s1,
     tab_ptr, tab_sg, tab_sb,

@@ -1,0 +1,161 @@
+"""Compile OSCAR's Triton kernels while the engine starts, not at the first requests that need them.
+
+Triton compiles a kernel at its first launch with each specialisation: the constexprs (the
+write's token tile, the scratch ring of a long chunk's window rows, a decode batch's split count
+and tile) and the value class of each int. vLLM's own warm-up runs 2-token prompts, and none with
+``enforce_eager``; on the H200 the first 2k-token prompt after a start took 14.0 s to its first
+token (FA3: 0.05 s), and vLLM's monitor named ``paged_write_kernel``, ``rotate_tiles_kernel`` and
+``window_records_kernel`` as compiled during inference.
+
+:func:`warmup_steps` lists steps (rows of ``(cached tokens, new tokens)``) that between them launch
+every specialisation a server can meet; :func:`run_warmup` runs one layer's step functions
+(:func:`oscar_vllm.step.run_layer`, :func:`oscar_vllm.step.write_window_pages`) over them on a
+scratch cache with the layer's own layout, parameters and block-table widths, so the engine's
+pages and window slots are never touched. The backend runs it once per distinct layer
+configuration after vLLM's warm-up (``compat.after_model_warm_up``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from oscar_kernels import CacheLayout, PagedKVCache, cache_from_page_buffer, page_bytes
+from oscar_kernels.extend_attention import DENSE_MIN_QUERY
+
+from .step import WindowPages, WindowPlan, build_step, run_layer, scratch_ring, write_window_pages
+
+__all__ = ["warmup_steps", "run_warmup", "WARMUP_ENV"]
+
+#: ``0``: skip the warm-up (each specialisation then compiles at its first request, as before)
+WARMUP_ENV = "OSCAR_VLLM_WARMUP"
+
+Step = tuple[tuple[int, int], ...]
+
+#: window slots of the scratch windows (rows of a step share them: the values are never read)
+_SCRATCH_SLOTS = 4
+
+
+def warmup_steps(
+    page_size: int,
+    recent: int,
+    max_tokens: int,
+    max_seqs: int,
+    max_len: int,
+    dense_min_query: int | None = DENSE_MIN_QUERY,
+) -> list[Step]:
+    """Steps whose launches cover every Triton specialisation of a layer's step.
+
+    Args:
+        page_size: tokens per page; recent: the layout's ring length.
+        max_tokens: the most tokens one step holds (vLLM's ``max_num_batched_tokens``).
+        max_seqs: the most rows one step holds (``max_num_seqs``).
+        max_len: the most tokens one row's block table holds.
+        dense_min_query: the shortest chunk the dense prefill takes (None: no dense prefill).
+    Returns:
+        Steps, each a tuple of rows ``(cached tokens, new tokens)``.
+    """
+    cap = min(max_tokens, max_len - 2 * page_size - 3)
+    lens = {2, 17, 33, 65, 129}  # the write's token tiles: 16, 32, 64, 128 tokens (and its cap)
+    r = scratch_ring(recent + 1)  # chunks longer than the ring: a scratch ring per power of two
+    while r <= scratch_ring(cap):
+        lens.add(max(recent + 1, r // 2 + 1))
+        r *= 2
+    steps: list[Step] = [((0, n),) for n in sorted(lens) if n <= cap]
+    steps.append(((page_size + 3, 17),))  # an extend over cached pages
+    if dense_min_query is not None and dense_min_query <= cap:
+        steps.append(((2 * page_size + 3, dense_min_query),))  # dense prefill with far rows
+    if max_seqs >= 2:
+        steps.append(((5, 1), (0, 17)))  # a mixed batch: decodes in the extend kernel
+    # pure decode steps of every batch size: a batch's size picks the split count and tile
+    steps.extend(((3, 1),) * b for b in range(1, max_seqs + 1))
+    return steps
+
+
+def _scratch(
+    lo: CacheLayout, plan: WindowPlan | None, num_pages: int, device: torch.device
+) -> tuple[PagedKVCache, WindowPages | None]:
+    """A cache of ``num_pages`` pages laid out as the engine's (views of one page buffer, so the
+    kernels see the same strides) with scratch BF16 windows, and its window pages."""
+    buf = torch.zeros(num_pages, page_bytes(lo), dtype=torch.uint8, device=device)
+    c = cache_from_page_buffer(lo, buf, _SCRATCH_SLOTS)
+    pages = None
+    if plan is not None:
+        d = lo.head_dim
+        rows = buf.view(torch.bfloat16).view(num_pages, buf.shape[1] // (2 * d), d)
+        pages = WindowPages(rows, lo.num_kv_heads, plan, lo.sink_tokens)
+    return c, pages
+
+
+def run_warmup(
+    cache: PagedKVCache,
+    params: object,
+    num_heads: int,
+    scale: float,
+    steps: Sequence[Step],
+    table_width: int,
+    plan: WindowPlan | None = None,
+    window_table_width: int = 0,
+    dense: object | None = None,
+    backend: str = "auto",
+) -> int:
+    """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
+
+    Args:
+        cache: the layer's cache (its layout and device; its pages are not written).
+        params: the layer's expanded parameters.
+        num_heads: query heads; scale: the softmax scale.
+        steps: :func:`warmup_steps`.
+        table_width: columns of the engine's INT2 block table (decode launches depend on it).
+        plan, window_table_width: the layer's window records and their tables' width (prefix
+            caching; None: no window pages).
+        dense: the layer's dense prefill (``oscar_kernels.DenseAttention``), if any.
+        backend: as :func:`oscar_vllm.step.run_layer` (``triton``: the interpreter on a CPU).
+    Returns:
+        The number of steps run.
+    """
+    lo, dev = cache.layout, cache.device
+    page = lo.page_size
+    need = max(sum(-(-(p + n) // page) for p, n in s) for s in steps) + 1
+    scratch, pages = _scratch(lo, plan, need, dev)
+    hk, d = lo.num_kv_heads, lo.head_dim
+    n_max = max(sum(n for _, n in s) for s in steps)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q_all = torch.randn(n_max, num_heads, d, generator=gen, device=dev).to(torch.bfloat16)
+    k_all = torch.randn(n_max, hk, d, generator=gen, device=dev).to(torch.bfloat16)
+    v_all = torch.randn(n_max, hk, d, generator=gen, device=dev).to(torch.bfloat16)
+    o_all = torch.empty_like(q_all)
+    groups = plan.groups if plan is not None else 0
+    for s in steps:
+        b = len(s)
+        table = torch.zeros(b, table_width, dtype=torch.int32)
+        slots, nxt = [], 1  # page 0 stays unused, as vLLM's null block
+        for i, (p, n) in enumerate(s):
+            used = -(-(p + n) // page)
+            table[i, :used] = torch.arange(nxt, nxt + used, dtype=torch.int32)
+            nxt += used
+            pos = torch.arange(p, p + n)
+            slots.append(table[i, pos // page].long() * page + pos % page)
+        qlens = torch.tensor([n for _, n in s], dtype=torch.int32)
+        seq = torch.tensor([p + n for p, n in s], dtype=torch.int32)
+        qsl = torch.zeros(b + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(qlens, 0)
+        md = build_step(
+            qsl.to(dev),
+            qsl,
+            seq.to(dev),
+            seq,
+            table.to(dev),
+            torch.cat(slots).to(dev),
+            b,
+            torch.arange(b, dtype=torch.int32) % _SCRATCH_SLOTS,
+            None,
+        )
+        t = md.num_actual_tokens
+        q, k, v = q_all[:t], k_all[:t], v_all[:t]
+        run_layer(scratch, params, q, k, v, md, scale, backend, dense=dense, out=o_all[:t])
+        if pages is not None:
+            tables = torch.zeros(groups, b, window_table_width, dtype=torch.int32, device=dev)
+            write_window_pages(scratch, params, k, v, md, pages, tables, backend)
+    return len(steps)

@@ -1,0 +1,160 @@
+"""The start-up warm-up (oscar_vllm.warmup): after it, serving launches no kernel specialisation
+that it did not launch, so Triton compiles nothing during requests.
+
+Checked by recording every launch's compile key (``oscar_kernels.launch.record_launches``: what
+Triton compiles per) through the warm-up and through an engine-like random schedule on the same
+layout, on the CPU under Triton's interpreter and, where there is one, on the GPU (where the decode
+kernel is the Gluon one and its split count follows the batch size).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import fresh_process_ran
+
+from oscar_vllm.step import build_step, plan_window_records, run_layer, write_window_pages
+from oscar_vllm.warmup import run_warmup, warmup_steps
+
+PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH = 16, 16, 80, 5, 8
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+def _layer(device: str, num_pages: int):
+    """A layer as the backend has it: layout, pages viewed from one buffer, window pages, params
+    with error feedback and the pre-RoPE mean (format-3 artifacts)."""
+    from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
+    from oscar_vllm.step import WindowPages
+
+    lo = CacheLayout(2, 32, page_size=PAGE, group_size=16, sink_tokens=8, recent_tokens=RECENT)
+    g = torch.Generator().manual_seed(1)
+    rk, rv = (torch.linalg.qr(torch.randn(2, 32, 32, generator=g))[0] for _ in range(2))
+    fb = torch.tril(0.05 * torch.randn(2, 32, 32, generator=g), -1)
+    params = LayerQuantParams(
+        rk, rv, 0.3 * torch.randn(2, 32, generator=g), 0.9, 0.9, k_feedback=fb, v_feedback=fb.clone()
+    ).expand(2, 32, device)
+    buf = torch.zeros(num_pages, page_bytes(lo), dtype=torch.uint8, device=device)  # launches, not values
+    cache = cache_from_page_buffer(lo, buf, MAX_SEQS)
+    rows_per_page = page_bytes(lo) // 64
+    plan = plan_window_records(2, PAGE, 8, RECENT, rows_per_page, in_flight_tokens=MAX_TOKENS, min_block=8)
+    pages = WindowPages(buf.view(torch.bfloat16).view(num_pages, rows_per_page, 32), 2, plan, 8)
+    return cache, params, plan, pages
+
+
+def _window_width(plan) -> int:
+    """Columns of a window group's block table: window blocks of the longest row."""
+    return -(-WIDTH * PAGE // plan.block_size)
+
+
+def _served(cache, params, pages, plan, device: str, seed: int, backend: str) -> None:
+    """An engine-like schedule: random batches of prefills, chunks over cached tokens, mixed rows
+    and decodes, within the engine's limits (tokens per step, rows per step, table width)."""
+    rng = random.Random(seed)
+    page = cache.layout.page_size
+    for _ in range(12):
+        b = rng.randint(1, MAX_SEQS)
+        budget, rows = MAX_TOKENS, []
+        for _ in range(b):
+            n = 1 if rng.random() < 0.5 else rng.randint(1, max(1, budget))
+            n = min(n, budget - (b - len(rows) - 1))
+            p = rng.randint(0, WIDTH * page - n - 1)
+            rows.append((p, max(n, 1)))
+            budget -= max(n, 1)
+        qlens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+        qsl = torch.zeros(b + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(qlens, 0)
+        seq = torch.tensor([p + n for p, n in rows], dtype=torch.int32)
+        table = torch.randint(1, cache.k_codes.shape[0], (b, WIDTH), dtype=torch.int32)
+        mapping = torch.cat(
+            [
+                table[i, torch.arange(p, p + n) // page].long() * page + torch.arange(p, p + n) % page
+                for i, (p, n) in enumerate(rows)
+            ]
+        )
+        slots = torch.tensor(rng.sample(range(MAX_SEQS), b), dtype=torch.int32)
+        md = build_step(
+            qsl.to(device), qsl, seq.to(device), seq, table.to(device), mapping.to(device), b, slots, None
+        )
+        t = md.num_actual_tokens
+        q = torch.randn(t, 4, 32, device=device).to(torch.bfloat16)
+        k = torch.randn(t, 2, 32, device=device).to(torch.bfloat16)
+        v = torch.randn(t, 2, 32, device=device).to(torch.bfloat16)
+        run_layer(cache, params, q, k, v, md, 32**-0.5, backend, out=torch.empty_like(q))
+        wt = torch.randint(
+            1, cache.k_codes.shape[0], (plan.groups, b, _window_width(plan)), dtype=torch.int32
+        )
+        write_window_pages(cache, params, k, v, md, pages, wt.to(device), backend)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch):
+    if device == "cpu":
+        if fresh_process_ran(request):
+            return
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from oscar_kernels.launch import record_launches
+
+    backend = "triton" if device == "cpu" else "auto"  # auto: the engines' choice on a GPU
+    cache, params, plan, pages = _layer(device, 64)
+    steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
+    with record_launches() as warm:
+        assert run_warmup(
+            cache, params, 4, 32**-0.5, steps, WIDTH, plan, _window_width(plan), backend=backend
+        ) == len(steps)
+    # the three vLLM's monitor saw compiled during requests (rotations run in torch on a CPU)
+    names = {"paged_write_kernel", "window_records_kernel"} | (
+        {"rotate_tiles_kernel"} if device == "cuda" else set()
+    )
+    assert {k[0] for k in warm} >= names
+    with record_launches() as served:
+        _served(cache, params, pages, plan, device, 0, backend)
+    missing = served - warm
+    assert not missing, (
+        f"{len(missing)} launches the warm-up did not compile, e.g. {sorted(map(str, missing))[:3]}"
+    )
+
+    # ... and the check can fail: a warm-up without the long chunks (the scratch rings of their
+    # window rows, the write's largest tiles) leaves compiles to the first long prompts
+    short = [s for s in steps if sum(n for _, n in s) <= RECENT]
+    with record_launches() as partial:
+        run_warmup(cache, params, 4, 32**-0.5, short, WIDTH, plan, _window_width(plan), backend=backend)
+    assert served - partial
+
+
+def test_warmup_steps_stay_within_the_engines_limits():
+    steps = warmup_steps(64, 128, 8192, 256, 40960)
+    assert all(1 <= len(s) <= 256 for s in steps)
+    assert all(sum(n for _, n in s) <= 8192 and all(p + n <= 40960 for p, n in s) for s in steps)
+    assert {len(s) for s in steps} == set(range(1, 257))  # every decode batch size
+    # every scratch ring a chunk of up to 8192 tokens can need, once
+    from oscar_vllm.step import scratch_ring
+
+    longest = {scratch_ring(max(n for _, n in s)) for s in steps if max(n for _, n in s) > 128}
+    assert longest == {scratch_ring(n) for n in range(129, 8193)}
+    # a table narrower than the step budget bounds the prefills
+    assert max(p + n for s in warmup_steps(64, 128, 8192, 4, 1024) for p, n in s) <= 1024
+
+
+def test_the_warm_up_runs_after_vllms_own_once_per_hook():
+    """compat.after_model_warm_up on a stand-in for vLLM's GPU worker: the hook runs after the
+    worker's warm-up and capture, with the worker, once per call however often it is installed."""
+    from oscar_vllm import compat
+
+    calls = []
+
+    class Worker:
+        def compile_or_warm_up_model(self):
+            calls.append("vllm")
+            return "times"
+
+    def hook(worker):
+        calls.append(("oscar", type(worker).__name__))
+
+    assert compat.after_model_warm_up(hook, Worker) and compat.after_model_warm_up(hook, Worker)
+    assert Worker().compile_or_warm_up_model() == "times"
+    assert calls == ["vllm", ("oscar", "Worker")]
