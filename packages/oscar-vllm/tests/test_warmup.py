@@ -103,9 +103,8 @@ def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch
     cache, params, plan, pages = _layer(device, 64)
     steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
     with record_launches() as warm:
-        assert run_warmup(
-            cache, params, 4, 32**-0.5, steps, WIDTH, plan, _window_width(plan), backend=backend
-        ) == len(steps)
+        ran = run_warmup(cache, params, 4, 32**-0.5, steps, WIDTH, plan, _window_width(plan), backend=backend)
+    assert 0 < ran < len(steps)  # steps that launch nothing new run dry only
     # the three vLLM's monitor saw compiled during requests (rotations run in torch on a CPU)
     names = {"paged_write_kernel", "window_records_kernel"} | (
         {"rotate_tiles_kernel"} if device == "cuda" else set()

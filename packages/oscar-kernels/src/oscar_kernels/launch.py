@@ -166,6 +166,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
         key = compile_key(kernel, args, kwargs)
         for seen in _RECORDERS:
             seen.add(key)
+        if _DRY:
+            return None
     rt = _runtime()
     if rt is None or not fast_launch_available():
         return kernel[grid](*args, **kwargs)
@@ -194,18 +196,28 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
 
 
 _RECORDERS: list[set[tuple]] = []
+_DRY: list[bool] = []  # non-empty: record_launches(dry=True) is active
 
 
 @contextlib.contextmanager
-def record_launches() -> Iterator[set[tuple]]:
+def record_launches(dry: bool = False) -> Iterator[set[tuple]]:
     """Collect the :func:`compile_key` of every :func:`launch` in the block (also under Triton's
-    interpreter): what a warm-up must have launched for serving to compile nothing."""
+    interpreter): what a warm-up must have launched for serving to compile nothing.
+
+    ``dry``: record without launching (host work only; :func:`launch` returns None), to find
+    which of many calls compile differently before running one of each.
+    """
     seen: set[tuple] = set()
     _RECORDERS.append(seen)
+    if dry:
+        _DRY.append(True)
     try:
         yield seen
     finally:
-        _RECORDERS.remove(seen)
+        # by identity: two recorders may hold equal sets
+        del _RECORDERS[next(i for i, r in enumerate(_RECORDERS) if r is seen)]
+        if dry:
+            _DRY.pop()
 
 
 def _unspecialised(kernel: Any, names: list[str]) -> tuple[frozenset[str], frozenset[str]]:

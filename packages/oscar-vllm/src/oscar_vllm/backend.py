@@ -617,6 +617,7 @@ def warm_up_engine(worker: Any) -> None:
     widths = compat.block_table_widths(worker.model_runner)
     sc, max_len = cfg.scheduler_config, int(cfg.model_config.max_model_len)
     t0, seen, steps_run = time.perf_counter(), set(), 0
+    done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
     for name, layer in cfg.compilation_config.static_forward_context.items():
         impl, kv = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
         kv = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
@@ -641,14 +642,23 @@ def warm_up_engine(worker: Any) -> None:
             DENSE_MIN_QUERY if impl._dense is not None else None,
         )
         steps_run += run_warmup(
-            cache, params, impl.num_heads, impl.scale, steps, width, impl._plan, w_width, impl._dense
+            cache,
+            params,
+            impl.num_heads,
+            impl.scale,
+            steps,
+            width,
+            impl._plan,
+            w_width,
+            impl._dense,
+            done=done,
         )
     if seen:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         log.info(
-            "OSCAR: compiled its kernels for %d step shapes of %d layer configuration(s) in %.1f s, before "
-            "the first request (%s=0 skips this)",
+            "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)) in %.1f s, so requests "
+            "compile nothing (%s=0 skips this)",
             steps_run,
             len(seen),
             time.perf_counter() - t0,

@@ -18,13 +18,22 @@ configuration after vLLM's warm-up (``compat.after_model_warm_up``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from oscar_kernels import CacheLayout, PagedKVCache, cache_from_page_buffer, page_bytes
 from oscar_kernels.extend_attention import DENSE_MIN_QUERY
 
-from .step import WindowPages, WindowPlan, build_step, run_layer, scratch_ring, write_window_pages
+from .step import (
+    StepMetadata,
+    WindowPages,
+    WindowPlan,
+    build_step,
+    run_layer,
+    scratch_ring,
+    write_window_pages,
+)
 
 __all__ = ["warmup_steps", "run_warmup", "WARMUP_ENV"]
 
@@ -88,6 +97,26 @@ def _scratch(
     return c, pages
 
 
+def _step_metadata(rows: Step, width: int, page: int, dev: torch.device, slots: int) -> StepMetadata:
+    """A step's metadata over consecutive scratch pages from page 1 (page 0 stays unused, as
+    vLLM's null block); built with whole-tensor ops (a decode step may have hundreds of rows)."""
+    p = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+    n = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+    b, seq = len(rows), p + n
+    used = -(-seq // page)
+    first = 1 + torch.cumsum(used, 0) - used
+    col = torch.arange(width)
+    table = torch.where(col[None] < used[:, None], first[:, None] + col[None], 0).to(torch.int32)
+    qsl = torch.zeros(b + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(n, 0)
+    row = torch.repeat_interleave(torch.arange(b), n)
+    pos = p[row] + torch.arange(int(qsl[-1])) - qsl[row]
+    mapping = table[row, pos // page].long() * page + pos % page
+    qsl, seq = qsl.to(torch.int32), seq.to(torch.int32)
+    ws = torch.arange(b, dtype=torch.int32) % slots
+    return build_step(qsl.to(dev), qsl, seq.to(dev), seq, table.to(dev), mapping.to(dev), b, ws, None)
+
+
 def run_warmup(
     cache: PagedKVCache,
     params: object,
@@ -99,8 +128,13 @@ def run_warmup(
     window_table_width: int = 0,
     dense: object | None = None,
     backend: str = "auto",
+    done: set[tuple] | None = None,
 ) -> int:
     """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
+
+    Each step first runs dry (``oscar_kernels.launch.record_launches(dry=True)``: host work only,
+    its launches' compile keys recorded) and then for real only if it launches a key not in
+    ``done``: of a thousand decode batch sizes a handful compile differently.
 
     Args:
         cache: the layer's cache (its layout and device; its pages are not written).
@@ -112,9 +146,13 @@ def run_warmup(
             caching; None: no window pages).
         dense: the layer's dense prefill (``oscar_kernels.DenseAttention``), if any.
         backend: as :func:`oscar_vllm.step.run_layer` (``triton``: the interpreter on a CPU).
+        done: compile keys already launched (shared between layers; updated).
     Returns:
-        The number of steps run.
+        The number of steps run for real.
     """
+    from oscar_kernels.launch import record_launches
+
+    done = set() if done is None else done
     lo, dev = cache.layout, cache.device
     page = lo.page_size
     need = max(sum(-(-(p + n) // page) for p, n in s) for s in steps) + 1
@@ -127,35 +165,24 @@ def run_warmup(
     v_all = torch.randn(n_max, hk, d, generator=gen, device=dev).to(torch.bfloat16)
     o_all = torch.empty_like(q_all)
     groups = plan.groups if plan is not None else 0
-    for s in steps:
-        b = len(s)
-        table = torch.zeros(b, table_width, dtype=torch.int32)
-        slots, nxt = [], 1  # page 0 stays unused, as vLLM's null block
-        for i, (p, n) in enumerate(s):
-            used = -(-(p + n) // page)
-            table[i, :used] = torch.arange(nxt, nxt + used, dtype=torch.int32)
-            nxt += used
-            pos = torch.arange(p, p + n)
-            slots.append(table[i, pos // page].long() * page + pos % page)
-        qlens = torch.tensor([n for _, n in s], dtype=torch.int32)
-        seq = torch.tensor([p + n for p, n in s], dtype=torch.int32)
-        qsl = torch.zeros(b + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(qlens, 0)
-        md = build_step(
-            qsl.to(dev),
-            qsl,
-            seq.to(dev),
-            seq,
-            table.to(dev),
-            torch.cat(slots).to(dev),
-            b,
-            torch.arange(b, dtype=torch.int32) % _SCRATCH_SLOTS,
-            None,
-        )
+
+    def one(md: StepMetadata) -> None:
         t = md.num_actual_tokens
         q, k, v = q_all[:t], k_all[:t], v_all[:t]
         run_layer(scratch, params, q, k, v, md, scale, backend, dense=dense, out=o_all[:t])
         if pages is not None:
+            b = md.seq_lens.shape[0]
             tables = torch.zeros(groups, b, window_table_width, dtype=torch.int32, device=dev)
             write_window_pages(scratch, params, k, v, md, pages, tables, backend)
-    return len(steps)
+
+    ran = 0
+    for s in steps:
+        md = _step_metadata(s, table_width, page, dev, _SCRATCH_SLOTS)
+        with record_launches(dry=True) as keys:
+            one(md)
+        if keys <= done:
+            continue
+        one(replace(md, bounds_checked=[False]))
+        done |= keys
+        ran += 1
+    return ran
