@@ -144,3 +144,36 @@ def test_same_output_as_the_triton_launch(n: int) -> None:
     if HAS_CUDA:
         assert L.fast_launch_available()
         assert sum(len(s.compiled) for s in L._SITES.values()) == 1
+
+
+def _count_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n"])
+    def count_kernel(x_ptr, n, m, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + m, mask=i < n)
+
+    return count_kernel
+
+
+def test_record_launches_keys_what_triton_compiles_per_and_a_dry_run_launches_nothing():
+    """compile_key: an unspecialised int (do_not_specialize) counts by type only, a specialised one
+    by value class (1, multiple of 16, other); dry recording runs no kernel. Nested recorders with
+    equal contents leave by identity."""
+    k = _count_kernel()
+    x = torch.zeros(64, device=DEVICE)
+    with L.record_launches() as outer:
+        with L.record_launches() as keys:
+            L.launch(k, (1,), x, 17, 3, BLOCK=64)
+            L.launch(k, (1,), x, 48, 5, BLOCK=64)  # n unspecialised (48 = 3·16 counts as 17), m as 3: one key
+            L.launch(k, (1,), x, 17, 32, BLOCK=64)  # m a multiple of 16: a second key
+            L.launch(k, (1,), x, 17, 1, BLOCK=64)  # m == 1: a third
+        assert len(keys) == 3 and keys == outer
+        assert x[:17].tolist() == [41.0] * 17 and x[17:48].tolist() == [5.0] * 31
+        with L.record_launches(dry=True) as dry:
+            assert L.launch(k, (1,), x, 64, 7, BLOCK=64) is None
+        assert len(dry) == 1 and dry <= outer
+        assert x[:17].tolist() == [41.0] * 17 and x[48:].tolist() == [0.0] * 16  # nothing ran
+    assert not L._RECORDERS and not L._DRY

@@ -21,6 +21,10 @@ from oscar_math.errors import OscarError
 
 
 def test_check_head_dim():
+    check_head_dim(32)  # the interpreter and the torch references serve it
+    with pytest.raises(OscarError, match="head dim 32 on a GPU"):
+        check_head_dim(32, on_gpu=True)
+    check_head_dim(64, on_gpu=True)
     for d in (16, 64, 128, 256):
         check_head_dim(d)
     for d in (8, 72, 100):

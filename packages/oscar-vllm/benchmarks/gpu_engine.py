@@ -468,6 +468,12 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
         name = "smol-oscar-eager-cache-blockids"
         cases.append(dict(base, name=name, backend="OSCAR", llm=llm, work=work, env=blockids))
+        # the start-up warm-up (OSCAR_VLLM_WARMUP=1, off by default until this case has run): the same
+        # work; vLLM's monitor (jit_compiles) must name no OSCAR kernel, results equal the plain case's
+        warm = {"OSCAR_VLLM_WARMUP": "1"}
+        cases.append(
+            dict(base, name="smol-oscar-eager-cache-warm", backend="OSCAR", llm=llm, work=work, env=warm)
+        )
         fits = dict(  # log stats on: vLLM's preemption counter (LLM.get_metrics) says what happened
             small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=24,
             disable_log_stats=False,
@@ -516,6 +522,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         for name, backend, cache, extra in (
             ("qwen-oscar-cache", "OSCAR", True, {}),  # first: the configuration users get
             ("qwen-oscar-cache-blockids", "OSCAR", True, {"env": {"OSCAR_VLLM_V2_IDENTITY_RESTORES": "0"}}),
+            # the first 2k prompt's time to first token with the start-up warm-up (14.0 s without, 12-03)
+            ("qwen-oscar-cache-warm", "OSCAR", True, {"env": {"OSCAR_VLLM_WARMUP": "1"}}),
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),

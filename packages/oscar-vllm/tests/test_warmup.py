@@ -27,22 +27,23 @@ DEVICES = [
 
 def _layer(device: str, num_pages: int):
     """A layer as the backend has it: layout, pages viewed from one buffer, window pages, params
-    with error feedback and the pre-RoPE mean (format-3 artifacts)."""
+    with error feedback (head dim 32 on the CPU, 64 on a GPU: its smallest)."""
     from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
     from oscar_vllm.step import WindowPages
 
-    lo = CacheLayout(2, 32, page_size=PAGE, group_size=16, sink_tokens=8, recent_tokens=RECENT)
+    d = 32 if device == "cpu" else 64
+    lo = CacheLayout(2, d, page_size=PAGE, group_size=16, sink_tokens=8, recent_tokens=RECENT)
     g = torch.Generator().manual_seed(1)
-    rk, rv = (torch.linalg.qr(torch.randn(2, 32, 32, generator=g))[0] for _ in range(2))
-    fb = torch.tril(0.05 * torch.randn(2, 32, 32, generator=g), -1)
+    rk, rv = (torch.linalg.qr(torch.randn(d, d, generator=g))[0] for _ in range(2))
+    fb = torch.tril(0.05 * torch.randn(2, d, d, generator=g), -1)
     params = LayerQuantParams(
-        rk, rv, 0.3 * torch.randn(2, 32, generator=g), 0.9, 0.9, k_feedback=fb, v_feedback=fb.clone()
-    ).expand(2, 32, device)
+        rk, rv, 0.3 * torch.randn(2, d, generator=g), 0.9, 0.9, k_feedback=fb, v_feedback=fb.clone()
+    ).expand(2, d, device)
     buf = torch.zeros(num_pages, page_bytes(lo), dtype=torch.uint8, device=device)  # launches, not values
     cache = cache_from_page_buffer(lo, buf, MAX_SEQS)
-    rows_per_page = page_bytes(lo) // 64
+    rows_per_page = page_bytes(lo) // (2 * d)
     plan = plan_window_records(2, PAGE, 8, RECENT, rows_per_page, in_flight_tokens=MAX_TOKENS, min_block=8)
-    pages = WindowPages(buf.view(torch.bfloat16).view(num_pages, rows_per_page, 32), 2, plan, 8)
+    pages = WindowPages(buf.view(torch.bfloat16).view(num_pages, rows_per_page, d), 2, plan, 8)
     return cache, params, plan, pages
 
 
@@ -81,10 +82,11 @@ def _served(cache, params, pages, plan, device: str, seed: int, backend: str) ->
             qsl.to(device), qsl, seq.to(device), seq, table.to(device), mapping.to(device), b, slots, None
         )
         t = md.num_actual_tokens
-        q = torch.randn(t, 4, 32, device=device).to(torch.bfloat16)
-        k = torch.randn(t, 2, 32, device=device).to(torch.bfloat16)
-        v = torch.randn(t, 2, 32, device=device).to(torch.bfloat16)
-        run_layer(cache, params, q, k, v, md, 32**-0.5, backend, out=torch.empty_like(q))
+        d = cache.layout.head_dim
+        q = torch.randn(t, 4, d, device=device).to(torch.bfloat16)
+        k = torch.randn(t, 2, d, device=device).to(torch.bfloat16)
+        v = torch.randn(t, 2, d, device=device).to(torch.bfloat16)
+        run_layer(cache, params, q, k, v, md, d**-0.5, backend, out=torch.empty_like(q))
         wt = torch.randint(
             1, cache.k_codes.shape[0], (plan.groups, b, _window_width(plan)), dtype=torch.int32
         )
@@ -103,7 +105,7 @@ def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch
     cache, params, plan, pages = _layer(device, 64)
     steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
     with record_launches() as warm:
-        ran = run_warmup(cache, params, 4, 32**-0.5, steps, WIDTH, plan, _window_width(plan), backend=backend)
+        ran = run_warmup(cache, params, 4, 0.125, steps, WIDTH, plan, _window_width(plan), backend=backend)
     assert 0 < ran < len(steps)  # steps that launch nothing new run dry only
     # the three vLLM's monitor saw compiled during requests (rotations run in torch on a CPU)
     names = {"paged_write_kernel", "window_records_kernel"} | (
@@ -121,7 +123,7 @@ def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch
     # window rows, the write's largest tiles) leaves compiles to the first long prompts
     short = [s for s in steps if sum(n for _, n in s) <= RECENT]
     with record_launches() as partial:
-        run_warmup(cache, params, 4, 32**-0.5, short, WIDTH, plan, _window_width(plan), backend=backend)
+        run_warmup(cache, params, 4, 0.125, short, WIDTH, plan, _window_width(plan), backend=backend)
     assert served - partial
 
 

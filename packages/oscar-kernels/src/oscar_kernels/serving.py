@@ -69,8 +69,14 @@ def load_for_serving(path: str, num_layers: int, num_kv_heads: int, head_dim: in
     return load_rotations(str(path), num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
-def check_head_dim(head_dim: int, v_head_dim: int | None = None) -> None:
-    """The kernels serve equal key and value head dims that are a multiple of 16."""
+#: the smallest head dim the GPU kernels compile for: the extend kernel multiplies quarter rows, and
+#: Triton 3.6's ``tl.dot`` needs ``K >= 16`` (head dim 32 fails to compile on the H200 machine)
+GPU_MIN_HEAD_DIM = 64
+
+
+def check_head_dim(head_dim: int, v_head_dim: int | None = None, on_gpu: bool = False) -> None:
+    """The kernels serve equal key and value head dims that are a multiple of 16, on a GPU at least
+    :data:`GPU_MIN_HEAD_DIM`."""
     if v_head_dim is not None and v_head_dim != head_dim:
         raise OscarError(
             f"OSCAR: key head dim {head_dim} != value head dim {v_head_dim} "
@@ -79,6 +85,11 @@ def check_head_dim(head_dim: int, v_head_dim: int | None = None) -> None:
     if head_dim < 16 or head_dim % 16:
         raise OscarError(
             f"unsupported head dim {head_dim}: the OSCAR kernels need a head dim that is a multiple of 16"
+        )
+    if on_gpu and head_dim < GPU_MIN_HEAD_DIM:
+        raise OscarError(
+            f"unsupported head dim {head_dim} on a GPU: the OSCAR kernels compile for head dims of at least "
+            f"{GPU_MIN_HEAD_DIM} there (Triton's tl.dot needs 16-wide quarter rows)"
         )
 
 

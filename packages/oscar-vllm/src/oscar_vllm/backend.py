@@ -385,6 +385,7 @@ class OscarAttentionImpl(AttentionImpl):
         self.layout = rank_layout(rot, num_kv_heads, head_size, int(cfg.cache_config.block_size))
         self.max_seqs = int(cfg.scheduler_config.max_num_seqs)
         self.device = torch.device(cfg.device_config.device)
+        check_head_dim(head_size, on_gpu=self.device.type == "cuda")
         self.windows: tuple[torch.Tensor, ...] | None = None
         if not self.excluded:  # else the layer index is known after loading (process_weights_after_loading)
             self._allocate_windows()
@@ -610,9 +611,22 @@ def _signature(params: object) -> tuple:
 
 def warm_up_engine(worker: Any) -> None:
     """Compile the OSCAR kernels of every distinct layer configuration of ``worker``'s model
-    (:mod:`oscar_vllm.warmup`), after vLLM's own warm-up; ``OSCAR_VLLM_WARMUP=0`` skips it."""
-    if os.environ.get(WARMUP_ENV) == "0":
+    (:mod:`oscar_vllm.warmup`), after vLLM's own warm-up; on with ``OSCAR_VLLM_WARMUP=1``.
+
+    Off by default until an engine run on a GPU has checked it (the kernel-level run on the H200
+    has: docs/vllm.md, "Warm-up at start"). A failure is logged, never raised: without the
+    warm-up the kernels compile at first use, as before."""
+    if os.environ.get(WARMUP_ENV) != "1":
         return
+    try:
+        _warm_up(worker)
+    except Exception as e:  # noqa: BLE001 - an optimisation: serving must not depend on it
+        log.warning(
+            "OSCAR: the kernel warm-up failed (%s: %s); kernels compile at first use", type(e).__name__, e
+        )
+
+
+def _warm_up(worker: Any) -> None:
     cfg = worker.vllm_config
     widths = compat.block_table_widths(worker.model_runner)
     sc, max_len = cfg.scheduler_config, int(cfg.model_config.max_model_len)
@@ -658,7 +672,7 @@ def warm_up_engine(worker: Any) -> None:
         torch.cuda.empty_cache()
         log.info(
             "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)) in %.1f s, so requests "
-            "compile nothing (%s=0 skips this)",
+            "compile nothing (%s=1)",
             steps_run,
             len(seen),
             time.perf_counter() - t0,
