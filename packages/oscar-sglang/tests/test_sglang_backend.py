@@ -460,6 +460,9 @@ def test_startup_errors_are_one_line(tmp_path, monkeypatch, topology):
         core.check_geometry(72, 72)
     with pytest.raises(OscarError, match="MLA"):
         core.check_geometry(128, 64)
+    with pytest.raises(OscarError, match="head dim 32 on a GPU"):
+        core.check_geometry(32, 32, on_gpu=True)
+    core.check_geometry(32, 32)  # the CPU references serve it
 
 
 def test_backend_refuses_a_bf16_pool(artifact):

@@ -138,10 +138,10 @@ class RankQuant:
     path: str
 
 
-def check_geometry(head_dim: int, v_head_dim: int | None) -> None:
+def check_geometry(head_dim: int, v_head_dim: int | None, on_gpu: bool = False) -> None:
     """Reject attention shapes the kernels do not serve (one line, at start-up)."""
     try:
-        check_head_dim(head_dim, v_head_dim)
+        check_head_dim(head_dim, v_head_dim, on_gpu=on_gpu)
     except OscarError as e:
         raise OscarError(f"--attention-backend {BACKEND_NAME}: {e}") from None
 
@@ -164,7 +164,7 @@ def load_rank_quant(
     Raises :class:`OscarError` with one line for a missing / corrupt file, a file calibrated
     for another geometry (layers, KV heads, head dim) or an unsupported head dim.
     """
-    check_geometry(head_dim, v_head_dim)
+    check_geometry(head_dim, v_head_dim, on_gpu=torch.device(device).type == "cuda")
     rot = load_for_serving(str(path), num_layers, total_kv_heads, head_dim)
     heads = kv_heads_of_rank(total_kv_heads, tp_size, tp_rank)
     layout = rank_layout(rot, len(heads), head_dim, page_size)
