@@ -86,9 +86,10 @@ def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: A
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
-def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False):  # noqa: ANN201
+def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False, splits: int = 1):  # noqa: ANN201
     """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
-    with the pre-RoPE key mean's score term (format 3)."""
+    with the pre-RoPE key mean's score term (format 3); ``splits > 1``: the split-INT2 variant
+    (partials for ``merge_splits_kernel``)."""
     import triton.language as tl
 
     from oscar_kernels.kernels.attention import extend_kernel as fn
@@ -102,6 +103,11 @@ def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False):  # n
     ptr.update(dict.fromkeys(("o_ptr", "rc_ptr", "rth_ptr"), "*fp32"))
     if not rope:
         consts.update(rc_ptr=None, rth_ptr=None)
+    consts["SPLITS"] = splits
+    if splits > 1:
+        ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
+    else:
+        consts.update(po_ptr=None, plse_ptr=None)
     return _compile(fn, consts, ptr, arch, num_warps)
 
 

@@ -43,6 +43,84 @@ def test_extend_triton_matches_reference(d, h, g, page, group, granularity):
         assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])
 
 
+@needs_triton
+@pytest.mark.parametrize("splits", [2, 3, 7, "auto"])
+def test_split_extend_matches_the_unsplit_kernel_and_the_reference(splits):
+    """Splitting each query block's INT2 keys over programs (a short chunk over a long prefix)
+    gives the unsplit kernel's outputs up to float32 summation order: long prefixes, chunks that
+    straddle pages and the windows, a decode-like row, a row whose INT2 range is empty, and the
+    pre-RoPE mean's score term."""
+    from oscar_kernels import LayerQuantParams
+    from oscar_kernels.extend_attention import choose_extend_splits
+
+    d, h, g, page = 64, 2, 2, 16
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU: test_split_extend_at_the_engines_shape")
+    gen = torch.Generator().manual_seed(11)
+    lo = CacheLayout(h, d, page_size=page, sink_tokens=4, recent_tokens=10)
+    lens = [301, 17, 12, 260]
+    chunks = [16, 1, 12, 5]  # a hit's tail, a decode, a first chunk (no INT2 keys), a short tail
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    mean = torch.zeros(h, d)
+    mean[:, d // 2 - 4 : d // 2] = 2 * torch.randn(h, 4, generator=gen)
+    rope = LayerQuantParams(
+        params.k_rotation, params.v_rotation, k_rope_mean=mean, k_rope_inv_freq=inv
+    ).expand(h, d, DEVICE)
+    cu = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor(
+        [n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32, device=DEVICE
+    )
+    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    args = (q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    one = extend_attention(*args, backend="triton", block_m=16, block_n=16)
+    split = extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=splits)
+    ref = extend_attention_ref(q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    for b in range(len(lens)):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        assert rel(split[s0:s1], one[s0:s1]) < 2e-3, (b, splits)
+        assert rel(split[s0:s1], ref[s0:s1]) < 1e-2, (b, splits)
+    if splits == "auto":  # 1 query block x 4 rows x 4 heads = 16 programs on a "4-SM" CPU: no split
+        assert choose_extend_splits(16, 320, 16, DEVICE) == 1
+        assert (
+            choose_extend_splits(2, 100_000, 64, DEVICE) == 4
+            and choose_extend_splits(3, 100_000, 64, DEVICE) == 2  # ceil(8 / 3) = 3, a power of two below
+            and choose_extend_splits(2, 400, 64, DEVICE) == 1
+        )
+    with pytest.raises(Exception, match="num_splits"):
+        extend_attention(*args, backend="triton", num_splits=0)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's shape on the GPU (CPU: the test above)")
+def test_split_extend_at_the_engines_shape():
+    """Qwen3-8B's attention shape, 64-token pages: a 16-token tail over a 20k prefix and a decode
+    row, split as the engine's ``auto`` rule picks, against the unsplit kernel."""
+    from oscar_kernels.extend_attention import choose_extend_splits
+
+    d, h, g, page = 128, 8, 4, 64
+    gen = torch.Generator().manual_seed(3)
+    lo = CacheLayout(h, d, page_size=page)
+    lens, chunks = [20000, 3001], [16, 1]
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
+    cu = torch.tensor([0, 16, 17], dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor(
+        [n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32, device=DEVICE
+    )
+    q = torch.randn(17, h * g, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    args = (q, k, v, cache, params, cu, prefix, bt, ws, 16)
+    assert choose_extend_splits(2 * h * g, max(lens), 64, DEVICE) > 1
+    one = extend_attention(*args)
+    split = extend_attention(*args, num_splits="auto", host_lens=(chunks, lens))
+    for b in range(2):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        assert rel(split[s0:s1], one[s0:s1]) < 5e-3, b
+
+
 def test_extend_of_one_token_equals_decode():
     from oscar_kernels import paged_write
 
@@ -66,9 +144,10 @@ def test_extend_of_one_token_equals_decode():
 
 
 @needs_triton
-@pytest.mark.parametrize("rope", [False, True])
-def test_extend_kernel_compiles_for_sm90(rope):
+@pytest.mark.parametrize("rope, splits", [(False, 1), (True, 1), (True, 8)])
+def test_extend_kernel_compiles_for_sm90(rope, splits):
     """The extend kernel's GPU path (the interpreter never lowers it) compiles for sm_90 offline,
-    with tensor-core dots (``wgmma`` at 64-row blocks) and the PTX unpack of the codes."""
-    ptx = compile_check_ptx(f"cc.compile_extend(90, rope={rope})")
+    with tensor-core dots (``wgmma`` at 64-row blocks) and the PTX unpack of the codes; also the
+    split-INT2 variant."""
+    ptx = compile_check_ptx(f"cc.compile_extend(90, rope={rope}, splits={splits})")
     assert ("wgmma" in ptx or "mma.sync.aligned" in ptx) and "prmt.b32" in ptx

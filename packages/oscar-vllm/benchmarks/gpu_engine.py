@@ -524,6 +524,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             ("qwen-oscar-cache-blockids", "OSCAR", True, {"env": {"OSCAR_VLLM_V2_IDENTITY_RESTORES": "0"}}),
             # the first 2k prompt's time to first token with the start-up warm-up (14.0 s without, 12-03)
             ("qwen-oscar-cache-warm", "OSCAR", True, {"env": {"OSCAR_VLLM_WARMUP": "1"}}),
+            # short chunks over long prefixes split over more programs (the shared-100k hits)
+            ("qwen-oscar-cache-split", "OSCAR", True, {"env": {"OSCAR_VLLM_SPLIT_EXTEND": "1"}}),
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),

@@ -12,7 +12,7 @@ from oscar_math.rope_center import rope_score_coef
 
 from ._backend import Backend, dot_dtype, interpreting, unpack_mode, use_triton
 from ._validate import check_extend_bounds, check_index_tensor, check_queries
-from .decode_attention import rope_slots
+from .decode_attention import _num_sms, merge_partials, rope_slots
 from .extend_dense import DenseAttention, extend_attention_dense
 from .launch import launch
 from .layout import PagedKVCache
@@ -62,6 +62,7 @@ def extend_attention(
     dense: DenseAttention | None = None,
     host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
     dense_min_query: int = DENSE_MIN_QUERY,
+    num_splits: int | str = 1,
 ) -> torch.Tensor:
     """Causal attention of new chunks (varlen batch) over their cached prefixes.
 
@@ -97,6 +98,10 @@ def extend_attention(
         host_lens: ``(query_lens, seq_len_bounds)`` on the host for ``dense``: the chunk lengths
             and upper bounds of ``prefix + chunk`` (else read back: one host synchronisation).
         dense_min_query: the shortest chunk that goes through ``dense``.
+        num_splits: splits of each query block's INT2 keys over extra programs, merged after
+            (``merge_splits_kernel``); ``"auto"``: :func:`choose_extend_splits` (more than one only
+            where the grid would leave SMs idle: a short chunk over a long prefix, e.g. a prefix
+            hit's tail). GPU and interpreter only; the torch path ignores it.
     Returns:
         ``[T, H_q, d]`` in ``q.dtype``.
     """
@@ -113,6 +118,12 @@ def extend_attention(
     check(block_table.dim() == 2, "rank of block_table", 2, block_table.dim())
     check_index_tensor("block_table", block_table, (bsz, block_table.shape[1]), cache.device)
     check(max_query_len >= 0, "max_query_len", ">= 0", max_query_len)
+    check(
+        num_splits == "auto" or (type(num_splits) is int and num_splits >= 1),
+        "num_splits",
+        ">= 1 or 'auto'",
+        num_splits,
+    )
     check_extend_bounds(
         cache, t, max_query_len, cu_seqlens_q, prefix_lens, block_table, window_slots, check_bounds
     )
@@ -139,7 +150,7 @@ def extend_attention(
     if dense is not None and t > 0 and max_query_len >= dense_min_query:
         return _extend_split(
             q, k, v, cache, ep, cu_seqlens_q, prefix_lens, block_table, window_slots, scale, dense,
-            host_lens, dense_min_query,
+            host_lens, dense_min_query, num_splits,
         )  # fmt: skip
     q_rot = rotate_queries(q, ep)
     k_rot, v_rot = rotate_chunk(k, v, ep)
@@ -153,6 +164,18 @@ def extend_attention(
         rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
         rc = torch.nn.functional.pad(rc, (0, npad - ep.rope_pairs)).contiguous()
         opts.update(rc_ptr=rc, rth_ptr=ep.k_rope_theta.contiguous(), ROPE_R=ep.rope_pairs, ROPE_P=npad)
+    max_len = max(host_lens[1]) if host_lens and len(host_lens[1]) else block_table.shape[1] * lo.page_size
+    splits = (
+        choose_extend_splits(grid[0] * grid[1], max_len, block_n, q.device)
+        if num_splits == "auto"
+        else int(num_splits)
+    )
+    if splits > 1:
+        hq, d = q.shape[1], lo.head_dim
+        po = _empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
+        plse = _empty(t, hq, splits, dtype=torch.float32, device=q.device)
+        opts.update(po_ptr=po, plse_ptr=plse, SPLITS=splits)
+        grid = (*grid, splits)
     LAST_COMPILED["extend"] = launch(
         extend_kernel,
         grid,
@@ -187,7 +210,25 @@ def extend_attention(
         UNPACK=unpack_mode(),
         **opts,
     )
+    if splits > 1:
+        return merge_partials(po, plse, g, ep.v_rotation, q.dtype)
     return unrotate_output(out, ep, q.dtype)
+
+
+def choose_extend_splits(programs: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """Splits of the INT2 keys for an extend grid of ``programs`` programs over sequences of up to
+    ``max_len`` tokens: 1 where the grid already covers the SMs or the context is short, else
+    about two programs per SM, at most 64, never a split shorter than four tiles, rounded down to
+    a power of two (the count is a constexpr: a handful of compiles).
+
+    Without splits a prefix hit's 16-token tail over 100k cached tokens is 32 programs (one per
+    query head) that each read the whole prefix (H200, Qwen3-8B shape: 183 ms per hit against
+    33 ms for FA3). Depends on host-known sizes only (no device read)."""
+    sms = _num_sms(device)
+    if programs >= sms or max_len < 8 * block_n:
+        return 1
+    want = min(-(-2 * sms // max(programs, 1)), max_len // (4 * block_n), 64)
+    return 1 << max(0, int(want).bit_length() - 1)  # a power of two: a compile per count
 
 
 def dense_runs(
@@ -227,6 +268,7 @@ def _extend_split(
     dense: DenseAttention,
     host_lens: tuple[Sequence[int], Sequence[int]] | None,
     min_query: int,
+    num_splits: int | str = 1,
 ) -> torch.Tensor:
     """Short chunks (decodes among them) through the Triton kernel, long ones through ``dense``
     (:func:`dense_runs`), one call per consecutive range of rows."""
@@ -251,6 +293,7 @@ def _extend_split(
             )
         else:
             out[t0:t1] = extend_attention(
-                *rows, window_slots[a:b], max(qlens[a:b]), scale, check_bounds=False
-            )
+                *rows, window_slots[a:b], max(qlens[a:b]), scale, check_bounds=False,
+                host_lens=(qlens[a:b], bounds[a:b]), num_splits=num_splits,
+            )  # fmt: skip
     return out

@@ -90,6 +90,9 @@ STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
 #: docs/vllm.md, "Window slots by request identity"). The V1 runner restores by identity
 #: (RequestSlots), checked by the CPU engine suite.
 V2_IDENTITY_ENV = "OSCAR_VLLM_V2_IDENTITY_RESTORES"
+#: ``1``: chunks whose extend grid would leave SMs idle split their INT2 keys over more programs
+#: (``oscar_kernels.extend_attention(num_splits="auto")``); off until a GPU run measures it
+SPLIT_EXTEND_ENV = "OSCAR_VLLM_SPLIT_EXTEND"
 
 #: group size of the artifact loaded by this process's layers (read by customize_spec)
 _LOADED_GROUP: dict[str, int] = {}
@@ -394,6 +397,9 @@ class OscarAttentionImpl(AttentionImpl):
         self._params = None
         # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense) where it runs
         self._dense = compat.dense_attention(head_size) if self.device.type == "cuda" else None
+        # a short chunk over a long prefix (a prefix hit's tail) split over more programs; opt-in
+        # until a GPU run checks its speed (docs/vllm.md, "H200, 2026-12-03 night")
+        self._splits: int | str = "auto" if os.environ.get(SPLIT_EXTEND_ENV) == "1" else 1
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
 
@@ -572,7 +578,9 @@ class OscarAttentionImpl(AttentionImpl):
         v = value[:n].view(n, hk, d)
         o = output[:n].view(n, h, d)  # a decode step's attention writes here directly
         if not self.cached:
-            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense, out=o)
+            out = run_layer(
+                cache, params, q, k, v, md, self.scale, dense=self._dense, out=o, extend_splits=self._splits
+            )
         else:
             assert self._pages is not None
             b = md.seq_lens.shape[0]
@@ -593,7 +601,9 @@ class OscarAttentionImpl(AttentionImpl):
             if id(self) not in md.restored_by:
                 for row, slot, prefix in md.restore:
                     restore_windows(cache, slot, self._pages, tables[:, row], prefix)
-            out = run_layer(cache, params, q, k, v, md, self.scale, dense=self._dense, out=o)
+            out = run_layer(
+                cache, params, q, k, v, md, self.scale, dense=self._dense, out=o, extend_splits=self._splits
+            )
             write_window_pages(cache, params, k, v, md, self._pages, tables)
         if out is not o:
             o.copy_(out)
@@ -666,6 +676,7 @@ def _warm_up(worker: Any) -> None:
             w_width,
             impl._dense,
             done=done,
+            extend_splits=impl._splits,
         )
     if seen:
         torch.cuda.synchronize()

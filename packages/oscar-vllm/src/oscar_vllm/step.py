@@ -409,6 +409,7 @@ def attend_step(
     check_bounds: bool | None = None,
     dense: DenseAttention | None = None,
     out: torch.Tensor | None = None,
+    extend_splits: int | str = 1,
 ) -> torch.Tensor:
     """Attention of the step's queries over the cache (after :func:`write_step`).
 
@@ -417,6 +418,7 @@ def attend_step(
     chunk; extend and decode agree there, see oscar-kernels' tests), after the INT2 +
     sink write and before the ring write. Returns ``[T, H_q, d]`` in ``q.dtype``; a decode step
     writes it into ``out`` when given (contiguous, as ``q``), other steps return a new tensor.
+    ``extend_splits``: :func:`oscar_kernels.extend_attention`'s ``num_splits``.
     """
     if md.all_decode:
         return decode_attention(
@@ -447,6 +449,7 @@ def attend_step(
         check_bounds=check_bounds,
         dense=dense,
         host_lens=(md.query_lens_host, md.seq_lens_bound_host) if md.query_lens_host else None,
+        num_splits=extend_splits,
     )
 
 
@@ -461,6 +464,7 @@ def run_layer(
     backend: str = "auto",
     dense: DenseAttention | None = None,
     out: torch.Tensor | None = None,
+    extend_splits: int | str = 1,
 ) -> torch.Tensor:
     """One layer's step (what the backend runs): write, attend, and for an extend step the
     ring rows last — the windows apply per query token (``oscar_kernels.extend_attention``),
@@ -474,7 +478,19 @@ def run_layer(
         res = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb, out=out)
     else:
         write_step(cache, params, k, v, md, backend, parts="pages", check_bounds=cb)
-        res = attend_step(cache, params, q, k, v, md, scale, backend, check_bounds=cb, dense=dense)
+        res = attend_step(
+            cache,
+            params,
+            q,
+            k,
+            v,
+            md,
+            scale,
+            backend,
+            check_bounds=cb,
+            dense=dense,
+            extend_splits=extend_splits,
+        )
         write_step(cache, params, k, v, md, backend, parts="ring", check_bounds=cb)
     md.bounds_checked[0] = True
     return res

@@ -130,6 +130,7 @@ def run_warmup(
     dense: object | None = None,
     backend: str = "auto",
     done: set[tuple] | None = None,
+    extend_splits: int | str = 1,
 ) -> int:
     """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
 
@@ -148,6 +149,7 @@ def run_warmup(
         dense: the layer's dense prefill (``oscar_kernels.DenseAttention``), if any.
         backend: as :func:`oscar_vllm.step.run_layer` (``triton``: the interpreter on a CPU).
         done: compile keys already launched (shared between layers; updated).
+        extend_splits: the layer's ``extend_splits`` (:func:`oscar_vllm.step.run_layer`).
     Returns:
         The number of steps run for real.
     """
@@ -170,7 +172,19 @@ def run_warmup(
     def one(md: StepMetadata) -> None:
         t = md.num_actual_tokens
         q, k, v = q_all[:t], k_all[:t], v_all[:t]
-        run_layer(scratch, params, q, k, v, md, scale, backend, dense=dense, out=o_all[:t])
+        run_layer(
+            scratch,
+            params,
+            q,
+            k,
+            v,
+            md,
+            scale,
+            backend,
+            dense=dense,
+            out=o_all[:t],
+            extend_splits=extend_splits,
+        )
         if pages is not None:
             b = md.seq_lens.shape[0]
             tables = torch.zeros(groups, b, window_table_width, dtype=torch.int32, device=dev)

@@ -811,8 +811,11 @@ def extend_kernel(
     rth_ptr=None,
     ROPE_R: tl.constexpr = 0,
     ROPE_P: tl.constexpr = 0,
+    po_ptr=None,
+    plse_ptr=None,
+    SPLITS: tl.constexpr = 1,
 ):
-    """Program ``(query block, b*H_q + hq)``: ``BLOCK_M`` chunk queries of one head.
+    """Program ``(query block, b*H_q + hq[, split])``: ``BLOCK_M`` chunk queries of one head.
 
     Per query token ``t`` (``P`` the prefix, ``L = P + chunk``): key ``j <= t`` is read as
     the INT2 row iff ``SINK <= j <= t - RECENT``, else in BF16 — the sink row for
@@ -829,6 +832,12 @@ def extend_kernel(
     once per copy, each query taking exactly one. INT2 tiles are dequantised in
     registers; nothing is materialised. ``ROPE_R > 0``: INT2 scores get the pre-RoPE mean's
     term (:func:`_rope_scores`; coefficients ``rc [T, H_q, 2, ROPE_P]`` per query token).
+
+    ``SPLITS > 1`` (a short chunk over a long prefix: too few programs otherwise): split ``s`` of
+    ``program_id(2)`` takes its share of the INT2 tiles (the same tiles, from ``SINK`` in steps of
+    ``BLOCK_N``), split 0 also the BF16 rows, and each stores its normalised partial and
+    log2-sum-exp at row ``(token·H_q + hq)·SPLITS + s`` of ``po`` / ``plse`` for
+    ``merge_splits_kernel``.
     """
     mb = tl.program_id(0)
     pid = tl.program_id(1)
@@ -851,41 +860,50 @@ def extend_kernel(
         q0, q1, q2, q3, qsum = _load_q(q_ptr, qrow, mmask, Q4, DOT)
         m_i, l_i, acc0, acc1, acc2, acc3 = _init_state(BLOCK_M, Q4)
         j = tl.arange(0, Q4)
+        sp = tl.program_id(2) if SPLITS > 1 else 0
+        bf16 = sp == 0  # the BF16 rows: one split's share
         # sink rows (the chunk's own sink positions were written before this call)
         if SINK > 0:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
-                q0,
-                q1,
-                q2,
-                q3,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                ksink_ptr + ws * stride_ws0 + h * stride_ws1,
-                vsink_ptr + ws * stride_ws0 + h * stride_ws1,
-                0,
-                tl.minimum(t_hi, SINK),
-                0,
-                1 << 30,
-                stride_ws2,
-                qpos,
-                sm_scale_log2,
-                False,
-                RECENT,
-                BLOCK_N,
-                Q4,
-                DOT,
-            )
+            if bf16:
+                m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    m_i,
+                    l_i,
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    ksink_ptr + ws * stride_ws0 + h * stride_ws1,
+                    vsink_ptr + ws * stride_ws0 + h * stride_ws1,
+                    0,
+                    tl.minimum(t_hi, SINK),
+                    0,
+                    1 << 30,
+                    stride_ws2,
+                    qpos,
+                    sm_scale_log2,
+                    False,
+                    RECENT,
+                    BLOCK_N,
+                    Q4,
+                    DOT,
+                )
         # INT2 rows: j <= t - RECENT, prefix and chunk alike
         hi = t_hi - RECENT
         if ROPE_R > 0:
             rc0, rc1, th_hi, th_lo = _rope_load(
                 rc_ptr, ((qs + m).to(tl.int64) * H_Q + hq) * (2 * ROPE_P), mmask, rth_ptr, ROPE_R, ROPE_P
             )
-        for t0 in range(SINK, hi, BLOCK_N):
+        i0 = SINK
+        i1 = hi
+        if SPLITS > 1:  # this split's share of the INT2 tiles
+            per = tl.cdiv(tl.cdiv(tl.maximum(hi - SINK, 0), BLOCK_N), SPLITS) * BLOCK_N
+            i0 = SINK + sp * per
+            i1 = tl.minimum(hi, i0 + per)
+        for t0 in range(i0, i1, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
             crow, mrow = _page_rows(
@@ -905,61 +923,67 @@ def extend_kernel(
                 GROUP, HEAD_DIM, DOT, UNPACK,
             )  # fmt: skip
         if RECENT > 0:
-            w0 = tl.maximum(t_lo - RECENT + 1, SINK)  # the oldest key any query of the block reads in BF16
-            # recent ring: prefix keys (the chunk's ring rows are written after this call)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
-                q0,
-                q1,
-                q2,
-                q3,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                kring_ptr + ws * stride_wr0 + h * stride_wr1,
-                vring_ptr + ws * stride_wr0 + h * stride_wr1,
-                w0,
-                tl.minimum(prefix, t_hi),
-                0,
-                RING,
-                stride_wr2,
-                qpos,
-                sm_scale_log2,
-                True,
-                RECENT,
-                BLOCK_N,
-                Q4,
-                DOT,
-            )
-            # the chunk's own keys, rotated bf16, causally
-            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
-                q0,
-                q1,
-                q2,
-                q3,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                kn_ptr + h * stride_nh,
-                vn_ptr + h * stride_nh,
-                tl.maximum(w0, prefix),
-                t_hi,
-                qs - prefix,
-                1 << 30,
-                stride_nt,
-                qpos,
-                sm_scale_log2,
-                True,
-                RECENT,
-                BLOCK_N,
-                Q4,
-                DOT,
-            )
-        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        orow = (qs + m).to(tl.int64) * stride_ot + hq * stride_oh
-        _store_rows(o_ptr, orow, mmask, acc0, acc1, acc2, acc3, inv, Q4)
+            if bf16:
+                # the oldest key any query of the block reads in BF16
+                w0 = tl.maximum(t_lo - RECENT + 1, SINK)
+                # recent ring: prefix keys (the chunk's ring rows are written after this call)
+                m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    m_i,
+                    l_i,
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    kring_ptr + ws * stride_wr0 + h * stride_wr1,
+                    vring_ptr + ws * stride_wr0 + h * stride_wr1,
+                    w0,
+                    tl.minimum(prefix, t_hi),
+                    0,
+                    RING,
+                    stride_wr2,
+                    qpos,
+                    sm_scale_log2,
+                    True,
+                    RECENT,
+                    BLOCK_N,
+                    Q4,
+                    DOT,
+                )
+                # the chunk's own keys, rotated bf16, causally
+                m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_rows_causal(
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    m_i,
+                    l_i,
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    kn_ptr + h * stride_nh,
+                    vn_ptr + h * stride_nh,
+                    tl.maximum(w0, prefix),
+                    t_hi,
+                    qs - prefix,
+                    1 << 30,
+                    stride_nt,
+                    qpos,
+                    sm_scale_log2,
+                    True,
+                    RECENT,
+                    BLOCK_N,
+                    Q4,
+                    DOT,
+                )
+        if SPLITS > 1:
+            prow = ((qs + m).to(tl.int64) * H_Q + hq) * SPLITS + sp
+            _store_partial(po_ptr, plse_ptr, prow, mmask, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_DIM)
+        else:
+            inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
+            orow = (qs + m).to(tl.int64) * stride_ot + hq * stride_oh
+            _store_rows(o_ptr, orow, mmask, acc0, acc1, acc2, acc3, inv, Q4)
