@@ -741,33 +741,36 @@ def restore_windows(
     tables = tables.to(dev).long()
     heads = torch.arange(lo.num_kv_heads, device=dev)[:, None]
     wb, plan = pages.block_size, pages.plan
-    want = torch.tensor(hit_window_positions(n_cached, lo.sink_tokens, lo.recent_tokens), device=dev)
-    in_ring = want > n_cached - lo.recent_tokens  # read from the position's own block's record
-    ring_pos = want[in_ring].long()
-    if ring_pos.numel():
-        p = ring_pos[None, :]
+    # which rows come from where is known on the host (positions only): the device gets one index
+    # copy without waiting for the stream (a per-layer, per-hit synchronisation otherwise)
+    want = hit_window_positions(n_cached, lo.sink_tokens, lo.recent_tokens)  # ascending
+    cut = n_cached - lo.recent_tokens
+    ring_pos = [p for p in want if p > cut]  # read from the position's own block's record
+    old = [p for p in want if p <= cut]  # sink positions whose own block may have left the window
+    n_sink = sum(p < lo.sink_tokens for p in ring_pos)  # the first ones (ascending)
+    idx = _to_device(torch.tensor(ring_pos + old, dtype=torch.int64), dev, True)
+    if ring_pos:
+        rp = idx[: len(ring_pos)]
+        p = rp[None, :]
         blk = (p // wb).expand(lo.num_kv_heads, -1)
         for kv, sdst, rdst in ((0, cache.k_sink, cache.k_recent), (1, cache.v_sink, cache.v_recent)):
             page, off = pages.locate(tables, blk, pages._ring_row(kv, heads, p % wb))
             vals = pages.rows[page, off].to(rdst.device)  # [H, n, d]
-            sink = ring_pos < lo.sink_tokens
-            if bool(sink.any()):
-                sdst[slot][:, ring_pos[sink].to(sdst.device)] = vals[:, sink.to(vals.device)]
-            tail = ~sink
-            if bool(tail.any()):
-                ring_rows = (ring_pos[tail] % lo.recent_tokens).to(rdst.device)
-                rdst[slot][:, ring_rows] = vals[:, tail.to(vals.device)]
-    old = want[~in_ring].long()  # sink positions whose own block may have left the window
-    if old.numel():
+            if n_sink:
+                sdst[slot][:, rp[:n_sink].to(sdst.device)] = vals[:, :n_sink]
+            if n_sink < len(ring_pos):
+                rdst[slot][:, (rp[n_sink:] % lo.recent_tokens).to(rdst.device)] = vals[:, n_sink:]
+    if old:
+        o = idx[len(ring_pos) :]
         last = (n_cached - 1) // wb
-        q = old // plan.sink_part
+        q = o // plan.sink_part
         blk = last - ((last - q) % plan.sink_parts)  # the held block with index % parts == q
-        sp = (old - q * plan.sink_part)[None, :]
+        sp = (o - q * plan.sink_part)[None, :]
         for kv, dst in ((0, cache.k_sink), (1, cache.v_sink)):
             page, off = pages.locate(
                 tables, blk[None, :].expand(lo.num_kv_heads, -1), pages._sink_row(kv, heads, sp)
             )
-            dst[slot][:, old.to(dst.device)] = pages.rows[page, off].to(dst.device)
+            dst[slot][:, o.to(dst.device)] = pages.rows[page, off].to(dst.device)
 
 
 # ---- which rows need a restore: window slots that follow their content -------------------------
