@@ -159,3 +159,33 @@ def test_the_warm_up_runs_after_vllms_own_once_per_hook():
     assert compat.after_model_warm_up(hook, Worker) and compat.after_model_warm_up(hook, Worker)
     assert Worker().compile_or_warm_up_model() == "times"
     assert calls == ["vllm", ("oscar", "Worker")]
+
+
+def test_with_split_tails_the_warm_up_meets_every_split_count(monkeypatch):
+    """With short chunks split over long prefixes (``extend_splits="auto"``) the split count is a
+    constexpr picked from the grid size and the longest context: the warm-up's steps give every
+    count an engine can meet (Qwen3-8B's 32 query heads, 132 SMs, vLLM's 131k-token table)."""
+    import importlib
+
+    ea = importlib.import_module("oscar_kernels.extend_attention")  # the module, not the function
+    monkeypatch.setattr(ea, "_num_sms", lambda device: 132)
+    hq, max_len, max_seqs, max_tokens = 32, 131072, 127, 8192
+    dev = torch.device("cpu")
+
+    def count(rows) -> int:
+        programs = -(-max(n for _, n in rows) // 64) * len(rows) * hq
+        return ea.choose_extend_splits(programs, max(p + n for p, n in rows), 64, dev)
+
+    steps = warmup_steps(64, 128, max_tokens, max_seqs, max_len, split_tails=True)
+    warm = {count(s) for s in steps if not all(n == 1 for _, n in s)}  # extend steps only
+    engine = {
+        ea.choose_extend_splits(m * b * hq, seq, 64, dev)
+        for m in (1, 2, 3)
+        for b in range(1, max_seqs + 1)
+        for seq in range(1, max_len + 1, 61)
+    }
+    assert engine <= warm, sorted(engine - warm)
+    assert max(engine) > 1  # the space has split counts at all
+    assert all(sum(n for _, n in s) <= max_tokens and all(p + n <= max_len for p, n in s) for s in steps)
+    plain = warmup_steps(64, 128, max_tokens, max_seqs, max_len)
+    assert {count(s) for s in plain if not all(n == 1 for _, n in s)} < warm  # the tails add them

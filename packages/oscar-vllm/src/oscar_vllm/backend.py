@@ -664,6 +664,7 @@ def _warm_up(worker: Any) -> None:
             impl.max_seqs,
             width * lo.page_size,
             DENSE_MIN_QUERY if impl._dense is not None else None,
+            split_tails=impl._splits != 1,
         )
         steps_run += run_warmup(
             cache,

@@ -54,6 +54,7 @@ def warmup_steps(
     max_seqs: int,
     max_len: int,
     dense_min_query: int | None = DENSE_MIN_QUERY,
+    split_tails: bool = False,
 ) -> list[Step]:
     """Steps whose launches cover every Triton specialisation of a layer's step.
 
@@ -63,6 +64,9 @@ def warmup_steps(
         max_seqs: the most rows one step holds (``max_num_seqs``).
         max_len: the most tokens one row's block table holds.
         dense_min_query: the shortest chunk the dense prefill takes (None: no dense prefill).
+        split_tails: the layer splits short chunks over long prefixes (``extend_splits="auto"``):
+            also short chunks of 1-16 rows over prefixes of every power of two, whose grid size and
+            context pick the split count (each count is a compile).
     Returns:
         Steps, each a tuple of rows ``(cached tokens, new tokens)``.
     """
@@ -80,6 +84,16 @@ def warmup_steps(
         steps.append(((5, 1), (0, 17)))  # a mixed batch: decodes in the extend kernel
     # pure decode steps of every batch size: a batch's size picks the split count and tile
     steps.extend(((3, 1),) * b for b in range(1, max_seqs + 1))
+    if split_tails:
+        for n in (16, 65):  # one and two query blocks
+            for b in range(1, min(max_seqs, 16) + 1):
+                if b * n > max_tokens:
+                    break
+                p = 256
+                while p < max_len:
+                    steps.append(((min(p, max_len) - n, n),) * b)
+                    p *= 2
+                steps.append(((max_len - n, n),) * b)
     return steps
 
 
@@ -99,15 +113,18 @@ def _scratch(
 
 
 def _step_metadata(rows: Step, width: int, page: int, dev: torch.device, slots: int) -> StepMetadata:
-    """A step's metadata over consecutive scratch pages from page 1 (page 0 stays unused, as
-    vLLM's null block); built with whole-tensor ops (a decode step may have hundreds of rows)."""
+    """A step's metadata: each row's cached whole pages all on scratch page 1, its other pages
+    consecutive from page 2 (page 0 stays unused, as vLLM's null block), so a long prefix costs one
+    page; built with whole-tensor ops (a decode step may have hundreds of rows)."""
     p = torch.tensor([r[0] for r in rows], dtype=torch.int64)
     n = torch.tensor([r[1] for r in rows], dtype=torch.int64)
     b, seq = len(rows), p + n
-    used = -(-seq // page)
-    first = 1 + torch.cumsum(used, 0) - used
-    col = torch.arange(width)
-    table = torch.where(col[None] < used[:, None], first[:, None] + col[None], 0).to(torch.int32)
+    full = p // page  # whole pages before the new tokens: all on page 1 (read, never written)
+    used = -(-seq // page) - full
+    first = 2 + torch.cumsum(used, 0) - used
+    col = torch.arange(width)[None]
+    own = torch.where(col < full[:, None] + used[:, None], first[:, None] + col - full[:, None], 0)
+    table = torch.where(col < full[:, None], 1, own).to(torch.int32)
     qsl = torch.zeros(b + 1, dtype=torch.int64)
     qsl[1:] = torch.cumsum(n, 0)
     row = torch.repeat_interleave(torch.arange(b), n)
@@ -158,7 +175,7 @@ def run_warmup(
     done = set() if done is None else done
     lo, dev = cache.layout, cache.device
     page = lo.page_size
-    need = max(sum(-(-(p + n) // page) for p, n in s) for s in steps) + 1
+    need = max(sum(-(-(p + n) // page) - p // page for p, n in s) for s in steps) + 2
     scratch, pages = _scratch(lo, plan, need, dev)
     hk, d = lo.num_kv_heads, lo.head_dim
     n_max = max(sum(n for _, n in s) for s in steps)
