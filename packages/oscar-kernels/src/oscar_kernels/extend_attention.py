@@ -164,12 +164,12 @@ def extend_attention(
         rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
         rc = torch.nn.functional.pad(rc, (0, npad - ep.rope_pairs)).contiguous()
         opts.update(rc_ptr=rc, rth_ptr=ep.k_rope_theta.contiguous(), ROPE_R=ep.rope_pairs, ROPE_P=npad)
-    max_len = max(host_lens[1]) if host_lens and len(host_lens[1]) else block_table.shape[1] * lo.page_size
-    splits = (
-        choose_extend_splits(grid[0] * grid[1], max_len, block_n, q.device)
-        if num_splits == "auto"
-        else int(num_splits)
-    )
+    splits = num_splits if num_splits != "auto" else 1
+    if num_splits == "auto":  # host work only where asked for: this runs once per layer and step
+        max_len = (
+            max(host_lens[1]) if host_lens and len(host_lens[1]) else block_table.shape[1] * lo.page_size
+        )
+        splits = choose_extend_splits(grid[0] * grid[1], max_len, block_n, q.device)
     if splits > 1:
         hq, d = q.shape[1], lo.head_dim
         po = _empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
