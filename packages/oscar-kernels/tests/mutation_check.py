@@ -172,6 +172,27 @@ MUTATIONS = (
         ("tests/test_write_windows.py", "-k", "reference and prefill-only"),
     ),
     Mutation(
+        "extend-rows-take-another-kv-heads-queries",
+        "src/oscar_kernels/kernels/attention.py",
+        "hq = h * GQA + r % GQA",
+        "hq = r % GQA",
+        ("tests/test_extend_attention.py", "-k", "triton_matches_reference"),
+    ),
+    Mutation(
+        "extend-token-blocks-overlap",
+        "src/oscar_kernels/kernels/attention.py",
+        "t_hi = tl.minimum(total, t_lo + BLOCK_T)",
+        "t_hi = tl.minimum(total, t_lo + BLOCK_T - 1)",
+        ("tests/test_extend_attention.py", "-k", "triton_matches_reference"),
+    ),
+    Mutation(
+        "extend-block-m-too-small-for-a-hit",
+        "src/oscar_kernels/extend_attention.py",
+        "min(64, _pow2_at_least(max(1, max_query_len) * gqa))",
+        "min(64, _pow2_at_least(max(1, max_query_len)))",
+        ("tests/test_extend_attention.py", "-k", "block_m_fills"),
+    ),
+    Mutation(
         "extend-window-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
         "ok = ok & (tok[None, :] > qpos[:, None] - RECENT)",

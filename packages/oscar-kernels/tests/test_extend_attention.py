@@ -11,10 +11,18 @@ def rel(a, b):
 
 @needs_triton
 @pytest.mark.parametrize(
-    "d, h, g, page, group, granularity",
-    [(64, 2, 2, 16, None, "layer"), (32, 1, 4, 8, 16, "kv_head"), (128, 1, 1, 16, None, "kv_head")],
+    "d, h, g, page, group, granularity, block_m",
+    [
+        (64, 2, 2, 16, None, "layer", 16),  # 8 tokens x 2 heads per program
+        (32, 1, 4, 8, 16, "kv_head", 16),
+        (128, 1, 1, 16, None, "kv_head", 16),
+        (64, 2, 3, 16, None, "kv_head", None),  # GQA 3: 21 tokens x 3 heads of 64 rows, one unused
+        (64, 1, 4, 16, None, "kv_head", 32),  # fewer rows than a chunk: 8 tokens per program
+    ],
 )
-def test_extend_triton_matches_reference(d, h, g, page, group, granularity):
+def test_extend_triton_matches_reference(d, h, g, page, group, granularity, block_m):
+    """Rows of a program are (token, query head) pairs of one KV head: every sequence's outputs
+    match the reference for GQA 1-4 (3 leaves rows unused), blocks of 1 to 21 tokens."""
     if DEVICE.type == "cuda" and d // 4 < 16:
         pytest.skip("tl.dot needs d/4 >= 16 on a GPU: head dim 32 does not compile in extend_kernel")
     gen = torch.Generator().manual_seed(d + g)
@@ -32,7 +40,7 @@ def test_extend_triton_matches_reference(d, h, g, page, group, granularity):
     k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
     v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
     out = extend_attention(
-        q, k, v, cache, params, cu, prefix, bt, ws, max(chunks), backend="triton", block_m=16, block_n=16
+        q, k, v, cache, params, cu, prefix, bt, ws, max(chunks), backend="triton", block_m=block_m, block_n=16
     )
     ref = extend_attention_ref(
         q, k, v, cache, params.expand(h, d, cache.device), cu, prefix, bt, ws, max(chunks)
@@ -151,3 +159,13 @@ def test_extend_kernel_compiles_for_sm90(rope, splits):
     split-INT2 variant."""
     ptx = compile_check_ptx(f"cc.compile_extend(90, rope={rope}, splits={splits})")
     assert ("wgmma" in ptx or "mma.sync.aligned" in ptx) and "prmt.b32" in ptx
+
+
+def test_extend_block_m_fills_the_dot_with_one_chunks_rows():
+    from oscar_kernels import extend_block_m
+
+    assert extend_block_m(16, 4) == 64  # a prefix hit's 16-token tail at GQA 4: one full program
+    assert extend_block_m(1, 4) == 16 and extend_block_m(1, 1) == 16  # tl.dot's smallest M
+    assert extend_block_m(5, 3) == 16 and extend_block_m(6, 3) == 32
+    assert extend_block_m(4096, 8) == 64  # long chunks: many programs of 8 tokens x 8 heads
+    assert extend_block_m(1, 128) == 128  # every head of a KV head in one program

@@ -794,6 +794,8 @@ def suite(a: argparse.Namespace) -> int:
                 and "triton" not in spec["name"]
             ):
                 spec = dict(spec, work=spec["work"] + [["shared", 100000, _shared_batch(spec, results), 64]])
+            if a.work:  # a shorter run: only these workload kinds (e.g. "decode,shared")
+                spec = dict(spec, work=[w for w in spec["work"] if w[0] in a.work])
             r = _run_one(spec, min(a.case_timeout, left), log)
             if spec.get("expect_fail"):
                 r["ok"] = r["rc"] not in (0, "timeout")
@@ -857,6 +859,12 @@ def main() -> int:
     s.add_argument("--case-timeout", type=float, default=300)
     s.add_argument("--capture-sizes", type=lambda x: [int(v) for v in x.split(",")], default=None)
     s.add_argument("--skip-triton", action="store_true")
+    s.add_argument(
+        "--work",
+        type=lambda x: set(x.split(",")),
+        default=None,
+        help="keep only these workload kinds (decode, profile, prefill, prefill_profile, shared, ...)",
+    )
     s.add_argument("--tp-cases", action="store_true", help="TP = 1 vs 2 at 8 and 1 KV heads (two GPUs)")
     s.add_argument("--ppl-n", type=int, default=4)
     s.add_argument("--ppl-len", type=int, default=2048)

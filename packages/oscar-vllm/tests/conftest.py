@@ -37,13 +37,18 @@ def artifact(model_dir, tmp_path_factory) -> str:
     return str(save_rotations(tmp_path_factory.mktemp("oscar") / "rot.safetensors", rot))
 
 
-def fresh_process_ran(request) -> bool:  # noqa: ANN001
+def fresh_process_ran(request, interpret_on_gpu: bool = False) -> bool:  # noqa: ANN001
     """Where Triton was imported in this process without the interpreter (an earlier test in
     the same worker), its own @triton.jit helpers cannot run interpreted: run this test alone in
-    a new process with ``TRITON_INTERPRET=1`` and fail if it fails there. False: run it here."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    a new process with ``TRITON_INTERPRET=1`` and fail if it fails there. False: run it here.
+    ``interpret_on_gpu``: a test that interprets on a GPU machine too goes to a new process there
+    always: interpreting here would leave the kernels bound to the interpreter for the GPU tests
+    after it (seen on the H200). Other tests run on the GPU, here."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("OSCAR_FRESH_PROCESS") == "1":
         return False
-    if "triton" not in sys.modules or os.environ.get("OSCAR_FRESH_PROCESS") == "1":
+    if torch.cuda.is_available() and not interpret_on_gpu:
+        return False
+    if "triton" not in sys.modules and not torch.cuda.is_available():
         return False
     env = dict(os.environ, TRITON_INTERPRET="1", OSCAR_FRESH_PROCESS="1")
     cmd = [

@@ -61,7 +61,8 @@ def _served(cache, params, pages, plan, device: str, seed: int, backend: str) ->
         b = rng.randint(1, MAX_SEQS)
         budget, rows = MAX_TOKENS, []
         for _ in range(b):
-            n = 1 if rng.random() < 0.5 else rng.randint(1, max(1, budget))
+            u = rng.random()  # decodes, short chunks (a prefix hit's tail), any chunk
+            n = 1 if u < 0.4 else rng.randint(2, 16) if u < 0.7 else rng.randint(1, max(1, budget))
             n = min(n, budget - (b - len(rows) - 1))
             p = rng.randint(0, WIDTH * page - n - 1)
             rows.append((p, max(n, 1)))
@@ -96,7 +97,7 @@ def _served(cache, params, pages, plan, device: str, seed: int, backend: str) ->
 @pytest.mark.parametrize("device", DEVICES)
 def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch):
     if device == "cpu":
-        if fresh_process_ran(request):
+        if fresh_process_ran(request, interpret_on_gpu=True):
             return
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     from oscar_kernels.launch import record_launches
@@ -161,31 +162,89 @@ def test_the_warm_up_runs_after_vllms_own_once_per_hook():
     assert calls == ["vllm", ("oscar", "Worker")]
 
 
+def test_the_warm_up_runs_before_vllms_jit_monitor_starts():
+    """Where the worker starts vLLM's JIT monitor (0.33) the warm-up runs just before it: its
+    compiles are warm-up, and the monitor's warnings name only compiles during requests."""
+    from oscar_vllm import compat
+
+    calls = []
+
+    class Worker:
+        def compile_or_warm_up_model(self):
+            calls.append("capture")
+            self._maybe_activate_jit_monitor()
+            calls.append("gc freeze")
+
+        def _maybe_activate_jit_monitor(self):
+            calls.append("monitor")
+
+    assert compat.after_model_warm_up(lambda w: calls.append("oscar"), Worker)
+    Worker().compile_or_warm_up_model()
+    assert calls == ["capture", "oscar", "monitor", "gc freeze"]
+
+
+def test_the_warm_up_follows_vllms_jit_warm_up_unless_told(monkeypatch):
+    """Default: on where vLLM warms its own kernels (graphs), off with ``enforce_eager``;
+    ``OSCAR_VLLM_WARMUP`` 1 / 0 overrides; another value is one clear error."""
+    from types import SimpleNamespace as NS
+
+    from oscar_math.errors import OscarError
+    from oscar_vllm.backend import warmup_wanted
+
+    graphs = NS(kernel_config=NS(enable_jit_warmup=True), model_config=NS(enforce_eager=False))
+    eager = NS(kernel_config=NS(enable_jit_warmup=False), model_config=NS(enforce_eager=True))
+    older = NS(model_config=NS(enforce_eager=True))  # no kernel_config: follow enforce_eager
+    monkeypatch.delenv("OSCAR_VLLM_WARMUP", raising=False)
+    assert warmup_wanted(graphs) and not warmup_wanted(eager) and not warmup_wanted(older)
+    monkeypatch.setenv("OSCAR_VLLM_WARMUP", "1")
+    assert warmup_wanted(eager)
+    monkeypatch.setenv("OSCAR_VLLM_WARMUP", "0")
+    assert not warmup_wanted(graphs)
+    monkeypatch.setenv("OSCAR_VLLM_WARMUP", "yes")
+    with pytest.raises(OscarError, match="OSCAR_VLLM_WARMUP must be 0 or 1"):
+        warmup_wanted(graphs)
+
+
 def test_with_split_tails_the_warm_up_meets_every_split_count(monkeypatch):
-    """With short chunks split over long prefixes (``extend_splits="auto"``) the split count is a
-    constexpr picked from the grid size and the longest context: the warm-up's steps give every
-    count an engine can meet (Qwen3-8B's 32 query heads, 132 SMs, vLLM's 131k-token table)."""
+    """With short chunks split over long prefixes (``extend_splits="auto"``) the extend kernel's
+    rows (:func:`oscar_kernels.extend_block_m`) and split count are constexprs picked from the
+    longest chunk, the grid size and the longest context: the warm-up's steps give every pair an
+    engine can meet (Qwen3-8B's 8 KV heads of GQA 4, 132 SMs, vLLM's 131k-token table, chunks
+    below the dense prefill's 128 tokens)."""
     import importlib
 
     ea = importlib.import_module("oscar_kernels.extend_attention")  # the module, not the function
     monkeypatch.setattr(ea, "_num_sms", lambda device: 132)
-    hq, max_len, max_seqs, max_tokens = 32, 131072, 127, 8192
+    hkv, g, max_len, max_seqs, max_tokens = 8, 4, 131072, 127, 8192
     dev = torch.device("cpu")
 
-    def count(rows) -> int:
-        programs = -(-max(n for _, n in rows) // 64) * len(rows) * hq
-        return ea.choose_extend_splits(programs, max(p + n for p, n in rows), 64, dev)
+    def key(max_q: int, b: int, seq: int) -> tuple[int, int]:
+        rows = ea.extend_block_m(max_q, g)
+        programs = -(-max_q // (rows // g)) * b * hkv
+        return rows, ea.choose_extend_splits(programs, seq, 64, dev)
+
+    def keys(steps) -> set:
+        return {
+            key(max(n for _, n in s), len(s), max(p + n for p, n in s))
+            for s in steps
+            if not all(n == 1 for _, n in s) and max(n for _, n in s) < 128  # the Triton extends
+        }
 
     steps = warmup_steps(64, 128, max_tokens, max_seqs, max_len, split_tails=True)
-    warm = {count(s) for s in steps if not all(n == 1 for _, n in s)}  # extend steps only
-    engine = {
-        ea.choose_extend_splits(m * b * hq, seq, 64, dev)
-        for m in (1, 2, 3)
+    warm = keys(steps)
+    grids = {
+        (ea.extend_block_m(q, g), -(-q // (ea.extend_block_m(q, g) // g)) * b * hkv)
+        for q in range(2, 128)
         for b in range(1, max_seqs + 1)
-        for seq in range(1, max_len + 1, 61)
+        if q + b - 1 <= max_tokens
+    }
+    engine = {
+        (rows, ea.choose_extend_splits(programs, seq, 64, dev))
+        for rows, programs in grids
+        for seq in range(2, max_len + 1, 61)
     }
     assert engine <= warm, sorted(engine - warm)
-    assert max(engine) > 1  # the space has split counts at all
+    assert max(sp for _, sp in engine) > 1 and len({r for r, _ in engine}) == 3  # splits; 16/32/64 rows
     assert all(sum(n for _, n in s) <= max_tokens and all(p + n <= max_len for p, n in s) for s in steps)
     plain = warmup_steps(64, 128, max_tokens, max_seqs, max_len)
-    assert {count(s) for s in plain if not all(n == 1 for _, n in s)} < warm  # the tails add them
+    assert keys(plain) < warm  # the tails add them

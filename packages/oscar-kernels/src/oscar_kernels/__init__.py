@@ -7,7 +7,7 @@ from ._backend import Backend, KernelUnavailableError, triton_available
 from ._validate import set_bounds_checks
 from .baseline import paged_bf16_decode
 from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention
-from .extend_attention import extend_attention
+from .extend_attention import extend_attention, extend_block_m
 from .extend_dense import DenseAttention, dense_attention_ref, extend_attention_dense
 from .layout import (
     CacheLayout,
@@ -46,6 +46,7 @@ __all__ = [
     "choose_num_splits",
     "paged_bf16_decode",
     "extend_attention",
+    "extend_block_m",
     "extend_attention_dense",
     "dense_attention_ref",
     "DenseAttention",

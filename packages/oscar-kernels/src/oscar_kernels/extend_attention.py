@@ -29,7 +29,7 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 #: the last compiled kernel (diagnostics for benchmarks)
 LAST_COMPILED: dict = {}
 
-__all__ = ["extend_attention"]
+__all__ = ["extend_attention", "extend_block_m"]
 
 
 #: chunks shorter than this many tokens read their prefix as INT2 in the Triton kernel (one pass
@@ -54,7 +54,7 @@ def extend_attention(
     max_query_len: int,
     softmax_scale: float | None = None,
     backend: Backend | str = "auto",
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -86,7 +86,10 @@ def extend_attention(
         prefix_lens: ``[B]`` int32 cached tokens before each chunk.
         block_table: ``[B, max_pages]`` int32; window_slots: ``[B]`` int32.
         max_query_len: host int, the longest chunk (sizes the grid).
-        backend, block_m, block_n, num_warps, num_stages: as :func:`oscar_kernels.decode_attention`.
+        backend, block_n, num_warps, num_stages: as :func:`oscar_kernels.decode_attention`.
+        block_m: rows of a program, each a (chunk token, query head) pair of one KV head, so a
+            program holds ``block_m // GQA`` tokens of all GQA heads (at least ``GQA`` rows;
+            ``None``: :func:`extend_block_m`, 16 to 64 by the longest chunk).
         check_bounds: check that chunk offsets, prefix pages and window rows are in range
             (one host synchronisation; ``None`` = :func:`oscar_kernels.set_bounds_checks`'s
             setting, off while a CUDA graph is captured). Raises :class:`OscarError`.
@@ -158,7 +161,8 @@ def extend_attention(
     if t == 0 or max_query_len == 0:
         return out.to(q.dtype)
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": num_stages}
-    grid = (triton.cdiv(max_query_len, block_m), bsz * q.shape[1])
+    rows = extend_block_m(max_query_len, g) if block_m is None else max(block_m, _pow2_at_least(g))
+    grid = (triton.cdiv(max_query_len, rows // g), bsz * lo.num_kv_heads)
     if ep.rope_pairs > 0:  # the pre-RoPE mean's score coefficients per query token (torch, on device)
         npad = rope_slots(ep.rope_pairs, "tl")
         rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
@@ -204,7 +208,7 @@ def extend_attention(
         SINK=lo.sink_tokens,
         RECENT=lo.recent_tokens,
         RING=max(1, lo.recent_tokens),
-        BLOCK_M=block_m,
+        BLOCK_M=rows,
         BLOCK_N=block_n,
         DOT=dot_dtype(),
         UNPACK=unpack_mode(),
@@ -213,6 +217,21 @@ def extend_attention(
     if splits > 1:
         return merge_partials(po, plse, g, ep.v_rotation, q.dtype)
     return unrotate_output(out, ep, q.dtype)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def extend_block_m(max_query_len: int, gqa: int) -> int:
+    """Rows of an extend program for chunks of up to ``max_query_len`` tokens and ``gqa`` query heads
+    per KV head: the power of two that holds one chunk's rows, within ``[16, 64]`` (16 is the
+    smallest ``tl.dot`` M; 64 keeps the accumulators in registers), and never fewer than ``gqa``.
+
+    A prefix hit's 16-token tail at GQA 4 is 64 rows of one program per KV head (with 64 rows of
+    one query head per program it was 16 used rows of 64, each KV tile dequantised per query head);
+    a decode of a mixed batch is 16 rows with ``gqa`` of them used."""
+    return max(16, min(64, _pow2_at_least(max(1, max_query_len) * gqa)), _pow2_at_least(gqa))
 
 
 def choose_extend_splits(programs: int, max_len: int, block_n: int, device: torch.device) -> int:

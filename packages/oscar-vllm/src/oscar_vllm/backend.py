@@ -399,7 +399,8 @@ class OscarAttentionImpl(AttentionImpl):
         self._dense = compat.dense_attention(head_size) if self.device.type == "cuda" else None
         # a short chunk over a long prefix (a prefix hit's tail) split over more programs; opt-in
         # until a GPU run checks its speed (docs/vllm.md, "H200, 2026-12-03 night")
-        self._splits: int | str = "auto" if os.environ.get(SPLIT_EXTEND_ENV) == "1" else 1
+        self._splits: int | str = "auto" if env_switch(SPLIT_EXTEND_ENV) else 1
+        env_switch(WARMUP_ENV)  # a bad value: refused here, at start, not in the worker's warm-up
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
 
@@ -621,12 +622,12 @@ def _signature(params: object) -> tuple:
 
 def warm_up_engine(worker: Any) -> None:
     """Compile the OSCAR kernels of every distinct layer configuration of ``worker``'s model
-    (:mod:`oscar_vllm.warmup`), after vLLM's own warm-up; on with ``OSCAR_VLLM_WARMUP=1``.
+    (:mod:`oscar_vllm.warmup`), after vLLM's own warm-up and before it starts its JIT monitor.
 
-    Off by default until an engine run on a GPU has checked it (the kernel-level run on the H200
-    has: docs/vllm.md, "Warm-up at start"). A failure is logged, never raised: without the
-    warm-up the kernels compile at first use, as before."""
-    if os.environ.get(WARMUP_ENV) != "1":
+    On where vLLM warms its own kernels (:func:`compat.jit_warmup_enabled`: by default, not with
+    ``enforce_eager``); ``OSCAR_VLLM_WARMUP=1`` / ``0`` turns it on / off regardless. A failure
+    is logged, never raised: without the warm-up the kernels compile at first use."""
+    if not warmup_wanted(worker.vllm_config):
         return
     try:
         _warm_up(worker)
@@ -634,6 +635,23 @@ def warm_up_engine(worker: Any) -> None:
         log.warning(
             "OSCAR: the kernel warm-up failed (%s: %s); kernels compile at first use", type(e).__name__, e
         )
+
+
+def env_switch(name: str) -> bool | None:
+    """An on/off environment variable: ``"1"`` True, ``"0"`` False, unset or empty None; anything
+    else is refused with one line (checked when a layer is built, so at engine start)."""
+    v = os.environ.get(name, "")
+    if v in ("0", "1"):
+        return v == "1"
+    if v:
+        raise OscarError(f"OSCAR: {name} must be 0 or 1, not {v!r}")
+    return None
+
+
+def warmup_wanted(vllm_config: Any) -> bool:
+    """The warm-up's switch: ``OSCAR_VLLM_WARMUP`` where set, else vLLM's own JIT warm-up setting."""
+    on = env_switch(WARMUP_ENV)
+    return compat.jit_warmup_enabled(vllm_config) if on is None else on
 
 
 def _warm_up(worker: Any) -> None:
@@ -684,7 +702,7 @@ def _warm_up(worker: Any) -> None:
         torch.cuda.empty_cache()
         log.info(
             "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)) in %.1f s, so requests "
-            "compile nothing (%s=1)",
+            "compile nothing (%s=0 skips it)",
             steps_run,
             len(seen),
             time.perf_counter() - t0,

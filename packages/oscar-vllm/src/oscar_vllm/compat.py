@@ -56,6 +56,7 @@ __all__ = [
     "track_v1_requests",
     "track_v2_rows",
     "after_model_warm_up",
+    "jit_warmup_enabled",
     "block_table_widths",
     "kv_cache_layouts",
     "attention_api",
@@ -802,30 +803,51 @@ def _gpu_worker_class() -> type | None:
     return Worker if callable(getattr(Worker, "compile_or_warm_up_model", None)) else None
 
 
+#: the worker method that starts vLLM's JIT monitor (0.33: the last step of its warm-up); the
+#: OSCAR warm-up runs just before it, so the monitor reports only compiles during requests
+_JIT_MONITOR_START = "_maybe_activate_jit_monitor"
+
+
 def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
     """Run ``hook(worker)`` each time vLLM's GPU worker has finished its own warm-up and CUDA-graph
-    capture (``Worker.compile_or_warm_up_model``), before the engine serves. Idempotent per hook.
+    capture (``Worker.compile_or_warm_up_model``), before the engine serves: just before the worker
+    starts its JIT monitor where it has one (vLLM 0.33), else after the method. Idempotent per hook.
     False where the worker class or the method is missing (then nothing runs)."""
     cls = worker_class or _gpu_worker_class()
     if cls is None:
         return False
-    orig = cls.compile_or_warm_up_model
+    before = callable(getattr(cls, _JIT_MONITOR_START, None))
+    attr = _JIT_MONITOR_START if before else "compile_or_warm_up_model"
+    orig = getattr(cls, attr)
     hooks = getattr(orig, "_oscar_hooks", None)
     if hooks is None:
         hooks = []
 
         @functools.wraps(orig)
-        def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if before:
+                for h in hooks:
+                    h(self)
             out = orig(self, *args, **kwargs)
-            for h in hooks:
-                h(self)
+            if not before:
+                for h in hooks:
+                    h(self)
             return out
 
-        compile_or_warm_up_model._oscar_hooks = hooks  # type: ignore[attr-defined]
-        cls.compile_or_warm_up_model = compile_or_warm_up_model
+        wrapped._oscar_hooks = hooks  # type: ignore[attr-defined]
+        setattr(cls, attr, wrapped)
     if hook not in hooks:
         hooks.append(hook)
     return True
+
+
+def jit_warmup_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM warms its own JIT kernels at start (``kernel_config.enable_jit_warmup``: on by
+    default, off with ``enforce_eager``); without that field, whether the engine is not eager."""
+    kc = getattr(vllm_config, "kernel_config", None)
+    if kc is not None and hasattr(kc, "enable_jit_warmup"):
+        return bool(kc.enable_jit_warmup)
+    return not bool(getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False))
 
 
 def block_table_widths(model_runner: Any) -> dict[str, int]:

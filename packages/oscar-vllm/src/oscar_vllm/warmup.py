@@ -43,6 +43,11 @@ WARMUP_ENV = "OSCAR_VLLM_WARMUP"
 
 Step = tuple[tuple[int, int], ...]
 
+#: chunk lengths of the split tails: each of the extend kernel's row counts for GQA 1 to 16 (2, 3,
+#: 5, 9, 16 tokens) and chunks of several token blocks (17, 33, 65), whose grid sizes and longest
+#: contexts pick the split count
+TAIL_LENS = (2, 3, 5, 9, 16, 17, 33, 65)
+
 #: window slots of the scratch windows (rows of a step share them: the values are never read)
 _SCRATCH_SLOTS = 4
 
@@ -65,13 +70,15 @@ def warmup_steps(
         max_len: the most tokens one row's block table holds.
         dense_min_query: the shortest chunk the dense prefill takes (None: no dense prefill).
         split_tails: the layer splits short chunks over long prefixes (``extend_splits="auto"``):
-            also short chunks of 1-16 rows over prefixes of every power of two, whose grid size and
-            context pick the split count (each count is a compile).
+            also short chunks (:data:`TAIL_LENS`) of 1-16 rows over prefixes of every power of two,
+            whose grid size and context pick the split count (each count is a compile).
     Returns:
         Steps, each a tuple of rows ``(cached tokens, new tokens)``.
     """
     cap = min(max_tokens, max_len - 2 * page_size - 3)
-    lens = {2, 17, 33, 65, 129}  # the write's token tiles: 16, 32, 64, 128 tokens (and its cap)
+    # the write's token tiles: 16, 32, 64, 128 tokens (and its cap); 2, 3, 5, 9: the extend kernel's
+    # rows (chunk tokens x GQA heads, 16 / 32 / 64 by oscar_kernels.extend_block_m) for GQA 1 to 16
+    lens = {2, 3, 5, 9, 17, 33, 65, 129}
     r = scratch_ring(recent + 1)  # chunks longer than the ring: a scratch ring per power of two
     while r <= scratch_ring(cap):
         lens.add(max(recent + 1, r // 2 + 1))
@@ -85,7 +92,7 @@ def warmup_steps(
     # pure decode steps of every batch size: a batch's size picks the split count and tile
     steps.extend(((3, 1),) * b for b in range(1, max_seqs + 1))
     if split_tails:
-        for n in (16, 65):  # one and two query blocks
+        for n in TAIL_LENS:  # every row count of a program, one to five token blocks
             for b in range(1, min(max_seqs, 16) + 1):
                 if b * n > max_tokens:
                     break

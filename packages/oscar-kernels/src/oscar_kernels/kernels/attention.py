@@ -815,7 +815,8 @@ def extend_kernel(
     plse_ptr=None,
     SPLITS: tl.constexpr = 1,
 ):
-    """Program ``(query block, b*H_q + hq[, split])``: ``BLOCK_M`` chunk queries of one head.
+    """Program ``(token block, b*H_kv + h[, split])``: ``BLOCK_M`` rows, row ``r`` the query head
+    ``h·GQA + r % GQA`` of chunk token ``block·BLOCK_T + r // GQA`` (``BLOCK_T = BLOCK_M // GQA``).
 
     Per query token ``t`` (``P`` the prefix, ``L = P + chunk``): key ``j <= t`` is read as
     the INT2 row iff ``SINK <= j <= t - RECENT``, else in BF16 — the sink row for
@@ -828,7 +829,7 @@ def extend_kernel(
     * ring ``[max(SINK, t_lo - RECENT + 1), P)`` and chunk ``[max(SINK, P, ...), t_hi)``,
       masked to ``t - RECENT < j <= t``.
 
-    Keys in the ``BLOCK_M - 1`` positions where the two rules meet are visited twice,
+    Keys in the ``BLOCK_T - 1`` positions where the two rules meet are visited twice,
     once per copy, each query taking exactly one. INT2 tiles are dequantised in
     registers; nothing is materialised. ``ROPE_R > 0``: INT2 scores get the pre-RoPE mean's
     term (:func:`_rope_scores`; coefficients ``rc [T, H_q, 2, ROPE_P]`` per query token).
@@ -841,21 +842,27 @@ def extend_kernel(
     """
     mb = tl.program_id(0)
     pid = tl.program_id(1)
-    b = pid // H_Q
-    hq = pid % H_Q
-    h = hq // GQA
+    H_KV: tl.constexpr = H_Q // GQA
+    # rows are (token, query head) pairs of one KV head: a KV tile is dequantised once for its GQA
+    # query heads, and a short chunk (a prefix hit's tail, a decode in a mixed batch) still fills
+    # the dot's M dimension
+    BLOCK_T: tl.constexpr = BLOCK_M // GQA
+    b = pid // H_KV
+    h = pid % H_KV
     Q4: tl.constexpr = HEAD_DIM // 4
     qs = tl.load(cu_ptr + b)
     qlen = tl.load(cu_ptr + b + 1) - qs
-    if mb * BLOCK_M < qlen:
+    if mb * BLOCK_T < qlen:
         prefix = tl.load(prefix_ptr + b)
         total = prefix + qlen
         ws = tl.load(wslot_ptr + b).to(tl.int64)
-        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = m < qlen
+        r = tl.arange(0, BLOCK_M)
+        hq = h * GQA + r % GQA
+        m = mb * BLOCK_T + r // GQA
+        mmask = (r < BLOCK_T * GQA) & (m < qlen)
         qpos = prefix + m
-        t_lo = prefix + mb * BLOCK_M
-        t_hi = tl.minimum(total, t_lo + BLOCK_M)
+        t_lo = prefix + mb * BLOCK_T
+        t_hi = tl.minimum(total, t_lo + BLOCK_T)
         qrow = (qs + m).to(tl.int64) * stride_qt + hq * stride_qh
         q0, q1, q2, q3, qsum = _load_q(q_ptr, qrow, mmask, Q4, DOT)
         m_i, l_i, acc0, acc1, acc2, acc3 = _init_state(BLOCK_M, Q4)
