@@ -457,13 +457,12 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
             llm = dict(small, enforce_eager=eager, enable_prefix_caching=cache)
             cases.append(dict(base, name=name, backend=backend, llm=llm, work=work))
-        # preemption: 24 requests of 1,500 + 64 tokens (37.5k tokens), all running at once
-        # (max_num_seqs 24), max_model_len 2048, 1,024-token chunks. With 16 slots and 208 MiB (H200,
-        # 2026-12-03) the 16 running requests' 25k tokens fitted in the ~26k-token cache: vLLM's
-        # counter read 0 preemptions (64-token blocks; not recorded in the 16-token run, same fit).
-        # Now: 24 slots' windows (~169 MiB)
-        # + ~95 MiB of pages (~26k tokens, less than the 37.5k the batch needs), so running requests
-        # must be preempted and resumed; the counter says how often.
+        # preemption: 24 requests of 200 prompt + 1,200 generated tokens (33.6k in all), all admitted at
+        # once (max_num_seqs 24: their prompts, 4.8k tokens, fit), max_model_len 2048. 24 slots' windows
+        # (~169 MiB) + ~95 MiB of pages (~26k tokens) cannot hold the requests' growth, so vLLM must
+        # preempt running requests and resume them (the counter says how often). The earlier shape
+        # (1,500 + 64 tokens) read 0 preemptions on the H200 (2026-12-04): vLLM admitted only what
+        # fitted and queued the rest.
         # the fallback to restores by block ids (backend.V2_IDENTITY_ENV=0; identity restores are the
         # default since they gave this case's greedy tokens, perplexity and hit on the H200): the
         # same work as smol-oscar-eager-cache, and the same results
@@ -472,11 +471,17 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         work = [g, ["repeat", 890, 16]] + ([ppl] if a.ppl_windows else [])
         name = "smol-oscar-eager-cache-blockids"
         cases.append(dict(base, name=name, backend="OSCAR", llm=llm, work=work, env=blockids))
-        # the start-up warm-up (OSCAR_VLLM_WARMUP=1, off by default until this case has run): the same
-        # work; vLLM's monitor (jit_compiles) must name no OSCAR kernel, results equal the plain case's
+        # the start-up warm-up (OSCAR_VLLM_WARMUP=1; by default it runs only where vLLM warms its own
+        # kernels, not eager): the same work, results equal the plain case's
         warm = {"OSCAR_VLLM_WARMUP": "1"}
         cases.append(
             dict(base, name="smol-oscar-eager-cache-warm", backend="OSCAR", llm=llm, work=work, env=warm)
+        )
+        # short chunks over long prefixes unsplit (OSCAR_VLLM_SPLIT_EXTEND=0; split is the default):
+        # results must equal the plain case's
+        split = {"OSCAR_VLLM_SPLIT_EXTEND": "0"}
+        cases.append(
+            dict(base, name="smol-oscar-eager-cache-nosplit", backend="OSCAR", llm=llm, work=work, env=split)
         )
         fits = dict(  # log stats on: vLLM's preemption counter (LLM.get_metrics) says what happened
             small, max_model_len=2048, max_num_batched_tokens=1024, enforce_eager=True, max_num_seqs=24,
@@ -484,7 +489,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         )  # fmt: skip
         tight = dict(fits, kv_cache_memory_bytes=264 << 20)
         cases.append(
-            dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 1500, 64]])
+            dict(base, name="smol-oscar-preempt", backend="OSCAR", llm=tight, work=[["many", 24, 200, 1200]])
         )
         cases.append(
             dict(
@@ -492,7 +497,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
                 name="smol-oscar-many-roomy",
                 backend="OSCAR",
                 llm=dict(fits),
-                work=[["many", 24, 1500, 64]],
+                work=[["many", 24, 200, 1200]],
             )
         )
         cases.append(
@@ -528,8 +533,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             ("qwen-oscar-cache-blockids", "OSCAR", True, {"env": {"OSCAR_VLLM_V2_IDENTITY_RESTORES": "0"}}),
             # the first 2k prompt's time to first token with the start-up warm-up (14.0 s without, 12-03)
             ("qwen-oscar-cache-warm", "OSCAR", True, {"env": {"OSCAR_VLLM_WARMUP": "1"}}),
-            # short chunks over long prefixes split over more programs (the shared-100k hits)
-            ("qwen-oscar-cache-split", "OSCAR", True, {"env": {"OSCAR_VLLM_SPLIT_EXTEND": "1"}}),
+            # short chunks over long prefixes unsplit (the default splits them: the shared-100k hits)
+            ("qwen-oscar-cache-nosplit", "OSCAR", True, {"env": {"OSCAR_VLLM_SPLIT_EXTEND": "0"}}),
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),

@@ -397,9 +397,10 @@ class OscarAttentionImpl(AttentionImpl):
         self._params = None
         # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense) where it runs
         self._dense = compat.dense_attention(head_size) if self.device.type == "cuda" else None
-        # a short chunk over a long prefix (a prefix hit's tail) split over more programs; opt-in
-        # until a GPU run checks its speed (docs/vllm.md, "H200, 2026-12-03 night")
-        self._splits: int | str = "auto" if env_switch(SPLIT_EXTEND_ENV) else 1
+        # a short chunk over a long prefix (a prefix hit's tail) split over more programs where the
+        # grid leaves SMs idle (H200: a 16-token tail over 100k tokens 21x faster, docs/vllm.md);
+        # OSCAR_VLLM_SPLIT_EXTEND=0 turns it off
+        self._splits: int | str = 1 if env_switch(SPLIT_EXTEND_ENV) is False else "auto"
         env_switch(WARMUP_ENV)  # a bad value: refused here, at start, not in the worker's warm-up
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)

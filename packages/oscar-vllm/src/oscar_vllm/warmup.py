@@ -12,7 +12,8 @@ every specialisation a server can meet; :func:`run_warmup` runs one layer's step
 (:func:`oscar_vllm.step.run_layer`, :func:`oscar_vllm.step.write_window_pages`) over them on a
 scratch cache with the layer's own layout, parameters and block-table widths, so the engine's
 pages and window slots are never touched. The backend runs it once per distinct layer
-configuration after vLLM's warm-up (``compat.after_model_warm_up``), with ``OSCAR_VLLM_WARMUP=1``.
+configuration after vLLM's warm-up (``compat.after_model_warm_up``): by default where vLLM warms its
+own kernels (CUDA graphs), ``OSCAR_VLLM_WARMUP=1`` / ``0`` to choose.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .step import (
 
 __all__ = ["warmup_steps", "run_warmup", "WARMUP_ENV"]
 
-#: ``1``: run the warm-up at engine start (off by default until an engine run on a GPU checks it;
+#: ``1`` / ``0``: run the warm-up at engine start or not (unset: where vLLM warms its own kernels;
 #: without it each specialisation compiles at its first request)
 WARMUP_ENV = "OSCAR_VLLM_WARMUP"
 
