@@ -103,7 +103,7 @@ def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False, split
     ptr.update(dict.fromkeys(("o_ptr", "rc_ptr", "rth_ptr"), "*fp32"))
     if not rope:
         consts.update(rc_ptr=None, rth_ptr=None)
-    consts["SPLITS"] = splits
+    consts["SPLIT"] = splits > 1  # the count itself is a run-time argument
     if splits > 1:
         ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
     else:

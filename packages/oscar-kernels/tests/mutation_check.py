@@ -186,6 +186,20 @@ MUTATIONS = (
         ("tests/test_extend_attention.py", "-k", "triton_matches_reference"),
     ),
     Mutation(
+        "split-extend-skips-a-tile",
+        "src/oscar_kernels/kernels/attention.py",
+        "i1 = tl.minimum(hi, i0 + per)",
+        "i1 = tl.minimum(hi, i0 + per - BLOCK_N)",
+        ("tests/test_extend_attention.py", "-k", "split_extend_matches"),
+    ),
+    Mutation(
+        "split-extend-bf16-rows-in-every-split",
+        "src/oscar_kernels/kernels/attention.py",
+        "bf16 = sp == 0  # the BF16 rows: one split's share",
+        "bf16 = sp >= 0",
+        ("tests/test_extend_attention.py", "-k", "split_extend_matches"),
+    ),
+    Mutation(
         "extend-block-m-too-small-for-a-hit",
         "src/oscar_kernels/extend_attention.py",
         "min(64, _pow2_at_least(max(1, max_query_len) * gqa))",

@@ -99,6 +99,15 @@ def test_split_extend_matches_the_unsplit_kernel_and_the_reference(splits):
         )
     with pytest.raises(Exception, match="num_splits"):
         extend_attention(*args, backend="triton", num_splits=0)
+    if splits == 2:  # the count is a run-time argument: every count shares one compiled kernel
+        from oscar_kernels.launch import record_launches
+
+        keys = []
+        for n in (2, 4, 16, 64):
+            with record_launches(dry=True) as seen:
+                extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=n)
+            keys.append({k for k in seen if k[0] == "extend_kernel"})
+        assert len(keys[0]) == 1 and all(k == keys[0] for k in keys), keys
 
 
 @needs_triton

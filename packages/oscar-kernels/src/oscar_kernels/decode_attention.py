@@ -617,10 +617,12 @@ def merge_partials(
     out: torch.Tensor | None = None,
     pdl: bool = False,
     tuning: DecodeTuning | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]``
     (``merge_splits_kernel``); with ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ`` in
-    ``out_dtype``, else float32. ``pdl``: launched as a programmatic dependent of the split kernel."""
+    ``out_dtype``, else float32. ``pdl``: launched as a programmatic dependent of the split kernel.
+    ``chunk``: partials per step (a power of two; default ``NT``'s, at most 64)."""
     from ._backend import interpreting
     from .kernels.attention import merge_splits_kernel
 
@@ -633,7 +635,7 @@ def merge_partials(
     preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     launch(merge_splits_kernel, (bsz * hq,),
-        po, plse, out, rot, *rs, nt, hq, gqa, HEAD_DIM=d, CH=min(64, triton_next_pow2(nt)),
+        po, plse, out, rot, *rs, nt, hq, gqa, HEAD_DIM=d, CH=chunk or min(64, triton_next_pow2(nt)),
         ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, PRELOAD=preload,
         **({"launch_pdl": True} if pdl else {}), **mopts,
     )  # fmt: skip

@@ -178,7 +178,7 @@ def extend_attention(
         hq, d = q.shape[1], lo.head_dim
         po = _empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
         plse = _empty(t, hq, splits, dtype=torch.float32, device=q.device)
-        opts.update(po_ptr=po, plse_ptr=plse, SPLITS=splits)
+        opts.update(po_ptr=po, plse_ptr=plse, splits=splits, SPLIT=True)
         grid = (*grid, splits)
     LAST_COMPILED["extend"] = launch(
         extend_kernel,
@@ -215,7 +215,9 @@ def extend_attention(
         **opts,
     )
     if splits > 1:
-        return merge_partials(po, plse, g, ep.v_rotation, q.dtype)
+        # one merge chunk for every split count (<= 64): one compile, where the count's own power
+        # of two would compile per count
+        return merge_partials(po, plse, g, ep.v_rotation, q.dtype, chunk=64)
     return unrotate_output(out, ep, q.dtype)
 
 
@@ -238,7 +240,7 @@ def choose_extend_splits(programs: int, max_len: int, block_n: int, device: torc
     """Splits of the INT2 keys for an extend grid of ``programs`` programs over sequences of up to
     ``max_len`` tokens: 1 where the grid already covers the SMs or the context is short, else
     about two programs per SM, at most 64, never a split shorter than four tiles, rounded down to
-    a power of two (the count is a constexpr: a handful of compiles).
+    a power of two (the kernel takes the count at run time: one compile serves them all).
 
     Without splits a prefix hit's 16-token tail over 100k cached tokens is 32 programs (one per
     query head) that each read the whole prefix (H200, Qwen3-8B shape: 183 ms per hit against

@@ -755,7 +755,7 @@ def merge_splits_kernel(
         tl.store(out_ptr + r * HEAD_DIM + d, out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])  # a run-time count: one compile serves every split count
 def extend_kernel(
     q_ptr,
     stride_qt,
@@ -813,7 +813,8 @@ def extend_kernel(
     ROPE_P: tl.constexpr = 0,
     po_ptr=None,
     plse_ptr=None,
-    SPLITS: tl.constexpr = 1,
+    splits=1,
+    SPLIT: tl.constexpr = False,
 ):
     """Program ``(token block, b*H_kv + h[, split])``: ``BLOCK_M`` rows, row ``r`` the query head
     ``h·GQA + r % GQA`` of chunk token ``block·BLOCK_T + r // GQA`` (``BLOCK_T = BLOCK_M // GQA``).
@@ -834,11 +835,11 @@ def extend_kernel(
     registers; nothing is materialised. ``ROPE_R > 0``: INT2 scores get the pre-RoPE mean's
     term (:func:`_rope_scores`; coefficients ``rc [T, H_q, 2, ROPE_P]`` per query token).
 
-    ``SPLITS > 1`` (a short chunk over a long prefix: too few programs otherwise): split ``s`` of
-    ``program_id(2)`` takes its share of the INT2 tiles (the same tiles, from ``SINK`` in steps of
-    ``BLOCK_N``), split 0 also the BF16 rows, and each stores its normalised partial and
-    log2-sum-exp at row ``(token·H_q + hq)·SPLITS + s`` of ``po`` / ``plse`` for
-    ``merge_splits_kernel``.
+    ``SPLIT`` (a short chunk over a long prefix: too few programs otherwise): split ``s`` of
+    ``program_id(2)``, one of ``splits`` (a run-time count), takes its share of the INT2 tiles (the
+    same tiles, from ``SINK`` in steps of ``BLOCK_N``), split 0 also the BF16 rows, and each stores
+    its normalised partial and log2-sum-exp at row ``(token·H_q + hq)·splits + s`` of ``po`` /
+    ``plse`` for ``merge_splits_kernel``.
     """
     mb = tl.program_id(0)
     pid = tl.program_id(1)
@@ -867,7 +868,7 @@ def extend_kernel(
         q0, q1, q2, q3, qsum = _load_q(q_ptr, qrow, mmask, Q4, DOT)
         m_i, l_i, acc0, acc1, acc2, acc3 = _init_state(BLOCK_M, Q4)
         j = tl.arange(0, Q4)
-        sp = tl.program_id(2) if SPLITS > 1 else 0
+        sp = tl.program_id(2) if SPLIT else 0
         bf16 = sp == 0  # the BF16 rows: one split's share
         # sink rows (the chunk's own sink positions were written before this call)
         if SINK > 0:
@@ -906,8 +907,8 @@ def extend_kernel(
             )
         i0 = SINK
         i1 = hi
-        if SPLITS > 1:  # this split's share of the INT2 tiles
-            per = tl.cdiv(tl.cdiv(tl.maximum(hi - SINK, 0), BLOCK_N), SPLITS) * BLOCK_N
+        if SPLIT:  # this split's share of the INT2 tiles
+            per = tl.cdiv(tl.cdiv(tl.maximum(hi - SINK, 0), BLOCK_N), splits) * BLOCK_N
             i0 = SINK + sp * per
             i1 = tl.minimum(hi, i0 + per)
         for t0 in range(i0, i1, BLOCK_N):
@@ -987,8 +988,8 @@ def extend_kernel(
                     Q4,
                     DOT,
                 )
-        if SPLITS > 1:
-            prow = ((qs + m).to(tl.int64) * H_Q + hq) * SPLITS + sp
+        if SPLIT:
+            prow = ((qs + m).to(tl.int64) * H_Q + hq) * splits + sp
             _store_partial(po_ptr, plse_ptr, prow, mmask, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_DIM)
         else:
             inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
