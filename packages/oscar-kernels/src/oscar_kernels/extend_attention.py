@@ -249,7 +249,7 @@ def choose_extend_splits(programs: int, max_len: int, block_n: int, device: torc
     if programs >= sms or max_len < 8 * block_n:
         return 1
     want = min(-(-2 * sms // max(programs, 1)), max_len // (4 * block_n), 64)
-    return 1 << max(0, int(want).bit_length() - 1)  # a power of two: a compile per count
+    return 1 << max(0, int(want).bit_length() - 1)  # a power of two: few merge shapes
 
 
 def dense_runs(

@@ -72,7 +72,7 @@ def warmup_steps(
         dense_min_query: the shortest chunk the dense prefill takes (None: no dense prefill).
         split_tails: the layer splits short chunks over long prefixes (``extend_splits="auto"``):
             also short chunks (:data:`TAIL_LENS`) of 1-16 rows over prefixes of every power of two,
-            whose grid size and context pick the split count (each count is a compile).
+            whose grid size and context pick the split count (the split path compiles per row count).
     Returns:
         Steps, each a tuple of rows ``(cached tokens, new tokens)``.
     """
