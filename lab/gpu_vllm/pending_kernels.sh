@@ -22,3 +22,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -p no:warnings packages/osca
 tail -2 "$OUT/warmup_tests.log"
 # 2. the op: unsplit vs split, against torch's flash SDPA on a BF16 cache in the same run
 timeout 150 python3 lab/kernel_studies/extend_split.py --out "$OUT" 2>&1 | tail -6
+# 3. the decode step's write (72 launches a step at the Qwen3-8B shape, ~11 us each in the engine):
+#    tile and warps for 1, 8 and 64 tokens, with and without the pre-RoPE key mean
+timeout 120 python3 packages/oscar-kernels/benchmarks/write_speed.py --decode --tokens 1 8 64 --block-t 0 16 \
+    --warps 0 2 8 --rope --graph --only plain plain+rope --out "$OUT/write_decode.json" 2>&1 | tail -40
