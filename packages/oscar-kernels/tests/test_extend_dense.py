@@ -180,3 +180,45 @@ def test_interleaved_short_and_long_chunks_match_the_reference(cap, monkeypatch)
     for b in range(len(lens)):
         s0, s1 = int(cu[b]), int(cu[b + 1])
         assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])
+
+
+@needs_triton
+@pytest.mark.parametrize("sink, rope, group", [(4, 0, 64), (0, 4, 32), (5, 8, 16)])
+def test_far_rows_kernel_matches_the_torch_form(sink, rope, group):
+    """The Triton far rows (dequantised INT2, sink rows, the RoPE term) against the torch form on
+    random caches: bitwise without a pre-RoPE mean and for values (the same float32 operations),
+    within a bf16 rounding step of it with one (float32 polynomial angles, 3xTF32 product).
+    77 rows in two sequences: page boundaries (16-token pages), sink rows, a partial tile, rows
+    past a sequence's end (they read the table's last column: the same page in both forms)."""
+    from oscar_kernels.extend_dense import _far_rows, _far_rows_torch
+
+    h, d = 2, 64
+    gen = torch.Generator().manual_seed(17 + sink + rope + group)
+    lens = [70, 41]
+    lo = CacheLayout(h, d, page_size=16, group_size=group, sink_tokens=sink, recent_tokens=8)
+    cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head")
+    if rope:
+        params = _with_rope(params, h, d, rope, gen)
+    ep = params.expand(h, d, cache.device)
+    seq = torch.tensor([0] * 50 + [1] * 27, device=DEVICE)
+    pos = torch.cat([torch.arange(50), torch.arange(20, 47)]).to(DEVICE)  # 41..46 past sequence 1's end
+    k, v = _far_rows(cache, ep, bt, ws, seq, pos, torch.bfloat16)
+    k_ref, v_ref = _far_rows_torch(cache, ep, bt, ws, seq, pos, torch.bfloat16)
+    assert k.dtype == torch.bfloat16 and k.shape == (77, h, d)
+    assert torch.equal(v, v_ref)
+    if rope:
+        diff = (k.float() - k_ref.float()).abs()
+        assert float(diff.max()) <= float(k_ref.float().abs().max()) * 2**-7
+        assert float((diff > 0).float().mean()) < 0.02  # only rows at a rounding boundary differ
+        # the RoPE term is there (a kernel that drops it is far off)
+        k_plain, _ = _far_rows_torch(
+            cache, dataclasses.replace(ep, k_rope_mean=None), bt, ws, seq, pos, torch.bfloat16
+        )
+        assert float((k_plain.float() - k_ref.float()).abs().max()) > 0.1
+    else:
+        assert torch.equal(k, k_ref)
+    if sink:  # the sink rows are the BF16 rows themselves
+        s = ws[0].long()
+        torch.testing.assert_close(
+            k[:sink], cache.k_sink[s, :, :sink].transpose(0, 1).to(k.dtype), rtol=0, atol=0
+        )

@@ -326,7 +326,7 @@ def run_case(spec: dict) -> dict:
             elif kind == "shared":
                 _, ctx, batch, gen = w
                 prefix = _prompts(1, ctx, seed, vocab)[0]
-                tails = _prompts(2 * batch + 1, 16, seed + 1, vocab)
+                tails = _prompts(3 * batch + 1, 16, seed + 1, vocab)
                 _timed(
                     llm, [prefix + tails[-1]], SamplingParams(max_tokens=1, **greedy)
                 )  # computes the prefix
@@ -338,6 +338,13 @@ def run_case(spec: dict) -> dict:
                     [prefix + x for x in tails[batch : 2 * batch]],
                     SamplingParams(max_tokens=1, **greedy),
                 )
+                # a third batch of hits under the profiler: whether a hit's time is device work or
+                # host work (H200, 12-04: 169 ms per hit for OSCAR vs 46 ms for FA3, unexplained)
+                eng = llm.llm_engine
+                for i, x in enumerate(tails[2 * batch : 3 * batch]):
+                    eng.add_request(f"hp{seed}-{i}", {"prompt_token_ids": prefix + x},
+                                    SamplingParams(max_tokens=1, **greedy))  # fmt: skip
+                res[f"hits_profile_{ctx}x{batch}"] = _gpu_kernels(eng, None)
                 res[f"shared_{ctx}x{batch}"] = dict(
                     t_gen=round(t_gen, 3),
                     t_hits=round(t_one, 3),

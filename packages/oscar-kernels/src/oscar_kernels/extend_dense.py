@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._backend import interpreting, triton_available
+from .launch import launch
 from .layout import PagedKVCache
 from .params import ExpandedParams
 from .reference.attention import _dequant, rope_mean_at
@@ -98,6 +100,53 @@ def _segments(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _far_rows(
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The far set's rows: the Triton kernel (``kernels/far_rows.py``) on a GPU (and under the
+    interpreter) for bf16 rows at head dims >= 64 (its dots need 16-wide quarters), else
+    :func:`_far_rows_torch`, its reference."""
+    lo = cache.layout
+    triton_ok = triton_available() and (cache.device.type == "cuda" or interpreting())
+    if not (triton_ok and dtype == torch.bfloat16 and lo.head_dim >= 64 and pos.shape[0] > 0):
+        return _far_rows_torch(cache, ep, block_table, window_slots, seq, pos, dtype)
+    import triton
+
+    from .kernels.far_rows import far_rows_kernel
+
+    n, h, d = pos.shape[0], lo.num_kv_heads, lo.head_dim
+    k_out = torch.empty(n, h, d, dtype=dtype, device=cache.device)
+    v_out = torch.empty(n, h, d, dtype=dtype, device=cache.device)
+    block = 64
+    grid = (triton.cdiv(n, block), h)
+    rope = ep.k_rope_mean is not None
+    opts = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+    for codes, sc, zr, sink, dst, has_rope in (
+        (cache.k_codes, cache.k_scale, cache.k_zero, cache.k_sink, k_out, rope),
+        (cache.v_codes, cache.v_scale, cache.v_zero, cache.v_sink, v_out, False),
+    ):
+        rot = ep.k_rotation
+        launch(
+            far_rows_kernel, grid,
+            seq, pos, block_table, block_table.stride(0), window_slots,
+            codes, codes.stride(0), codes.stride(1), codes.stride(2),
+            sc, zr, sc.stride(0), sc.stride(1), sc.stride(2),
+            sink, sink.stride(0), sink.stride(1), sink.stride(2),
+            ep.k_rope_mean if has_rope else sc, ep.k_rope_mean.stride(0) if has_rope else 0,
+            ep.k_rope_inv_freq if has_rope else sc, rot, rot.stride(0), rot.stride(1),
+            dst, dst.stride(0), dst.stride(1),
+            n, lo.page_size, max(block_table.shape[1] - 1, 0),
+            HEAD_DIM=d, GROUP=lo.group, SINK=lo.sink_tokens, HAS_ROPE=has_rope, BLOCK=block, **opts,
+        )  # fmt: skip
+    return k_out, v_out
+
+
+def _far_rows_torch(
     cache: PagedKVCache,
     ep: ExpandedParams,
     block_table: torch.Tensor,
