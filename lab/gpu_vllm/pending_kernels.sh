@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call (no vLLM needed): the GPU checks and measurements that 2026-12-04 left for the next
-# session, in order of what they decide. Writes under $OUT (or /tmp/pending).
+# One device call (no vLLM needed): kernel-level GPU checks and measurements. Run by the second
+# session of 2026-12-04 (results in lab/gpu_vllm/results/h200_2026-12-04b/). Writes under $OUT.
 #   device call:  bash lab/gpu_vllm/pending_kernels.sh
-# Then, with vLLM stashed (packages/oscar-vllm/benchmarks/gpu_engine.sh stash 1..4):
-#   gpu_engine.sh run --only qwen-oscar-cache,qwen-oscar-cache-nosplit,qwen-bf16-fa3 --smol "" \
-#       --capture-sizes 1,2,4,8,16,32,48,64      # hits with GQA rows + splits; jit_compiles after the warm-up
-#   gpu_engine.sh run --only smol-oscar-preempt,smol-oscar-many-roomy   # vLLM's counter must be > 0
+# Next, with vLLM stashed (packages/oscar-vllm/benchmarks/gpu_engine.sh stash 1..4, back to back):
+#   gpu_engine.sh run --only qwen-oscar-cache,qwen-bf16-fa3 --smol "" --capture-sizes 1,2,4,8,16,32,48,64
+#       # prefill of 32k with the far-rows kernel (estimate ~1.18x FA3), and hits_profile_100000x48:
+#       # where a prefix hit's 169 ms go (the extend op is ~10 ms of it)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/pending}"
