@@ -140,6 +140,12 @@ def test_warmup_steps_stay_within_the_engines_limits():
     assert longest == {scratch_ring(n) for n in range(129, 8193)}
     # a table narrower than the step budget bounds the prefills
     assert max(p + n for s in warmup_steps(64, 128, 8192, 4, 1024) for p, n in s) <= 1024
+    # the dense prefill's step has far rows (keys older than the ring) for short and long rings
+    for recent in (128, 256, 1024):
+        dense = [
+            p + n - recent for s in warmup_steps(64, recent, 8192, 4, 40960) for p, n in s if n == 128 and p
+        ]
+        assert dense and all(far > 0 for far in dense), (recent, dense)
 
 
 def test_the_warm_up_runs_after_vllms_own_once_per_hook():

@@ -87,7 +87,10 @@ def warmup_steps(
     steps: list[Step] = [((0, n),) for n in sorted(lens) if n <= cap]
     steps.append(((page_size + 3, 17),))  # an extend over cached pages
     if dense_min_query is not None and dense_min_query <= cap:
-        steps.append(((2 * page_size + 3, dense_min_query),))  # dense prefill with far rows
+        # dense prefill with far rows: the prefix reaches past the ring, or the far-rows kernel
+        # (oscar_kernels' kernels/far_rows.py) would compile at the first long prompt
+        pre = min(max(2 * page_size + 3, recent + page_size + 3), max_len - dense_min_query)
+        steps.append(((pre, dense_min_query),))
     if max_seqs >= 2:
         steps.append(((5, 1), (0, 17)))  # a mixed batch: decodes in the extend kernel
     # pure decode steps of every batch size: a batch's size picks the split count and tile
