@@ -126,11 +126,11 @@ def _far_rows(
     grid = (triton.cdiv(n, block), h)
     rope = ep.k_rope_mean is not None
     opts = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+    rot = ep.k_rotation  # the RoPE term's rotation: key rows only (values pass it unread)
     for codes, sc, zr, sink, dst, has_rope in (
         (cache.k_codes, cache.k_scale, cache.k_zero, cache.k_sink, k_out, rope),
         (cache.v_codes, cache.v_scale, cache.v_zero, cache.v_sink, v_out, False),
     ):
-        rot = ep.k_rotation
         launch(
             far_rows_kernel, grid,
             seq, pos, block_table, block_table.stride(0), window_slots,
