@@ -111,6 +111,27 @@ def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False, split
     return _compile(fn, consts, ptr, arch, num_warps)
 
 
+def compile_write_kv(arch: int = 90, num_warps: int = 8, block_t: int = 16, rope: bool = True):  # noqa: ANN201
+    """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape."""
+    import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
+
+    from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
+
+    consts = dict(
+        NUM_KV_HEADS=8, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, HAS_MEAN=True, K_FEEDBACK=False,
+        V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True, BLOCK_T=block_t,
+        DOT_PRECISION="tf32",
+    )  # fmt: skip
+    ptr = dict.fromkeys(
+        ("krot_ptr", "vrot_ptr", "mean_ptr", "rmean_ptr", "freq_ptr", "kfb_ptr", "vfb_ptr"), "*fp32"
+    )
+    ptr.update(dict.fromkeys(("kalpha_ptr", "valpha_ptr"), "*fp32"))
+    ptr.update(dict.fromkeys(("kcodes_ptr", "vcodes_ptr"), "*u8"))
+    ptr.update(dict.fromkeys(("pos_ptr", "seqidx_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
+    ptr["slot_ptr"] = "*i64"
+    return _compile(fn, consts, ptr, arch, num_warps)
+
+
 def compile_bf16_baseline(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
     """The BF16-pages baseline split kernel (``kernels/bf16_decode.py``) for ``sm_<arch>``."""
     import triton.language as tl

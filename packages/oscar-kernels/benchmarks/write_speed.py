@@ -52,6 +52,10 @@ def main() -> int:
     ap.add_argument(
         "--warps", type=int, nargs="+", default=[0], help="warps per program (0: the op's default)"
     )
+    ap.add_argument(
+        "--fuse", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+        help="K and V in one launch (paged_write's fuse; auto: the op's default)",
+    )  # fmt: skip
     ap.add_argument("--rows", default="k", choices=["k", "kv"])
     ap.add_argument("--rope", action="store_true", help="also each variant with a pre-RoPE key mean")
     ap.add_argument("--rope-theta", type=float, default=1e6)
@@ -112,14 +116,24 @@ def main() -> int:
             if args.only:
                 variants = {name: kw for name, kw in variants.items() if name in args.only}
             base = None
-            configs = [(nk, b, w) for nk in variants.items() for b in args.block_t for w in args.warps]
-            for (name, kw), bt, nw in configs:
+            configs = [
+                (nk, b, w, f)
+                for nk in variants.items()
+                for b in args.block_t
+                for w in args.warps
+                for f in args.fuse
+            ]
+            for (name, kw), bt, nw, fz in configs:
                 params = ok.LayerQuantParams(q, q, k_clip=0.9, v_clip=0.9, **kw).expand(h, d, dev)
 
                 call = (cache, params, k, v, slots, pos, sidx, lens, ws)
 
-                def run(call=call, bt=bt, nw=nw) -> None:
-                    ok.paged_write(*call, backend="triton", block_t=bt or None, num_warps=nw or None)
+                fuse = {"auto": None, "on": True, "off": False}[fz]
+
+                def run(call=call, bt=bt, nw=nw, fuse=fuse) -> None:
+                    ok.paged_write(
+                        *call, backend="triton", block_t=bt or None, num_warps=nw or None, fuse=fuse
+                    )
 
                 ms = bench_ms(run, rep_ms=200 if n > 1000 else 50)
                 graph_ms = bench_graph_ms(run, rep_ms=50) if (args.graph and dev.type == "cuda") else None
@@ -131,6 +145,7 @@ def main() -> int:
                     "variant": name,
                     "block_t": bt or "default",
                     "warps": nw or "default",
+                    "fuse": fz,
                     "ms": ms,
                     "us_per_token_layer": 1000 * ms / n,
                     "vs_plain": ms / base,
@@ -139,7 +154,7 @@ def main() -> int:
                 rows.append(r)
                 print(
                     f"d {d} H {h} group {gs:>3} N {n:>5} block {bt or 'def':>3} warps {nw or 'def':>3} "
-                    f"{name:<16} {ms:9.4f} ms  "
+                    f"fuse {fz:<4} {name:<16} {ms:9.4f} ms  "
                     f"{r['us_per_token_layer']:8.4f} us/token/layer  x{r['vs_plain']:.2f} plain"
                     + ("" if graph_ms is None else f"  graph {graph_ms:8.4f} ms"),
                     flush=True,

@@ -45,6 +45,27 @@ LAUNCH = "src/oscar_kernels/launch.py"
 
 MUTATIONS = (
     Mutation(
+        "write-kv-values-rotated-by-the-key-rotation",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "pid, hh - NUM_KV_HEADS, v_ptr, stride_vxt, stride_vxh, vrot_ptr,",
+        "pid, hh - NUM_KV_HEADS, v_ptr, stride_vxt, stride_vxh, krot_ptr,",
+        ("tests/test_write_rope.py", "-k", "one_launch"),
+    ),
+    Mutation(
+        "write-kv-values-centred-by-the-key-mean",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,",
+        "n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, V_FEEDBACK, False,",
+        ("tests/test_write_rope.py", "-k", "one_launch"),
+    ),
+    Mutation(
+        "write-kv-values-clipped-by-the-key-ratios",
+        "src/oscar_kernels/paged_write.py",
+        "kt.alpha, vt.alpha,",
+        "kt.alpha, kt.alpha,",
+        ("tests/test_write_rope.py", "-k", "one_launch"),
+    ),
+    Mutation(
         "window-record-ring-row-off-by-one",
         "src/oscar_kernels/kernels/window_records.py",
         "r = (kv * H + h) * WB + pos % WB",

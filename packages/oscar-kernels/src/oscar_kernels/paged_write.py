@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from oscar_math import check
@@ -16,10 +18,13 @@ from .reference.paged_write import paged_write_ref
 #: the last compiled kernel (diagnostics for benchmarks)
 LAST_COMPILED: dict = {}
 
-__all__ = ["paged_write", "WRITE_PARTS"]
+__all__ = ["paged_write", "WRITE_PARTS", "FUSE_MAX_TOKENS"]
 
 #: what one :func:`paged_write` call stores: everything, the INT2 pages + sink rows, or the ring rows
 WRITE_PARTS = ("all", "pages", "ring")
+
+#: token counts up to which K and V are written in one launch by default (decode steps, small batches)
+FUSE_MAX_TOKENS = 64
 
 
 def _validate(cache: PagedKVCache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots):
@@ -90,8 +95,9 @@ def paged_write(
     num_warps: int | None = None,
     check_bounds: bool | None = None,
     parts: str = "all",
+    fuse: bool | None = None,
 ) -> None:
-    """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K, one for V).
+    """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K and V, or one each).
 
     Every token goes to its INT2 slot; a token also goes to its sequence's BF16 sink
     row when ``position < sink`` and to its ring row ``position % recent`` when
@@ -132,6 +138,9 @@ def paged_write(
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
             captured). Raises :class:`OscarError`.
         parts: ``"all"`` | ``"pages"`` | ``"ring"`` (see above).
+        fuse: Triton only: K and V in one launch (``paged_write_kv_kernel``), their programs side by
+            side. ``None``: ``parts="all"`` with at most :data:`FUSE_MAX_TOKENS` tokens, where the write is
+            latency (a decode step: one token per sequence). The results are the same either way.
     """
     lo = cache.layout
     check(parts in WRITE_PARTS, "parts", f"one of {WRITE_PARTS}", parts)
@@ -145,111 +154,149 @@ def paged_write(
             cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, parts
         )
         return
+    n = key.shape[0]
+    prec = "ieee" if (precise or interpreting()) else "tf32"
+    kt = _Tensor(
+        key, ep.k_rotation, ep.k_feedback, ep.k_clip, ep.has_mean, ep.k_rope_mean is not None, "k", cache
+    )
+    vt = _Tensor(value, ep.v_rotation, ep.v_feedback, ep.v_clip, False, False, "v", cache)
+    kcfg, vcfg = _tile(kt, n, lo.head_dim, block_t, num_warps), _tile(vt, n, lo.head_dim, block_t, num_warps)
+    idx = (slot_mapping, positions, seq_index, seq_lens, window_slots)
+    if fuse is None:
+        # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
+        # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
+        fuse = parts == "all" and n <= FUSE_MAX_TOKENS
+    if fuse and _same_layout(cache):
+        # one launch, K and V programs side by side: the smaller tile, the larger warp count
+        bt, warps = min(kcfg[0], vcfg[0]), max(kcfg[1], vcfg[1])
+        _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, prec, parts)
+        return
+    for t, (bt, warps) in ((kt, kcfg), (vt, vcfg)):
+        _launch_one(cache, ep, t, idx, n, bt, warps, prec, parts)
+
+
+class _Tensor(NamedTuple):
+    """What differs between the K and the V write."""
+
+    x: torch.Tensor
+    rot: torch.Tensor
+    fb: torch.Tensor | None
+    alpha: torch.Tensor
+    has_mean: bool
+    has_rope: bool
+    name: str
+    cache: PagedKVCache
+
+    def field(self, what: str) -> torch.Tensor:
+        return getattr(self.cache, f"{self.name}_{what}")
+
+
+def _tile(t: _Tensor, n: int, head_dim: int, block_t: int | None, num_warps: int | None) -> tuple[int, int]:
+    """Tokens per program and warps of one tensor's write."""
+    import triton
+
+    # the feedback loop runs faster on smaller token blocks (register pressure; see docstring);
+    # the in-kernel RoPE_p(m) of a plain key tensor spills least at 64 tokens on 8 warps
+    # (ptxas for sm_90: 160 B against 2144 B at 128 tokens on 4)
+    rope_plain = t.has_rope and t.fb is None
+    if block_t is not None:
+        bt = block_t
+    else:
+        bt = 32 if t.fb is not None else (64 if rope_plain else (128 if head_dim <= 128 else 32))
+        # a decode step writes one token per sequence: a 128-token tile per KV head rotated
+        # 128 rows for each real one (H200, Qwen3-8B shape, batch 1: 20 us per launch, 40% of
+        # OSCAR's device time in a 2k decode step); tiles of the next power of two >= n
+        # (>= 16 for tl.dot), compiled for every CUDA-graph capture size at capture
+        bt = min(bt, max(16, triton.next_power_of_2(n)))
+    warps = num_warps if num_warps is not None else (8 if rope_plain else 4)
+    return bt, warps
+
+
+def _same_layout(cache: PagedKVCache) -> bool:
+    """K and V caches with equal strides (always for :func:`allocate_cache`; an engine's views may differ)."""
+    return (
+        all(
+            getattr(cache, f"k_{f}").stride() == getattr(cache, f"v_{f}").stride()
+            for f in ("codes", "scale", "zero", "sink", "recent")
+        )
+        and cache.k_scale.stride() == cache.k_zero.stride()
+    )
+
+
+def _launch_kv(
+    cache: PagedKVCache, ep: ExpandedParams, kt: _Tensor, vt: _Tensor, idx: tuple, n: int, bt: int,
+    warps: int, prec: str, parts: str,
+) -> None:  # fmt: skip
+    import triton
+
+    from .kernels.paged_write import paged_write_kv_kernel
+
+    lo = cache.layout
+    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
+    kfb, vfb = kt.fb, vt.fb
+    codes, scale, sink, ring = cache.k_codes, cache.k_scale, cache.k_sink, cache.k_recent
+    LAST_COMPILED["paged_write"] = launch(
+        paged_write_kv_kernel,
+        (triton.cdiv(n, bt), 2 * lo.num_kv_heads),
+        kt.x, kt.x.stride(0), kt.x.stride(1), vt.x, vt.x.stride(0), vt.x.stride(1),
+        kt.rot, vt.rot, kt.rot.stride(0), kt.rot.stride(1),
+        ep.k_mean, ep.k_mean.stride(0),
+        *_rope_args(ep, kt.has_rope),
+        kt.alpha, vt.alpha,
+        *_fb_args(kt), *_fb_args(vt),
+        *idx,
+        cache.k_codes, cache.v_codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        cache.k_sink, cache.v_sink, sink.stride(0), sink.stride(1), sink.stride(2),
+        cache.k_recent, cache.v_recent, ring.stride(0), ring.stride(1), ring.stride(2),
+        n, lo.page_size,
+        NUM_KV_HEADS=lo.num_kv_heads, HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens,
+        RECENT=lo.recent_tokens, HAS_MEAN=kt.has_mean, K_FEEDBACK=kfb is not None, V_FEEDBACK=vfb is not None,
+        HAS_ROPE=kt.has_rope, WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt,
+        DOT_PRECISION=prec, **kwargs,
+    )  # fmt: skip
+
+
+def _rope_args(ep: ExpandedParams, has_rope: bool) -> tuple:
+    # pre-RoPE mean and inverse frequencies: valid pointers either way, read only with HAS_ROPE
+    if has_rope:
+        return ep.k_rope_mean, ep.k_rope_mean.stride(0), ep.k_rope_inv_freq
+    return ep.k_mean, 0, ep.k_mean
+
+
+def _fb_args(t: _Tensor) -> tuple:
+    # a valid pointer either way; read only with HAS_FEEDBACK
+    return (t.rot, 0, 0) if t.fb is None else (t.fb, t.fb.stride(0), t.fb.stride(1))
+
+
+def _launch_one(
+    cache: PagedKVCache, ep: ExpandedParams, t: _Tensor, idx: tuple, n: int, bt: int, warps: int, prec: str,
+    parts: str,
+) -> None:  # fmt: skip
     import triton
 
     from .kernels.paged_write import paged_write_kernel
 
-    n = key.shape[0]
-    default_bt = 128 if lo.head_dim <= 128 else 32
-    prec = "ieee" if (precise or interpreting()) else "tf32"
-    rope = ep.k_rope_mean is not None
-    for x, rot, fb, codes, scale, zero, sink, ring, alpha, has_mean, has_rope in (
-        (
-            key,
-            ep.k_rotation,
-            ep.k_feedback,
-            cache.k_codes,
-            cache.k_scale,
-            cache.k_zero,
-            cache.k_sink,
-            cache.k_recent,
-            ep.k_clip,
-            ep.has_mean,
-            rope,
-        ),
-        (
-            value,
-            ep.v_rotation,
-            ep.v_feedback,
-            cache.v_codes,
-            cache.v_scale,
-            cache.v_zero,
-            cache.v_sink,
-            cache.v_recent,
-            ep.v_clip,
-            False,
-            False,
-        ),
-    ):
-        # the feedback loop runs faster on smaller token blocks (register pressure; see docstring);
-        # the in-kernel RoPE_p(m) of a plain key tensor spills least at 64 tokens on 8 warps
-        # (ptxas for sm_90: 160 B against 2144 B at 128 tokens on 4)
-        rope_plain = has_rope and fb is None
-        bt = (
-            block_t if block_t is not None else (32 if fb is not None else (64 if rope_plain else default_bt))
-        )
-        if block_t is None:
-            # a decode step writes one token per sequence: a 128-token tile per KV head rotated
-            # 128 rows for each real one (H200, Qwen3-8B shape, batch 1: 20 us per launch, 40% of
-            # OSCAR's device time in a 2k decode step); tiles of the next power of two >= n
-            # (>= 16 for tl.dot), compiled for every CUDA-graph capture size at capture
-            bt = min(bt, max(16, triton.next_power_of_2(n)))
-        warps = num_warps if num_warps is not None else (8 if rope_plain else 4)
-        kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
-        grid = (triton.cdiv(n, bt), lo.num_kv_heads)
-        LAST_COMPILED["paged_write"] = launch(
-            paged_write_kernel,
-            grid,
-            x,
-            x.stride(0),
-            x.stride(1),
-            rot,
-            rot.stride(0),
-            rot.stride(1),
-            ep.k_mean,
-            ep.k_mean.stride(0),
-            # pre-RoPE mean and inverse frequencies: valid pointers either way, read only with HAS_ROPE
-            ep.k_rope_mean if has_rope else ep.k_mean,
-            ep.k_rope_mean.stride(0) if has_rope else 0,
-            ep.k_rope_inv_freq if has_rope else ep.k_mean,
-            alpha,
-            rot if fb is None else fb,  # a valid pointer either way; read only with HAS_FEEDBACK
-            0 if fb is None else fb.stride(0),
-            0 if fb is None else fb.stride(1),
-            slot_mapping,
-            positions,
-            seq_index,
-            seq_lens,
-            window_slots,
-            codes,
-            codes.stride(0),
-            codes.stride(1),
-            codes.stride(2),
-            scale,
-            zero,
-            scale.stride(0),
-            scale.stride(1),
-            scale.stride(2),
-            sink,
-            sink.stride(0),
-            sink.stride(1),
-            sink.stride(2),
-            ring,
-            ring.stride(0),
-            ring.stride(1),
-            ring.stride(2),
-            n,
-            lo.page_size,
-            HEAD_DIM=lo.head_dim,
-            GROUP=lo.group,
-            SINK=lo.sink_tokens,
-            RECENT=lo.recent_tokens,
-            HAS_MEAN=has_mean,
-            HAS_FEEDBACK=fb is not None,
-            HAS_ROPE=has_rope,
-            WRITE_PAGES=parts != "ring",
-            WRITE_RING=parts != "pages",
-            BLOCK_T=bt,
-            DOT_PRECISION=prec,
-            **kwargs,
-        )
+    lo = cache.layout
+    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
+    codes, scale, zero, sink, ring = (t.field(f) for f in ("codes", "scale", "zero", "sink", "recent"))
+    LAST_COMPILED["paged_write"] = launch(
+        paged_write_kernel,
+        (triton.cdiv(n, bt), lo.num_kv_heads),
+        t.x, t.x.stride(0), t.x.stride(1),
+        t.rot, t.rot.stride(0), t.rot.stride(1),
+        ep.k_mean, ep.k_mean.stride(0),
+        *_rope_args(ep, t.has_rope),
+        t.alpha,
+        *_fb_args(t),
+        *idx,
+        codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
+        sink, sink.stride(0), sink.stride(1), sink.stride(2),
+        ring, ring.stride(0), ring.stride(1), ring.stride(2),
+        n, lo.page_size,
+        HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens, RECENT=lo.recent_tokens,
+        HAS_MEAN=t.has_mean, HAS_FEEDBACK=t.fb is not None, HAS_ROPE=t.has_rope,
+        WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt, DOT_PRECISION=prec, **kwargs,
+    )  # fmt: skip
