@@ -35,7 +35,7 @@ SHAPES = ((100_000, 1, 16), (100_000, 8, 16), (32_768, 8, 16), (100_000, 48, 16)
 HBM_TBS = 4.8
 
 
-def case(prefix: int, rows: int, tail: int, rep_ms: int) -> dict:
+def case(prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = None, warps: int = 4) -> dict:
     s = G._int2_decode_setup(prefix + tail, rows, width=131072, gran="kv_head")
     cache, bt, ws, ep = s["cache"], s["bt"], s["ws"], s["ep"]
     hkv, d, g = cache.layout.num_kv_heads, s["d"], s["g"]
@@ -48,7 +48,8 @@ def case(prefix: int, rows: int, tail: int, rep_ms: int) -> dict:
     host = ([tail] * rows, [prefix + tail] * rows)
     out = {"prefix": prefix, "rows": rows, "tail": tail, "int2_bytes": s["nbytes"]}
     ref = None
-    bm = extend_block_m(tail, g)  # rows of a program: (token, query head) pairs of one KV head
+    bm = block_m or extend_block_m(tail, g)  # rows of a program: (token, query head) pairs of one KV head
+    out["warps"] = warps
     programs = -(-tail // (bm // g)) * rows * hkv
     out["block_m"], out["programs"] = bm, programs
     for splits in (1, "auto", 8, 32):
@@ -56,8 +57,9 @@ def case(prefix: int, rows: int, tail: int, rep_ms: int) -> dict:
 
         def fn(splits=splits):
             return extend_attention(
-                q, k, v, cache, ep, cu, pre, bt, ws, tail, host_lens=host, num_splits=splits
-            )
+                q, k, v, cache, ep, cu, pre, bt, ws, tail, host_lens=host, num_splits=splits,
+                block_m=block_m, num_warps=warps,
+            )  # fmt: skip
 
         ms = bench_graph_ms(fn, rep_ms)
         o = fn()
@@ -96,13 +98,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS]] (default: the built-in set)",
+    )
     a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     rows = []
-    for shape in SHAPES:
-        r = case(*shape, a.rep_ms)
+    for shape in shapes:
+        r = case(*shape[:3], a.rep_ms, *shape[3:])
         torch.cuda.empty_cache()
         rows.append(r)
         head = f"prefix {r['prefix']:>7} x {r['rows']:>2} rows, tail {r['tail']:>3}"
+        head += f" (M {r['block_m']}, {r['warps']} warps)"
         auto = f"auto ({r['splits_auto']} splits) {r['ms_auto']:.3f} ms = {r['speedup_auto']}x"
         bw = f"{r['tb_s_auto']} TB/s of {HBM_TBS} ({r['tb_s_auto'] / HBM_TBS:.0%})"
         bf = r.get("ms_bf16_sdpa")

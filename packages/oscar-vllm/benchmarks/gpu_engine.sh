@@ -22,8 +22,8 @@ pack() {
     rm -rf "$G"/c[1-5] && mkdir -p "$G"/c{1,2,3,4,5}
     ln -f "$G/parts/p1/vllm.00" "$G/c1/"; ln -f "$G/parts/p2/vllm.01" "$G/c2/"; ln -f "$G/parts/p3/deps.txz" "$G/c3/"
     cp "$G"/parts/p4/* "$G/c4/"
-    head -c 40000000 "$gguf" >"$G/c4/$GGUF_NAME.aa"
-    tail -c +40000001 "$gguf" >"$G/c5/$GGUF_NAME.ab"
+    head -c 48000000 "$gguf" >"$G/c4/$GGUF_NAME.aa"
+    tail -c +48000001 "$gguf" >"$G/c5/$GGUF_NAME.ab"
     sha256sum "$gguf" | awk -v n="$GGUF_NAME" '{print $1 "  " n}' >"$G/c5/SHA256"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -49,7 +49,7 @@ unpack() {  # device: vLLM + its missing dependencies into $SITE (the recipe of 
 
 setup() {  # device: the GGUF, this tree's packages, the environment every action runs in
     [[ -f "$SITE/vllm/__init__.py" ]] || { echo "no vLLM in $SITE: run stash 1..4 first (machine went cold?)" >&2; exit 3; }
-    if [[ ! -f "$ST/$GGUF_NAME" ]]; then
+    if [[ ! -f "$ST/$GGUF_NAME" && -f "$G/c5/$GGUF_NAME.ab" ]]; then
         cp "$G/c5/$GGUF_NAME.ab" "$G/c5/SHA256" "$ST/" 2>/dev/null || true
         cat "$ST/$GGUF_NAME.aa" "$ST/$GGUF_NAME.ab" >"$ST/$GGUF_NAME"
         (cd "$ST" && sha256sum -c SHA256)
@@ -65,7 +65,8 @@ setup() {  # device: the GGUF, this tree's packages, the environment every actio
 run() {  # device: SmolLM2 converted, then the suite
     setup
     local smol qwen=/tmp/qwen3-8b-shape
-    smol=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
+    smol=""  # no GGUF carried (.gpu/c5): the Qwen3-8B-shape cases only
+    [[ -f "$ST/$GGUF_NAME" ]] && smol=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
     mkdir -p "$qwen" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$qwen/config.json"
     python3 "$ROOT/packages/oscar-vllm/benchmarks/gpu_engine.py" suite --smol "$smol" --qwen "$qwen" --out "${OUT:-/tmp/gpu-out}" "$@"
 }
