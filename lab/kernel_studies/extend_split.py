@@ -35,9 +35,28 @@ SHAPES = ((100_000, 1, 16), (100_000, 8, 16), (32_768, 8, 16), (100_000, 48, 16)
 HBM_TBS = 4.8
 
 
-def case(prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = None, warps: int = 4) -> dict:
+def rope_params(ep, hkv: int, d: int):  # noqa: ANN001, ANN201
+    """``ep`` plus a pre-RoPE key mean on 8 frequency pairs (what gpu_engine.py's Qwen3-8B-shape
+    artifact serves, format 3): the extend kernel adds its score term to every INT2 tile."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(1)
+    m = torch.zeros(hkv, d)
+    pairs = torch.arange(8)
+    m[:, pairs] = torch.randn(hkv, 8, generator=g)
+    m[:, pairs + d // 2] = torch.randn(hkv, 8, generator=g)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    lq = G.make_params(hkv, d, "kv_head", torch.Generator().manual_seed(2))
+    return dataclasses.replace(lq, k_rope_mean=m, k_rope_inv_freq=inv).expand(hkv, d, DEV)
+
+
+def case(
+    prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = None, warps: int = 4, rope: int = 0
+) -> dict:
     s = G._int2_decode_setup(prefix + tail, rows, width=131072, gran="kv_head")
     cache, bt, ws, ep = s["cache"], s["bt"], s["ws"], s["ep"]
+    if rope:
+        ep = rope_params(ep, cache.layout.num_kv_heads, s["d"])
     hkv, d, g = cache.layout.num_kv_heads, s["d"], s["g"]
     t = rows * tail
     q = torch.randn(t, hkv * g, d, device=DEV, dtype=torch.bfloat16)
@@ -49,7 +68,7 @@ def case(prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = N
     out = {"prefix": prefix, "rows": rows, "tail": tail, "int2_bytes": s["nbytes"]}
     ref = None
     bm = block_m or extend_block_m(tail, g)  # rows of a program: (token, query head) pairs of one KV head
-    out["warps"] = warps
+    out["warps"], out["rope"] = warps, bool(rope)
     programs = -(-tail // (bm // g)) * rows * hkv
     out["block_m"], out["programs"] = bm, programs
     for splits in (1, "auto", 8, 32):
@@ -102,17 +121,17 @@ def main() -> None:
         "--shapes",
         nargs="+",
         default=None,
-        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS]] (default: the built-in set)",
+        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS[,ROPE]]] (BLOCK_M 0: default; ROPE 1: with a pre-RoPE mean)",
     )
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     rows = []
     for shape in shapes:
-        r = case(*shape[:3], a.rep_ms, *shape[3:])
+        r = case(*shape[:3], a.rep_ms, shape[3] if len(shape) > 3 and shape[3] else None, *shape[4:])
         torch.cuda.empty_cache()
         rows.append(r)
         head = f"prefix {r['prefix']:>7} x {r['rows']:>2} rows, tail {r['tail']:>3}"
-        head += f" (M {r['block_m']}, {r['warps']} warps)"
+        head += f" (M {r['block_m']}, {r['warps']} warps{', RoPE mean' if r['rope'] else ''})"
         auto = f"auto ({r['splits_auto']} splits) {r['ms_auto']:.3f} ms = {r['speedup_auto']}x"
         bw = f"{r['tb_s_auto']} TB/s of {HBM_TBS} ({r['tb_s_auto'] / HBM_TBS:.0%})"
         bf = r.get("ms_bf16_sdpa")

@@ -294,16 +294,23 @@ MUTATIONS = (
     Mutation(
         "rope-sin-sign-flipped",
         "src/oscar_kernels/kernels/attention.py",
-        'return tl.dot(rc1, tl.sin(ang), t, input_precision="ieee")',
-        'return tl.dot(rc1, -tl.sin(ang), t, input_precision="ieee")',
+        "s0 = tl.sin(a0)[None, :]",
+        "s0 = -tl.sin(a0)[None, :]",
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
     ),
     Mutation(
         "rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "ang = _rope_angle(tok.to(tl.float32)[None, :],",
-        "ang = _rope_angle((tok + 1).to(tl.float32)[None, :],",
+        "a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)",
+        "a0 = _rope_angle(th_hi * 0.0 + t0 + 1, th_hi, th_lo)",
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
+    ),
+    Mutation(
+        "rope-basis-transposed-sine",
+        "src/oscar_kernels/kernels/attention.py",
+        "cb = rc1 * c0 - rc0 * s0",
+        "cb = rc0 * s0 - rc1 * c0",
+        ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
     ),
     Mutation(
         "rope-coefficient-c1-sign",
@@ -322,8 +329,8 @@ MUTATIONS = (
     Mutation(
         "extend-rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "s += _rope_scores(rc0, rc1, th_hi, th_lo, tok)\n            ok = tmask[None, :]",
-        "s += _rope_scores(rc0, rc1, th_hi, th_lo, tok + 1)\n            ok = tmask[None, :]",
+        "s += _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0)\n            ok = tmask[None, :]",
+        "s += _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0 + 1)\n            ok = tmask[None, :]",
         ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
     ),
     Mutation(
