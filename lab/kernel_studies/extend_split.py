@@ -51,8 +51,9 @@ def rope_params(ep, hkv: int, d: int):  # noqa: ANN001, ANN201
 
 
 def case(
-    prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = None, warps: int = 4, rope: int = 0
-) -> dict:
+    prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = None, warps: int = 4, rope: int = 0,
+    block_n: int = 64, split_set: tuple = (1, "auto", 8, 32), baseline: bool = True,
+) -> dict:  # fmt: skip
     s = G._int2_decode_setup(prefix + tail, rows, width=131072, gran="kv_head")
     cache, bt, ws, ep = s["cache"], s["bt"], s["ws"], s["ep"]
     if rope:
@@ -68,16 +69,16 @@ def case(
     out = {"prefix": prefix, "rows": rows, "tail": tail, "int2_bytes": s["nbytes"]}
     ref = None
     bm = block_m or extend_block_m(tail, g)  # rows of a program: (token, query head) pairs of one KV head
-    out["warps"], out["rope"] = warps, bool(rope)
+    out["warps"], out["rope"], out["block_n"] = warps, bool(rope), block_n
     programs = -(-tail // (bm // g)) * rows * hkv
     out["block_m"], out["programs"] = bm, programs
-    for splits in (1, "auto", 8, 32):
-        n = splits if splits != "auto" else choose_extend_splits(programs, prefix + tail, 64, DEV)
+    for splits in split_set:
+        n = splits if splits != "auto" else choose_extend_splits(programs, prefix + tail, block_n, DEV)
 
         def fn(splits=splits):
             return extend_attention(
                 q, k, v, cache, ep, cu, pre, bt, ws, tail, host_lens=host, num_splits=splits,
-                block_m=block_m, num_warps=warps,
+                block_m=block_m, num_warps=warps, block_n=block_n,
             )  # fmt: skip
 
         ms = bench_graph_ms(fn, rep_ms)
@@ -88,8 +89,9 @@ def case(
         out[f"splits_{splits}"] = n
         out[f"rel_vs_unsplit_{splits}"] = err
         out[f"tb_s_{splits}"] = round(s["nbytes"] / ms / 1e9, 3)
-    out["speedup_auto"] = round(out["ms_1"] / out["ms_auto"], 2)
-    out.update(_bf16_baseline(rows, tail, prefix, hkv, g, d, rep_ms))
+    out["speedup_auto"] = round(out["ms_1"] / out["ms_auto"], 2) if "ms_1" in out else None
+    if baseline:
+        out.update(_bf16_baseline(rows, tail, prefix, hkv, g, d, rep_ms))
     return out
 
 
@@ -121,23 +123,28 @@ def main() -> None:
         "--shapes",
         nargs="+",
         default=None,
-        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS[,ROPE]]] (BLOCK_M 0: default; ROPE 1: with a pre-RoPE mean)",
+        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS[,ROPE[,BLOCK_N]]]] (BLOCK_M 0: default; ROPE 1: RoPE mean)",
     )
+    ap.add_argument("--quick", action="store_true", help="auto splits only, no BF16 baseline")
     a = ap.parse_args()
+    quick = dict(split_set=("auto",), baseline=False) if a.quick else {}
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else SHAPES
     rows = []
     for shape in shapes:
-        r = case(*shape[:3], a.rep_ms, shape[3] if len(shape) > 3 and shape[3] else None, *shape[4:])
+        r = case(*shape[:3], a.rep_ms, shape[3] if len(shape) > 3 and shape[3] else None, *shape[4:], **quick)
         torch.cuda.empty_cache()
         rows.append(r)
         head = f"prefix {r['prefix']:>7} x {r['rows']:>2} rows, tail {r['tail']:>3}"
-        head += f" (M {r['block_m']}, {r['warps']} warps{', RoPE mean' if r['rope'] else ''})"
+        head += (
+            f" (M {r['block_m']}, N {r['block_n']}, {r['warps']} warps{', RoPE mean' if r['rope'] else ''})"
+        )
         auto = f"auto ({r['splits_auto']} splits) {r['ms_auto']:.3f} ms = {r['speedup_auto']}x"
         bw = f"{r['tb_s_auto']} TB/s of {HBM_TBS} ({r['tb_s_auto'] / HBM_TBS:.0%})"
         bf = r.get("ms_bf16_sdpa")
         base = f"BF16 SDPA {bf:.3f} ms = {bf / r['ms_auto']:.2f}x" if bf else r.get("bf16_sdpa_error")
         err = r["rel_vs_unsplit_auto"]
-        print(f"{head}: unsplit {r['ms_1']:.3f} ms, {auto}, {bw}; rel diff {err:.1e}; {base}", flush=True)
+        unsplit = f"unsplit {r['ms_1']:.3f} ms, " if "ms_1" in r else ""
+        print(f"{head}: {unsplit}{auto}, {bw}; rel diff {err:.1e}; {base}", flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "extend_split.json"), "w") as f:
         json.dump(dict(meta=run_meta(), results=rows), f, indent=1)

@@ -86,7 +86,9 @@ def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: A
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
-def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False, splits: int = 1):  # noqa: ANN201
+def compile_extend(
+    arch: int = 90, num_warps: int = 4, rope: bool = False, splits: int = 1, block_n: int = 64
+):  # noqa: ANN201, E501
     """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
     with the pre-RoPE key mean's score term (format 3); ``splits > 1``: the split-INT2 variant
     (partials for ``merge_splits_kernel``)."""
@@ -95,7 +97,7 @@ def compile_extend(arch: int = 90, num_warps: int = 4, rope: bool = False, split
     from oscar_kernels.kernels.attention import extend_kernel as fn
 
     consts = dict(
-        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=64, BLOCK_N=64,
+        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=64, BLOCK_N=block_n,
         DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=16 if rope else 0,
     )  # fmt: skip
     ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
@@ -159,7 +161,6 @@ def compile_decode(
     ``windows=False`` compiles the INT2 tile loop alone (no sink / ring branches), so the
     static instruction counts are those of one INT2 tile (plus prologue / epilogue).
     """
-    import triton
 
     if impl == "gluon":
         from oscar_kernels.kernels.attention_gluon import compile_decode_gluon
@@ -167,7 +168,13 @@ def compile_decode(
         k = compile_decode_gluon(arch, gqa, d, block_n, num_warps, windows, prefetch)
     else:
         k = _compile_tl(block_n, num_warps, gqa, d, windows, group, arch)
-    ptx = k.asm["ptx"]
+    return ptxas_report(k.asm["ptx"], arch)
+
+
+def ptxas_report(ptx: str, arch: int = 90) -> dict:
+    """PTX instruction counts, and registers / spill bytes from the bundled ``ptxas -v``."""
+    import triton
+
     out = {key: ptx.count(key) for key in PTX_KEYS}
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     # Triton 3.9 emits PTX 9.x, which only the newer bundled ptxas accepts
