@@ -207,6 +207,20 @@ MUTATIONS = (
         ("tests/test_extend_attention.py", "-k", "triton_matches_reference"),
     ),
     Mutation(
+        "far-rows-specialised-on-the-row-offset",
+        "src/oscar_kernels/kernels/far_rows.py",
+        'do_not_specialize_on_alignment=["seq_ptr", "pos_ptr", "table_ptr", "ws_ptr"],',
+        'do_not_specialize_on_alignment=["seq_ptr", "pos_ptr"],',
+        ("tests/test_extend_dense.py", "-k", "row_offset"),
+    ),
+    Mutation(
+        "extend-specialised-on-the-row-offset",
+        "src/oscar_kernels/kernels/attention.py",
+        'do_not_specialize_on_alignment=["bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"],',
+        'do_not_specialize_on_alignment=["cu_ptr"],',
+        ("tests/test_extend_dense.py", "-k", "row_offset"),
+    ),
+    Mutation(
         "far-rows-page-off-by-one",
         "src/oscar_kernels/kernels/far_rows.py",
         "col = tl.minimum(p // page_size, last_page)",

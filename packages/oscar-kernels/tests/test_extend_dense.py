@@ -222,3 +222,46 @@ def test_far_rows_kernel_matches_the_torch_form(sink, rope, group):
         torch.testing.assert_close(
             k[:sink], cache.k_sink[s, :, :sink].transpose(0, 1).to(k.dtype), rtol=0, atol=0
         )
+
+
+@needs_triton
+def test_a_run_at_any_row_offset_compiles_nothing_new():
+    """A step's rows run in ranges (``dense_runs``): a dense or Triton range that starts at row
+    ``a > 0`` passes ``block_table[a:b]`` and ``window_slots[a:b]``, views whose addresses are not
+    16-byte aligned for most ``a``. Triton specialises pointers on alignment by default, so each
+    offset compiled the far-rows kernel anew during serving (vLLM's JIT monitor on the H200,
+    2026-12-04: ``far_rows_kernel`` in a mixed step). Offsets 0-3 must give one compile key each
+    for the far-rows and the extend kernel."""
+    from oscar_kernels.extend_dense import _far_rows
+    from oscar_kernels.launch import record_launches
+
+    h, g, d = 2, 2, 64
+    gen = torch.Generator().manual_seed(29)
+    lens, chunks = [70, 41], [5, 3]
+    lo = CacheLayout(h, d, page_size=16, sink_tokens=3, recent_tokens=8)
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
+    assert bt.shape[1] % 4 != 0  # rows of the table are then not all 16-byte aligned
+    ep = params.expand(h, d, cache.device)
+    seq = torch.tensor([0] * 50 + [1] * 27, device=DEVICE)
+    pos = torch.cat([torch.arange(50), torch.arange(20, 47)]).to(DEVICE)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(8, h * g, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    pre = torch.tensor([n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32, device=DEVICE)
+    keys_by = {}
+    for a in range(4):
+        # the step's other rows first, then this range's two sequences at rows a, a + 1
+        tab = torch.cat([torch.zeros(a, bt.shape[1], dtype=bt.dtype, device=DEVICE), bt])[a:]
+        slots = torch.cat([torch.zeros(a, dtype=ws.dtype, device=DEVICE), ws])[a:]
+        prefix = torch.cat([torch.zeros(a, dtype=pre.dtype, device=DEVICE), pre])[a:]
+        with record_launches(dry=True) as seen:
+            _far_rows(cache, ep, tab, slots, seq, pos, torch.bfloat16)
+            extend_attention(
+                q, k, v, cache, ep, cu, prefix, tab, slots, 5, backend="triton", check_bounds=False
+            )
+        for key in seen:
+            keys_by.setdefault(key[0], set()).add(key)
+    assert {"far_rows_kernel", "extend_kernel"} <= set(keys_by)
+    for name, ks in keys_by.items():
+        assert len(ks) == 1, f"{name}: {len(ks)} compiles for row offsets 0-3"

@@ -775,7 +775,12 @@ def merge_splits_kernel(
         tl.store(out_ptr + r * HEAD_DIM + d, out)
 
 
-@triton.jit(do_not_specialize=["splits"])  # a run-time count: one compile serves every split count
+# a run-time count: one compile serves every split count; the per-sequence tensors are views at a
+# step's row offset (any address): one compile for every offset (scalar and gathered loads only)
+@triton.jit(
+    do_not_specialize=["splits"],
+    do_not_specialize_on_alignment=["bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"],
+)
 def extend_kernel(
     q_ptr,
     stride_qt,

@@ -21,7 +21,12 @@ import triton.language as tl
 from .paged_write import _cos_sin, round_bf16
 
 
-@triton.jit(do_not_specialize=["n_rows", "last_page"])  # bounds only: one compile for every size
+# bounds only: one compile for every size; the per-row index tensors are views at a step's row
+# offset (any address): one compile for every offset (they are gathered, never vector-loaded)
+@triton.jit(
+    do_not_specialize=["n_rows", "last_page"],
+    do_not_specialize_on_alignment=["seq_ptr", "pos_ptr", "table_ptr", "ws_ptr"],
+)
 def far_rows_kernel(
     seq_ptr, pos_ptr, table_ptr, stride_tb, ws_ptr,
     codes_ptr, stride_cp, stride_ch, stride_ct,
