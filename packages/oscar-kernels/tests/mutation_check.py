@@ -47,8 +47,8 @@ MUTATIONS = (
     Mutation(
         "write-kv-values-rotated-by-the-key-rotation",
         "src/oscar_kernels/kernels/paged_write.py",
-        "pid, hh - NUM_KV_HEADS, v_ptr, stride_vxt, stride_vxh, vrot_ptr,",
-        "pid, hh - NUM_KV_HEADS, v_ptr, stride_vxt, stride_vxh, krot_ptr,",
+        "v_ptr, stride_vxt, stride_vxh, vrot_ptr,",
+        "v_ptr, stride_vxt, stride_vxh, krot_ptr,",
         ("tests/test_write_rope.py", "-k", "one_launch"),
     ),
     Mutation(

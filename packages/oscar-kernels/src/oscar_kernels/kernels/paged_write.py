@@ -203,10 +203,9 @@ def _feedback_codes(
     return k0, k1, k2, k3
 
 
-@triton.jit
-def _write_block(
-    pid,
-    h,
+# n_tokens only bounds the tiles: one compile for every token count of a tile size
+@triton.jit(do_not_specialize=["n_tokens"])
+def paged_write_kernel(
     x_ptr,
     stride_xt,
     stride_xh,
@@ -257,8 +256,10 @@ def _write_block(
     WRITE_RING: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    H_BASE: tl.constexpr = 0,
 ):
-    """Token block ``pid`` (``BLOCK_T`` tokens) of KV head ``h`` of K or V.
+    """One program: ``BLOCK_T`` tokens (``program_id(0)``) of KV head ``program_id(1) - H_BASE`` of
+    K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
 
     ``WRITE_PAGES``: the INT2 row and the sink row; ``WRITE_RING``: the ring row
     (``paged_write``'s ``parts``). A ring-only pass (after an extend) returns before the
@@ -271,6 +272,8 @@ def _write_block(
     stores, so the two rotated rows are never live together). Without it this is the
     kernel of format versions 1 and 2, unchanged.
     """
+    pid = tl.program_id(0)
+    h = tl.program_id(1) - H_BASE
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
@@ -408,71 +411,6 @@ def _write_block(
             )
 
 
-# n_tokens only bounds the tiles: one compile for every token count of a tile size
-@triton.jit(do_not_specialize=["n_tokens"])
-def paged_write_kernel(
-    x_ptr,
-    stride_xt,
-    stride_xh,
-    rot_ptr,
-    stride_rh,
-    stride_rr,
-    mean_ptr,
-    stride_mh,
-    rmean_ptr,
-    stride_rmh,
-    freq_ptr,
-    alpha_ptr,
-    fb_ptr,
-    stride_fh,
-    stride_fr,
-    slot_ptr,
-    pos_ptr,
-    seqidx_ptr,
-    seqlen_ptr,
-    wslot_ptr,
-    codes_ptr,
-    stride_cp,
-    stride_ch,
-    stride_ct,
-    scale_ptr,
-    zero_ptr,
-    stride_sp,
-    stride_sh,
-    stride_st,
-    sink_ptr,
-    stride_ks,
-    stride_kh,
-    stride_kt,
-    ring_ptr,
-    stride_rs,
-    stride_rgh,
-    stride_rt,
-    n_tokens,
-    page_size,
-    HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    SINK: tl.constexpr,
-    RECENT: tl.constexpr,
-    HAS_MEAN: tl.constexpr,
-    HAS_FEEDBACK: tl.constexpr,
-    HAS_ROPE: tl.constexpr,
-    WRITE_PAGES: tl.constexpr,
-    WRITE_RING: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One program: ``BLOCK_T`` tokens of one KV head (``program_id(1)``) of K or V (:func:`_write_block`)."""
-    _write_block(
-        tl.program_id(0), tl.program_id(1), x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr,
-        mean_ptr, stride_mh, rmean_ptr, stride_rmh, freq_ptr, alpha_ptr, fb_ptr, stride_fh, stride_fr,
-        slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr, codes_ptr, stride_cp, stride_ch, stride_ct,
-        scale_ptr, zero_ptr, stride_sp, stride_sh, stride_st, sink_ptr, stride_ks, stride_kh, stride_kt,
-        ring_ptr, stride_rs, stride_rgh, stride_rt, n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT,
-        HAS_MEAN, HAS_FEEDBACK, HAS_ROPE, WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION,
-    )  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["n_tokens"])
 def paged_write_kv_kernel(
     k_ptr, stride_kxt, stride_kxh, v_ptr, stride_vxt, stride_vxh,
@@ -497,27 +435,25 @@ def paged_write_kv_kernel(
     K and V programs side by side instead of one after the other. The two caches share their
     layout, hence the strides; each tensor keeps its own constants (only keys have a mean or a
     pre-RoPE mean)."""
-    pid = tl.program_id(0)
-    hh = tl.program_id(1)
-    if hh < NUM_KV_HEADS:
-        _write_block(
-            pid, hh, k_ptr, stride_kxt, stride_kxh, krot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh,
+    if tl.program_id(1) < NUM_KV_HEADS:
+        paged_write_kernel(
+            k_ptr, stride_kxt, stride_kxh, krot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh,
             rmean_ptr, stride_rmh, freq_ptr, kalpha_ptr, kfb_ptr, stride_kfh, stride_kfr,
             slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
             kcodes_ptr, stride_cp, stride_ch, stride_ct,
             kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
             ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0,
         )  # fmt: skip
     else:
-        _write_block(
-            pid, hh - NUM_KV_HEADS, v_ptr, stride_vxt, stride_vxh, vrot_ptr, stride_rh, stride_rr, mean_ptr,
+        paged_write_kernel(
+            v_ptr, stride_vxt, stride_vxh, vrot_ptr, stride_rh, stride_rr, mean_ptr,
             stride_mh, rmean_ptr, stride_rmh, freq_ptr, valpha_ptr, vfb_ptr, stride_vfh, stride_vfr,
             slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
             vcodes_ptr, stride_cp, stride_ch, stride_ct,
             vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
             vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS,
         )  # fmt: skip
