@@ -59,6 +59,13 @@ MUTATIONS = (
         ("tests/test_write_rope.py", "-k", "one_launch"),
     ),
     Mutation(
+        "write-kv-one-launch-with-unequal-rotation-strides",
+        "src/oscar_kernels/paged_write.py",
+        "        kt.rot.stride() == vt.rot.stride()\n        and cache.k_scale",
+        "        cache.k_scale",
+        ("tests/test_write_rope.py", "-k", "per_layer_key"),
+    ),
+    Mutation(
         "write-kv-values-clipped-by-the-key-ratios",
         "src/oscar_kernels/paged_write.py",
         "kt.alpha, vt.alpha,",

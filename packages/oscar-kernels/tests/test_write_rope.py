@@ -419,3 +419,23 @@ def test_one_launch_for_k_and_v_writes_what_two_launches_do(rope, feedback, bloc
     ref = sc.fill(params, "torch", **kw)
     for f in ("v_codes", "k_sink", "v_recent"):
         assert_one_step_rarely(f, getattr(one, f), getattr(ref, f), 5e-3)
+
+
+@needs_triton
+def test_one_launch_with_a_per_layer_key_rotation_and_per_head_value_rotations():
+    """A per-layer rotation is broadcast over heads (stride 0), a per-head one is not: the one-launch
+    kernel passes one set of rotation strides, so the write must take two launches then (or the
+    value heads read the wrong rotation)."""
+    gen = torch.Generator().manual_seed(31)
+    h, d = 2, 32
+    lo = CacheLayout(h, d, page_size=5, group_size=16, sink_tokens=4, recent_tokens=6)
+    params = make_params(h, d, gen, exact=False, rope="", granularity="kv_head")
+    params = replace(params, k_rotation=params.k_rotation[0], k_mean=params.k_mean[0])
+    starts, ends = [0, 31_997], [12, 32_006]
+    n = [e - s for s, e in zip(starts, ends, strict=True)]
+    keys = [(torch.randn(k, h, d, generator=gen) * 2 + 0.5).bfloat16() for k in n]
+    values = [torch.randn(k, h, d, generator=gen).bfloat16() for k in n]
+    sc = Scenario(lo, starts, ends, gen, keys=keys, values=values)
+    auto = sc.fill(params, "triton", precise=True, steps=3)  # decode steps: the one-launch default
+    two = sc.fill(params, "triton", precise=True, steps=3, fuse=False)
+    assert_same(auto, two)

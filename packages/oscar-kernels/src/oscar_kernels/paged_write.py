@@ -166,7 +166,7 @@ def paged_write(
         # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
         # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
         fuse = parts == "all" and n <= FUSE_MAX_TOKENS
-    if fuse and _same_layout(cache):
+    if fuse and _shared_strides(cache, kt, vt):
         # one launch, K and V programs side by side: the smaller tile, the larger warp count
         bt, warps = min(kcfg[0], vcfg[0]), max(kcfg[1], vcfg[1])
         _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, prec, parts)
@@ -212,14 +212,17 @@ def _tile(t: _Tensor, n: int, head_dim: int, block_t: int | None, num_warps: int
     return bt, warps
 
 
-def _same_layout(cache: PagedKVCache) -> bool:
-    """K and V caches with equal strides (always for :func:`allocate_cache`; an engine's views may differ)."""
+def _shared_strides(cache: PagedKVCache, kt: _Tensor, vt: _Tensor) -> bool:
+    """Whether the K and V operands have the strides the one-launch kernel passes once: the caches
+    (always for :func:`allocate_cache`; an engine's views may differ) and the rotations (a
+    per-layer rotation broadcasts with stride 0 over heads, a per-head one does not)."""
     return (
-        all(
+        kt.rot.stride() == vt.rot.stride()
+        and cache.k_scale.stride() == cache.k_zero.stride()
+        and all(
             getattr(cache, f"k_{f}").stride() == getattr(cache, f"v_{f}").stride()
             for f in ("codes", "scale", "zero", "sink", "recent")
         )
-        and cache.k_scale.stride() == cache.k_zero.stride()
     )
 
 
@@ -233,7 +236,6 @@ def _launch_kv(
 
     lo = cache.layout
     kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
-    kfb, vfb = kt.fb, vt.fb
     codes, scale, sink, ring = cache.k_codes, cache.k_scale, cache.k_sink, cache.k_recent
     LAST_COMPILED["paged_write"] = launch(
         paged_write_kv_kernel,
@@ -252,7 +254,8 @@ def _launch_kv(
         cache.k_recent, cache.v_recent, ring.stride(0), ring.stride(1), ring.stride(2),
         n, lo.page_size,
         NUM_KV_HEADS=lo.num_kv_heads, HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens,
-        RECENT=lo.recent_tokens, HAS_MEAN=kt.has_mean, K_FEEDBACK=kfb is not None, V_FEEDBACK=vfb is not None,
+        RECENT=lo.recent_tokens, HAS_MEAN=kt.has_mean,
+        K_FEEDBACK=kt.fb is not None, V_FEEDBACK=vt.fb is not None,
         HAS_ROPE=kt.has_rope, WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt,
         DOT_PRECISION=prec, **kwargs,
     )  # fmt: skip
