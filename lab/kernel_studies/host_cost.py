@@ -1,6 +1,6 @@
 """Host (Python) cost of one OSCAR decode layer's launchers.
 
-Runs what ``oscar_vllm.step.run_layer`` runs for a decode step (``paged_write`` then
+Runs what ``oscar_kernels.serving.run_layer`` runs for a decode step (``paged_write`` then
 ``decode_attention``, backend ``triton``).
 
 * Without a GPU (``TRITON_INTERPRET=1``, CPU tensors) every Triton launch is replaced by a no-op,

@@ -34,7 +34,7 @@ from timing import run_meta  # noqa: E402
 
 import oscar_kernels as ok  # noqa: E402
 from oscar_kernels.launch import record_launches  # noqa: E402
-from oscar_vllm.step import WindowPages, plan_window_records, run_layer, write_window_pages  # noqa: E402
+from oscar_kernels.serving import WindowPages, plan_window_records, run_layer, write_window_pages  # noqa: E402
 from oscar_vllm.warmup import _step_metadata, run_warmup, warmup_steps  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv  # a tiny configuration on the CPU (Triton's interpreter): the script runs
@@ -90,7 +90,7 @@ def served(cache, ep, plan, pages, hq, max_seqs, max_tokens, width, w_width, ste
         q = torch.randn(t, hq, lo.head_dim, device=DEV).to(torch.bfloat16)
         k = torch.randn(t, lo.num_kv_heads, lo.head_dim, device=DEV).to(torch.bfloat16)
         v = torch.randn_like(k)
-        run_layer(cache, ep, q, k, v, md, lo.head_dim**-0.5, BACKEND, out=torch.empty_like(q))
+        run_layer(md, cache, ep, q, k, v, lo.head_dim**-0.5, BACKEND, out=torch.empty_like(q))
         tables = torch.zeros(plan.groups, len(rows), w_width, dtype=torch.int32, device=DEV)
         write_window_pages(cache, ep, k, v, md, pages, tables, BACKEND)
     sync()

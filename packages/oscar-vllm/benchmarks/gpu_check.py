@@ -4,9 +4,9 @@ vLLM cannot be installed on the H200 test machine, so this script plays vLLM's p
 allocates each layer's KV tensor the way vLLM does (``[num_blocks, page_bytes]`` bytes,
 garbage-filled), schedules requests like vLLM's scheduler (chunked prefill, mixed
 decode + prefill batches, blocks handed out in random order, ``-1`` padding slots),
-builds the step metadata with the backend's own :func:`oscar_vllm.step.build_step`
+builds the step metadata with the backend's own :func:`oscar_kernels.serving.plan_step`
 (window slots from the V1-runner table or from V2-runner request rows) and runs the
-backend's :func:`~oscar_vllm.step.write_step` / :func:`~oscar_vllm.step.attend_step`
+backend's :func:`~oscar_kernels.serving.write_step` / :func:`~oscar_kernels.serving.attend_step`
 with the Triton kernels. Every step it checks:
 
 * the write: the Triton-written INT2 codes against a torch-reference write into a CPU
@@ -38,8 +38,16 @@ except ImportError:  # the GPU machine installs math/kernels only: use this chec
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
 
 from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
-from oscar_kernels.serving import kv_heads_of_rank, shard_params
-from oscar_vllm.step import StepBuffers, WindowSlots, attend_step, build_step, run_layer, write_step
+from oscar_kernels.serving import (
+    StepBuffers,
+    WindowSlots,
+    attend_step,
+    kv_heads_of_rank,
+    plan_step,
+    run_layer,
+    shard_params,
+    write_step,
+)
 
 
 @dataclass
@@ -183,11 +191,11 @@ def run_case(case: Case, device: torch.device, seed: int = 0) -> dict:
         k = (torch.randn(t, case.h_kv, case.d, generator=g) * 2 + 0.5).to(torch.bfloat16)
         v = torch.randn(t, case.h_kv, case.d, generator=g).to(torch.bfloat16)
         slots_ref = copy.deepcopy(slots_v1)
-        md_dev = build_step(
+        md_dev = plan_step(
             qsl.to(device), qsl, seq.to(device), seq, table.to(device), slot.to(device), b,
             None if req_rows is None else req_rows.to(device), slots_v1,
         )  # fmt: skip
-        md_ref = build_step(qsl, qsl, seq, seq, table, slot, b, req_rows, slots_ref)
+        md_ref = plan_step(qsl, qsl, seq, seq, table, slot, b, req_rows, slots_ref)
         assert torch.equal(md_dev.window_slots.cpu(), md_ref.window_slots)
         # run_layer's order: a decode-only step writes everything before attention, an extend
         # step the INT2 rows + sink before and the ring rows after
@@ -270,15 +278,15 @@ def _md(rows, done, qlens, tables, max_blocks, page, pad_rows, pad_tokens, devic
     seq_t = torch.tensor(seq, dtype=torch.int32)
     ws = torch.tensor(list(rows) + [0] * (pad_rows - b), dtype=torch.int32)
     dev = (qsl_t.to(device), qsl_t, seq_t.to(device), seq_t, table.to(device), slot.to(device), pad_rows)
-    host = build_step(qsl_t, qsl_t, seq_t, seq_t, table, slot, pad_rows, ws, None, num_tokens=len(slot))
-    return build_step(*dev, ws.to(device), None, num_tokens=len(slot)), host
+    host = plan_step(qsl_t, qsl_t, seq_t, seq_t, table, slot, pad_rows, ws, None, num_tokens=len(slot))
+    return plan_step(*dev, ws.to(device), None, num_tokens=len(slot)), host
 
 
 def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict:
     """Capture the backend's decode step (``run_layer``: ``paged_write`` + ``decode_attention``) in a
     CUDA graph with dummy metadata, as vLLM does (every row one token, null block tables), then
     replay it for real decode batches padded to the graph's size, the metadata rebuilt each step
-    into the builder's persistent :class:`~oscar_vllm.step.StepBuffers`. Checks: the buffers keep
+    into the builder's persistent :class:`~oscar_kernels.serving.StepBuffers`. Checks: the buffers keep
     their addresses, replay = the same step run eagerly (bitwise) and = the torch reference (rel.
     error < 1e-2), the caches written by replays = those written eagerly. Then a mixed batch
     (decodes + a prefill chunk + padding rows and tokens) through the same buffers, eagerly
@@ -323,7 +331,7 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
             md, _ = _md([r], done, [n], tables, max_blocks, case.page, 1, n, device)
             q, k, v = qkv(n)
             for cache in (cache_g, cache_e):
-                run_layer(cache, ep, q, k, v, md, scale, backend="triton")
+                run_layer(md, cache, ep, q, k, v, scale, backend="triton")
             done[r] += n
     pad = case.pad_to
     bufs = StepBuffers(pad + 2, max(pad, case.chunk + pad + 8), device)
@@ -352,11 +360,11 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # warm-up (compiles) outside the graph, as vLLM does
-            run_layer(cache_g, ep, sq, sk, sv, cap, scale, backend="triton")
+            run_layer(cap, cache_g, ep, sq, sk, sv, scale, backend="triton")
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_out = run_layer(cache_g, ep, sq, sk, sv, cap, scale, backend="triton")
+            static_out = run_layer(cap, cache_g, ep, sq, sk, sv, scale, backend="triton")
 
         def replay():
             graph.replay()
@@ -364,7 +372,7 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
     else:
 
         def replay():
-            return run_layer(cache_g, ep, sq, sk, sv, cap, scale, backend="triton")
+            return run_layer(cap, cache_g, ep, sq, sk, sv, scale, backend="triton")
 
     worst = {"replay_vs_eager_max_abs": 0.0, "replay_vs_ref_rel": 0.0, "addresses_kept": True}
     rnd = random.Random(seed + 1)
@@ -382,7 +390,7 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
         sk.copy_(k)
         sv.copy_(v)
         out_g = replay().float().cpu()
-        out_e = run_layer(cache_e, ep, q, k, v, md_dev, scale, backend="triton").float().cpu()
+        out_e = run_layer(md_dev, cache_e, ep, q, k, v, scale, backend="triton").float().cpu()
         b = len(rows)
         worst["replay_vs_eager_max_abs"] = max(
             worst["replay_vs_eager_max_abs"], float((out_g[:b] - out_e[:b]).abs().max())
@@ -405,7 +413,7 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
         timing = {
             "decode_step_replay_us": _timed_us(replay, case.timing_iters),
             "decode_step_eager_us": _timed_us(
-                lambda: run_layer(cache_e, ep, sq, sk, sv, held, scale, backend="triton"), case.timing_iters
+                lambda: run_layer(held, cache_e, ep, sq, sk, sv, scale, backend="triton"), case.timing_iters
             ),
         }
     # a mixed batch (decodes + one prefill chunk of a new request + padding) through the buffers
@@ -419,7 +427,7 @@ def run_graph_case(case: GraphCase, device: torch.device, seed: int = 0) -> dict
     held = bufs.hold(md_dev)
     q, k, v = qkv(t + 5)
     snap = _snapshot(cache_e)
-    out_m = run_layer(cache_e, ep, q, k, v, held, scale, backend="triton").float().cpu()[:t]
+    out_m = run_layer(held, cache_e, ep, q, k, v, scale, backend="triton").float().cpu()[:t]
     _, md_ref = _md(rows, done, qlens, tables, max_blocks, case.page, len(rows), t, torch.device("cpu"))
     write_step(snap, ep_ref, k[:t].cpu(), v[:t].cpu(), md_ref, backend="torch", parts="pages")
     ref = attend_step(snap, ep_ref, q[:t].cpu(), k[:t].cpu(), v[:t].cpu(), md_ref, scale, backend="torch")
@@ -488,12 +496,12 @@ def _mixed_graph_experiment(case, cache, ep, tables, done, max_blocks, qkv, scal
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            run_layer(c_graph, ep, sq, sk, sv, held, scale, backend="triton")
+            run_layer(held, c_graph, ep, sq, sk, sv, scale, backend="triton")
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = run_layer(c_graph, ep, sq, sk, sv, held, scale, backend="triton")
-        run_layer(c_eager, ep, sq, sk, sv, md1, scale, backend="triton")  # what the warm-up wrote
+            out = run_layer(held, c_graph, ep, sq, sk, sv, scale, backend="triton")
+        run_layer(md1, c_eager, ep, sq, sk, sv, scale, backend="triton")  # what the warm-up wrote
         # another batch, same shape: other rows, positions one further on
         rows2 = list(reversed(rows1))
         done2 = list(done)
@@ -506,7 +514,7 @@ def _mixed_graph_experiment(case, cache, ep, tables, done, max_blocks, qkv, scal
         sk.copy_(k)
         sv.copy_(v)
         graph.replay()
-        eager = run_layer(c_eager, ep, q, k, v, md2, scale, backend="triton")
+        eager = run_layer(md2, c_eager, ep, q, k, v, scale, backend="triton")
         diff = float((out[:t].float() - eager[:t].float()).abs().max())
         return {"mixed_graph_replay_max_abs": diff}
     except Exception as e:  # an experiment: report why it could not run

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from oscar_kernels.serving import RecordStamps
 from oscar_math.errors import OscarError
-from oscar_vllm.step import RecordStamps
 
 WB, IB, SINK, RECENT = 16, 128, 64, 256
 PARTS = -(-(RECENT - 1) // WB)  # 16 window blocks always before a position: the sink in 16 parts
@@ -141,7 +141,7 @@ def _write(s: RecordStamps, step: int, it: list[int], wt: list[int], p: int, n: 
     (``gather_columns``) from zero-padded tables, as from vLLM's ``[B, max_blocks]`` tensors."""
     import torch
 
-    from oscar_vllm.step import gather_columns
+    from oscar_kernels.serving import gather_columns
 
     width = 4 + max(len(it), len(wt))
     int2 = torch.zeros(1, width, dtype=torch.int32)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import fresh_process_ran
 
+from oscar_kernels.serving import FreshRows, RequestSlots, WindowSlots, plan_step, run_layer
 from oscar_math.errors import OscarError
-from oscar_vllm.step import FreshRows, RequestSlots, WindowSlots, build_step, run_layer
 
 
 def test_window_slots_follow_requests_by_first_block():
@@ -196,22 +196,22 @@ def test_the_v2_runner_hook_counts_the_requests_each_row_was_given(monkeypatch):
     assert gen == {0: 2, 1: 2}
 
 
-def test_build_step_positions_and_decode_detection():
+def test_plan_step_positions_and_decode_detection():
     qsl = torch.tensor([0, 1, 4, 5], dtype=torch.int32)  # decode, 3-token chunk, decode
     seq = torch.tensor([10, 7, 3], dtype=torch.int32)
     table = torch.tensor([[5, 6], [8, 0], [9, 0]], dtype=torch.int32)
     slot = torch.tensor([1, 2, 3, 4, 5, -1, -1])
-    md = build_step(qsl, qsl, seq, seq, table, slot, 3, torch.tensor([2, 0, 1]), None)
+    md = plan_step(qsl, qsl, seq, seq, table, slot, 3, torch.tensor([2, 0, 1]), None)
     assert md.num_actual_tokens == 5 and md.max_query_len == 3 and not md.all_decode
     assert md.positions.tolist() == [9, 4, 5, 6, 2]
     assert md.seq_index.tolist() == [0, 1, 1, 1, 2]
     assert md.prefix_lens.tolist() == [9, 4, 2]
     assert md.slot_mapping.tolist() == [1, 2, 3, 4, 5]
     assert md.window_slots.tolist() == [2, 0, 1]
-    md2 = build_step(qsl[:2], qsl[:2], seq[:1], seq[:1], table[:1], slot[:1], 1, torch.tensor([3]), None)
+    md2 = plan_step(qsl[:2], qsl[:2], seq[:1], seq[:1], table[:1], slot[:1], 1, torch.tensor([3]), None)
     assert md2.all_decode and md2.window_slots.tolist() == [3]
     with pytest.raises(OscarError, match="prefix-cache hit"):  # V1 path: continuing rows never seen
-        build_step(qsl, qsl, seq, seq, table, slot, 3, None, WindowSlots(4))
+        plan_step(qsl, qsl, seq, seq, table, slot, 3, None, WindowSlots(4))
 
 
 # ---- a request's outputs depend on its own chunks only -------------------------------------
@@ -235,7 +235,7 @@ def _data(g: torch.Generator) -> dict[int, tuple[torch.Tensor, ...]]:
 def _serve(
     steps, blocks, slots: WindowSlots, fill: float, data, g: torch.Generator
 ) -> dict[int, torch.Tensor]:
-    """Run ``steps`` (lists of (request, first position, tokens)) through build_step/run_layer with
+    """Run ``steps`` (lists of (request, first position, tokens)) through plan_step/run_layer with
     the torch references over a garbage page buffer and windows filled with ``fill``; returns each
     request's outputs by position."""
     from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
@@ -257,9 +257,9 @@ def _serve(
         table = torch.tensor([(blocks[r] + [0] * 4)[:4] for r, _, _ in step], dtype=torch.int32)
         mapping = [blocks[r][i // 16] * 16 + i % 16 for r, p, n in step for i in range(p, p + n)]
         slot = torch.tensor([*mapping, -1, -1])  # vLLM pads the token count with -1
-        md = build_step(qsl, qsl, seq, seq, table, slot, len(step), None, slots)
+        md = plan_step(qsl, qsl, seq, seq, table, slot, len(step), None, slots)
         q, k, v = (torch.cat([data[r][i][p : p + n] for r, p, n in step]) for i in range(3))
-        o = run_layer(cache, params, q, k, v, md, 32**-0.5)
+        o = run_layer(md, cache, params, q, k, v, 32**-0.5)
         for j, (r, p, n) in enumerate(step):
             out[r][p : p + n] = o[int(qsl[j]) : int(qsl[j + 1])].float()
     return out
@@ -349,19 +349,19 @@ def test_gpu_check_graph_case_reduced_on_cpu(monkeypatch, request):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
     assert res["pass"], res
-    from oscar_vllm.step import StepBuffers
+    from oscar_kernels.serving import StepBuffers
 
     hold = StepBuffers.hold
     monkeypatch.setattr(StepBuffers, "hold", lambda self, md: md)
     res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
     assert not res["pass"] and not res["addresses_kept"]
     monkeypatch.setattr(StepBuffers, "hold", hold)
-    real = mod.build_step
+    real = mod.plan_step
 
     def unpadded(*a, num_tokens=None, **k):
         return real(*a, **k)
 
-    monkeypatch.setattr(mod, "build_step", unpadded)
+    monkeypatch.setattr(mod, "plan_step", unpadded)
     try:
         res = mod.run_graph_case(mod.GRAPH_REDUCED[0], dev)
     except OscarError as e:  # the eager call refuses token tensors shorter than the batch
@@ -379,7 +379,7 @@ WB, G = 8, 3  # window blocks of 8 tokens (INT2 blocks of 16); a record spans 3 
 
 def _hit_setup():
     from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
-    from oscar_vllm.step import WindowPages, plan_window_records
+    from oscar_kernels.serving import WindowPages, plan_window_records
 
     lo = CacheLayout(2, 32, page_size=16, group_size=16, sink_tokens=8, recent_tokens=16)
     pg = torch.Generator().manual_seed(1)
@@ -407,7 +407,7 @@ def _tables(first: int, n_blocks: int) -> list[list[int]]:
 def _run_hit(state, steps, blocks, wtables, slot, x, restore=None):
     """One request (``blocks``: INT2 blocks, ``wtables``: window tables) through ``steps`` of
     (first position, tokens); ``restore`` = cached tokens to restore into ``slot`` first."""
-    from oscar_vllm.step import restore_windows, write_window_pages
+    from oscar_kernels.serving import restore_windows, write_window_pages
 
     cache, params, pages = state
     out = torch.full((x[0].shape[0], 4, 32), float("nan"))
@@ -419,9 +419,9 @@ def _run_hit(state, steps, blocks, wtables, slot, x, restore=None):
         seq = torch.tensor([p + n], dtype=torch.int32)
         table = torch.tensor([(blocks + [0] * 4)[:4]], dtype=torch.int32)
         mapping = torch.tensor([blocks[i // 16] * 16 + i % 16 for i in range(p, p + n)])
-        md = build_step(qsl, qsl, seq, seq, table, mapping, 1, torch.tensor([slot]), None)
+        md = plan_step(qsl, qsl, seq, seq, table, mapping, 1, torch.tensor([slot]), None)
         q, k, v = (t[p : p + n] for t in x)
-        o = run_layer(cache, params, q, k, v, md, 32**-0.5)
+        o = run_layer(md, cache, params, q, k, v, 32**-0.5)
         write_window_pages(cache, params, k, v, md, pages, wt[:, None, :])
         out[p : p + n] = o.float()
     return out
@@ -435,7 +435,7 @@ def test_a_prefix_hit_with_restored_windows_gives_the_outputs_of_a_miss(n_cached
     restored from them) gives bitwise the outputs of B computed from scratch in other chunks
     (per-token windows: chunking does not matter); 48 hits blocks that hold generated tokens.
     Without the restore, or restoring one row short, it does not."""
-    from oscar_vllm import step as step_mod
+    from oscar_kernels.serving import window_pages as step_mod
 
     g = torch.Generator().manual_seed(0)
     x = (
@@ -482,7 +482,7 @@ def _batched(state, schedule, reqs, x, tracker, fixed=None):
     """Run ``schedule`` (steps of ``[(request, tokens)]``, each step's rows in that order) like the
     backend with prefix caching: the builder's :func:`plan_slots`, the restore of the rows it
     flags, the layer, the window-record write. Returns each request's outputs ``[T, H_q, d]``."""
-    from oscar_vllm.step import plan_slots, restore_windows, write_window_pages
+    from oscar_kernels.serving import plan_slots, restore_windows, write_window_pages
 
     cache, params, pages = state
     done = {r: reqs[r]["start"] for r in reqs}
@@ -500,11 +500,11 @@ def _batched(state, schedule, reqs, x, tracker, fixed=None):
         slots, restore = plan_slots(
             tracker, qsl, seq, table, b, 16, None if fixed is None else [fixed[r] for r, _ in step]
         )
-        md = build_step(qsl, qsl, seq, seq, table, mapping, b, torch.tensor(slots), None)
+        md = plan_step(qsl, qsl, seq, seq, table, mapping, b, torch.tensor(slots), None)
         for row, slot, prefix in restore:
             restore_windows(cache, slot, pages, wt[:, row], prefix)
         q, k, v = (torch.cat([x[r][i][done[r] : done[r] + n] for r, n in step]) for i in range(3))
-        o = run_layer(cache, params, q, k, v, md, 32**-0.5)
+        o = run_layer(md, cache, params, q, k, v, 32**-0.5)
         write_window_pages(cache, params, k, v, md, pages, wt)
         for j, (r, n) in enumerate(step):
             out[r][done[r] : done[r] + n] = o[qsl[j] : qsl[j + 1]].float()
@@ -535,8 +535,8 @@ def test_windows_are_restored_exactly_when_a_slot_does_not_hold_them(monkeypatch
     on return, from the window records), and vLLM V2's fixed request rows (no restore). Every
     request's outputs are bitwise those it gets alone. Never restoring (a planted bug) fails;
     so does restoring with the wrong prefix."""
-    from oscar_vllm import step as step_mod
-    from oscar_vllm.step import SlotTracker
+    import oscar_kernels.serving as step_mod
+    from oscar_kernels.serving import SlotTracker
 
     x, reqs = _requests({"a": 45, "b": 40, "c": 30, "d": 26})
     schedule = [
@@ -592,7 +592,7 @@ def test_a_slot_whose_block_is_written_through_another_slot_is_forgotten():
     """A slot's key names the INT2 block of its last position; when that block is written through
     another slot (the request finished, its block went to another request), a later request
     with the same block and length must not reuse the stale slot."""
-    from oscar_vllm.step import SlotTracker
+    from oscar_kernels.serving import SlotTracker
 
     t = SlotTracker(2)
     # request A: 20 tokens in blocks [5, 6] through some slot
@@ -633,35 +633,36 @@ def test_a_steps_index_tensors_are_checked_by_its_first_layer_only(monkeypatch):
     def step(table: list[int]):
         t = torch.tensor([table], dtype=torch.int32)
         slot = torch.tensor([table[i // 16] * 16 + i % 16 for i in range(20)])
-        return build_step(qsl, qsl, seq, seq, t, slot, 1, torch.tensor([0], dtype=torch.int32), None)
+        return plan_step(qsl, qsl, seq, seq, t, slot, 1, torch.tensor([0], dtype=torch.int32), None)
 
     md = step([1, 2])
-    for c in caches:  # three layers of one step
-        run_layer(c, params, q, k, v, md, 32**-0.5)
-    on = [x for x in seen if x]
-    assert on and len(seen) > len(on)  # the first layer checked (write + attention), the others did not
-    assert seen[: len(on)] == on  # ... and it was the first layer
+    run_layer(md, caches[0], params, q, k, v, 32**-0.5)
+    first = list(seen)
+    assert first and all(first)  # the first layer checked (write pages, attention, write ring)
+    for c in caches[1:]:  # the step's other layers run the plan's launches: no checks at all
+        run_layer(md, c, params, q, k, v, 32**-0.5)
+    assert seen == first
     # a decode step (decode_attention's checks) of the same request: again the first layer only
     seen.clear()
     one = torch.tensor([0, 1], dtype=torch.int32)
-    dec = build_step(
+    dec = plan_step(
         one, one, seq + 1, seq + 1, torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([2 * 16 + 4]), 1,
         torch.tensor([0], dtype=torch.int32), None,
     )  # fmt: skip
     assert dec.all_decode
     for c in caches:
-        run_layer(c, params, q[:1], k[:1], v[:1], dec, 32**-0.5)
-    assert seen[:2] == [True, True] and not any(seen[2:]) and len(seen) == 6  # write + attention per layer
+        run_layer(dec, c, params, q[:1], k[:1], v[:1], 32**-0.5)
+    assert seen == [True, True]  # write + attention of the first layer; the others only launch
     bad = step([1, 9])  # page 9 of a 4-page cache: caught by the step's first layer
     with pytest.raises(OscarError):
-        run_layer(caches[0], params, q, k, v, bad, 32**-0.5)
+        run_layer(bad, caches[0], params, q, k, v, 32**-0.5)
 
 
 def test_scratch_ring_takes_few_sizes_and_holds_every_chunk():
     """An extend step writes its window rows through a scratch ring whose size is a constexpr of
     the write kernel: sized by the chunk length itself, a server compiled the kernel for every new
     chunk length (seconds each on the H200); rounded to powers of two it compiles a handful."""
-    from oscar_vllm.step import scratch_ring
+    from oscar_kernels.serving import scratch_ring
 
     sizes = {scratch_ring(n) for n in range(1, 20_000)}
     assert len(sizes) <= 12

@@ -73,7 +73,7 @@ def test_cudagraph_support_is_decode_only_without_prefix_caching_and_none_with_i
 
 def test_window_record_plan_for_the_engines_geometries():
     """The window-record geometry plan_window_records picks (docs/vllm.md, "Prefix caching")."""
-    from oscar_vllm.step import plan_window_records
+    from oscar_kernels.serving import plan_window_records
 
     # SmolLM2 on CPU: block 128, INT2 page 15,360 B = 120 BF16 rows of d 64, 64 tokens in flight
     p = plan_window_records(3, 128, 64, 256, 120, 64)
@@ -93,9 +93,9 @@ def test_step_exchange_runs_each_layers_restores_once_when_every_window_table_ar
 
     import torch
 
+    from oscar_kernels.serving import StepPlan
     from oscar_math.errors import OscarError
     from oscar_vllm import backend
-    from oscar_vllm.step import StepMetadata
 
     calls = []
     monkeypatch.setattr(
@@ -123,7 +123,7 @@ def test_step_exchange_runs_each_layers_restores_once_when_every_window_table_ar
 
     def md(restore):
         z = torch.zeros(2, dtype=torch.int32)
-        return StepMetadata(2, 1, z, z, z, z, z, z, z, z, True, restore=restore)
+        return StepPlan(2, 1, z, z, z, z, z, z, z, z, True, restore=restore)
 
     step = md(((1, 5, 300),))
     ex.plan(step)

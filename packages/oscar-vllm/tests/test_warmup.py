@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import fresh_process_ran
 
-from oscar_vllm.step import build_step, plan_window_records, run_layer, write_window_pages
+from oscar_kernels.serving import plan_step, plan_window_records, run_layer, write_window_pages
 from oscar_vllm.warmup import run_warmup, warmup_steps
 
 PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH = 16, 16, 80, 5, 8
@@ -29,7 +29,7 @@ def _layer(device: str, num_pages: int):
     """A layer as the backend has it: layout, pages viewed from one buffer, window pages, params
     with error feedback (head dim 32 on the CPU, 64 on a GPU: its smallest)."""
     from oscar_kernels import CacheLayout, LayerQuantParams, cache_from_page_buffer, page_bytes
-    from oscar_vllm.step import WindowPages
+    from oscar_kernels.serving import WindowPages
 
     d = 32 if device == "cpu" else 64
     lo = CacheLayout(2, d, page_size=PAGE, group_size=16, sink_tokens=8, recent_tokens=RECENT)
@@ -79,7 +79,7 @@ def _served(cache, params, pages, plan, device: str, seed: int, backend: str) ->
             ]
         )
         slots = torch.tensor(rng.sample(range(MAX_SEQS), b), dtype=torch.int32)
-        md = build_step(
+        md = plan_step(
             qsl.to(device), qsl, seq.to(device), seq, table.to(device), mapping.to(device), b, slots, None
         )
         t = md.num_actual_tokens
@@ -87,7 +87,7 @@ def _served(cache, params, pages, plan, device: str, seed: int, backend: str) ->
         q = torch.randn(t, 4, d, device=device).to(torch.bfloat16)
         k = torch.randn(t, 2, d, device=device).to(torch.bfloat16)
         v = torch.randn(t, 2, d, device=device).to(torch.bfloat16)
-        run_layer(cache, params, q, k, v, md, d**-0.5, backend, out=torch.empty_like(q))
+        run_layer(md, cache, params, q, k, v, d**-0.5, backend, out=torch.empty_like(q))
         wt = torch.randint(
             1, cache.k_codes.shape[0], (plan.groups, b, _window_width(plan)), dtype=torch.int32
         )
@@ -135,7 +135,7 @@ def test_warmup_steps_stay_within_the_engines_limits():
     assert all(sum(n for _, n in s) <= 8192 and all(p + n <= 40960 for p, n in s) for s in steps)
     assert {len(s) for s in steps} == set(range(1, 257))  # every decode batch size
     # every scratch ring a chunk of up to 8192 tokens can need, once
-    from oscar_vllm.step import scratch_ring
+    from oscar_kernels.serving import scratch_ring
 
     longest = {scratch_ring(max(n for _, n in s)) for s in steps if max(n for _, n in s) > 128}
     assert longest == {scratch_ring(n) for n in range(129, 8193)}

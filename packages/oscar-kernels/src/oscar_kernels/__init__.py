@@ -6,8 +6,15 @@ Importing this package does not import Triton; kernels load on first use.
 from ._backend import Backend, KernelUnavailableError, triton_available
 from ._validate import set_bounds_checks
 from .baseline import paged_bf16_decode
-from .decode_attention import DECODE_IMPLS, choose_num_splits, decode_attention
-from .extend_attention import extend_attention, extend_block_m
+from .decode_attention import (
+    DECODE_IMPLS,
+    DecodePlan,
+    choose_num_splits,
+    decode_attention,
+    plan_decode,
+    run_decode,
+)
+from .extend_attention import extend_attention, extend_block_m, run_extend
 from .extend_dense import DenseAttention, dense_attention_ref, extend_attention_dense
 from .layout import (
     CacheLayout,
@@ -19,7 +26,7 @@ from .layout import (
     page_bytes,
 )
 from .ops import decode_attention_op, extend_attention_op, paged_write_op, register_ops
-from .paged_write import paged_write
+from .paged_write import WritePlan, paged_write, plan_write, run_write
 from .params import ExpandedParams, LayerQuantParams, as_expanded
 from .reference import decode_attention_ref, extend_attention_ref, gather_rotated_kv, paged_write_ref
 from .rotate import rotate_chunk, rotate_queries, unrotate_output
@@ -40,12 +47,19 @@ __all__ = [
     "bits_per_element",
     "layout_bytes_per_token",
     "paged_write",
+    "WritePlan",
+    "plan_write",
+    "run_write",
     "write_window_records",
     "decode_attention",
+    "DecodePlan",
+    "plan_decode",
+    "run_decode",
     "DECODE_IMPLS",
     "choose_num_splits",
     "paged_bf16_decode",
     "extend_attention",
+    "run_extend",
     "extend_block_m",
     "extend_attention_dense",
     "dense_attention_ref",

@@ -30,6 +30,9 @@ LAST_COMPILED: dict = {}
 
 __all__ = [
     "decode_attention",
+    "DecodePlan",
+    "plan_decode",
+    "run_decode",
     "choose_num_splits",
     "gluon_unavailable_reason",
     "DECODE_IMPLS",
@@ -368,8 +371,7 @@ def decode_attention(
     Returns:
         ``[B, H_q, d]`` in ``q.dtype`` (``out`` when given).
     """
-    lo = cache.layout
-    g = check_queries("q", q, cache, 3)
+    check_queries("q", q, cache, 3)
     bsz = q.shape[0]
     check_index_tensor("seq_lens", seq_lens, (bsz,), cache.device)
     check_index_tensor("window_slots", window_slots, (bsz,), cache.device)
@@ -380,8 +382,6 @@ def decode_attention(
         cache.device,
     )
     check_decode_bounds(cache, block_table, seq_lens, window_slots, check_bounds)  # off under graph capture
-    check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
-    ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     if out is not None:
         check(
             tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype and out.is_contiguous(),
@@ -389,44 +389,119 @@ def decode_attention(
             f"a contiguous {tuple(q.shape)} {q.dtype} tensor",
             f"{tuple(out.shape)} {out.dtype} contiguous={out.is_contiguous()}",
         )
-    if not use_triton(cache.device, backend):
-        res = decode_attention_ref(q, cache, ep, block_table, seq_lens, window_slots, softmax_scale)
-        return res if out is None else out.copy_(res)
+    plan = plan_decode(
+        cache,
+        q.shape[1],
+        bsz,
+        block_table.shape[1],
+        softmax_scale,
+        backend=backend,
+        num_splits=num_splits,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        programs_per_sm=programs_per_sm,
+        impl=impl,
+        tuning=tuning,
+    )
+    ep = as_expanded(params, cache.layout.num_kv_heads, cache.layout.head_dim, cache.device)
+    return run_decode(plan, q, cache, ep, block_table, seq_lens, window_slots, out)
+
+
+class DecodePlan(NamedTuple):
+    """Everything a decode launch needs that depends on sizes only (:func:`plan_decode`): built
+    once per engine step and reused by every layer of the same layout (:func:`run_decode`)."""
+
+    use_triton: bool
+    impl: str
+    split: SplitLaunch
+    scale: float
+    gqa: int
+    tuning: DecodeTuning
+
+
+def plan_decode(
+    cache: PagedKVCache,
+    num_q_heads: int,
+    batch: int,
+    max_pages: int,
+    softmax_scale: float | None = None,
+    backend: Backend | str = "auto",
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    programs_per_sm: int | None = None,
+    impl: str = "auto",
+    tuning: DecodeTuning | None = None,
+) -> DecodePlan:
+    """The launch of :func:`decode_attention` for ``batch`` sequences of ``num_q_heads`` query heads
+    over block tables ``max_pages`` wide: kernel, tiles, warps, split count (host arithmetic on
+    sizes only: the same on every step of that shape and under CUDA-graph capture). Arguments as
+    :func:`decode_attention`'s."""
+    lo = cache.layout
+    check(impl in DECODE_IMPLS, "impl", f"one of {DECODE_IMPLS}", impl)
+    check(
+        num_q_heads % lo.num_kv_heads == 0 and num_q_heads > 0,
+        "num_q_heads",
+        f"a positive multiple of num_kv_heads={lo.num_kv_heads}",
+        num_q_heads,
+    )
+    g = num_q_heads // lo.num_kv_heads
     tuning = _tuning(tuning)
+    scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else float(softmax_scale)
+    if not use_triton(cache.device, backend):
+        return DecodePlan(False, "torch", SplitLaunch(1, 1, 1, 1), scale, g, tuning)
+    if impl != "tl" and triton_next_pow2(g) > 64:
+        if impl == "gluon":
+            raise KernelUnavailableError(
+                "Invalid impl: impl='gluon' cannot run here: GQA group > 64; use impl='tl'"
+            )
+        impl = "tl"
     free_block_n = block_n is None
     impl, block_n, num_warps, programs_per_sm = resolve_launch(
-        cache, q, impl, block_n, num_warps, programs_per_sm
+        cache, None, impl, block_n, num_warps, programs_per_sm
     )
+    max_len = max_pages * lo.page_size
     if impl == "gluon" and free_block_n and num_splits is None:
-        block_n = gluon_block_n(
-            bsz, lo, block_table.shape[1] * lo.page_size, cache.device, programs_per_sm, tuning
-        )
-    scale = 1.0 / math.sqrt(lo.head_dim) if softmax_scale is None else softmax_scale
-    q_rot, rope = _rotate_queries_triton(q, ep, impl, tuning)
+        block_n = gluon_block_n(batch, lo, max_len, cache.device, programs_per_sm, tuning)
     if num_splits is None:
         num_splits = choose_num_splits(
-            bsz,
-            lo.num_kv_heads,
-            block_table.shape[1] * lo.page_size,
-            cache.device,
-            block_n,
-            programs_per_sm,
-            tuning,
+            batch, lo.num_kv_heads, max_len, cache.device, block_n, programs_per_sm, tuning
         )
+    return DecodePlan(True, impl, SplitLaunch(num_splits, block_n, num_warps, num_stages), scale, g, tuning)
+
+
+def run_decode(
+    plan: DecodePlan,
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    params: ExpandedParams,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's decode attention as ``plan`` says, without :func:`decode_attention`'s checks
+    (the caller checked the step's tensors once): launches only."""
+    if not plan.use_triton:
+        res = decode_attention_ref(q, cache, params, block_table, seq_lens, window_slots, plan.scale)
+        return res if out is None else out.copy_(res)
+    q_rot, rope = _rotate_queries_triton(q, params, plan.impl, plan.tuning)
     return _launch_decode(
         q_rot,
         cache,
         block_table,
         seq_lens,
         window_slots,
-        scale,
-        g,
-        SplitLaunch(num_splits, block_n, num_warps, num_stages),
-        impl=impl,
-        unrotate=ep.v_rotation,
+        plan.scale,
+        plan.gqa,
+        plan.split,
+        impl=plan.impl,
+        unrotate=params.v_rotation,
         out_dtype=q.dtype,
         rope=rope,
-        tuning=tuning,
+        tuning=plan.tuning,
         out=out,
     )
 

@@ -29,7 +29,7 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 #: the last compiled kernel (diagnostics for benchmarks)
 LAST_COMPILED: dict = {}
 
-__all__ = ["extend_attention", "extend_block_m"]
+__all__ = ["extend_attention", "run_extend", "extend_block_m", "choose_extend_splits"]
 
 
 #: chunks shorter than this many tokens read their prefix as INT2 in the Triton kernel (one pass
@@ -109,7 +109,7 @@ def extend_attention(
         ``[T, H_q, d]`` in ``q.dtype``.
     """
     lo = cache.layout
-    g = check_queries("q", q, cache, 3)
+    check_queries("q", q, cache, 3)
     t = q.shape[0]
     exp = (t, lo.num_kv_heads, lo.head_dim)
     check(tuple(k.shape) == exp, "shape of k", exp, tuple(k.shape))
@@ -131,6 +131,41 @@ def extend_attention(
         cache, t, max_query_len, cu_seqlens_q, prefix_lens, block_table, window_slots, check_bounds
     )
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    return run_extend(
+        q, k, v, cache, ep, cu_seqlens_q, prefix_lens, block_table, window_slots, max_query_len,
+        softmax_scale, backend, block_m, block_n, num_warps, num_stages, dense, host_lens,
+        dense_min_query, num_splits,
+    )  # fmt: skip
+
+
+def run_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    window_slots: torch.Tensor,
+    max_query_len: int,
+    softmax_scale: float | None = None,
+    backend: Backend | str = "auto",
+    block_m: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    dense: DenseAttention | None = None,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+    dense_min_query: int = DENSE_MIN_QUERY,
+    num_splits: int | str = 1,
+) -> torch.Tensor:
+    """:func:`extend_attention` without its checks (the caller checked the step's tensors once,
+    e.g. an engine's step plan): the same arguments, ``params`` already expanded."""
+    lo = cache.layout
+    g = q.shape[1] // lo.num_kv_heads
+    t = q.shape[0]
+    bsz = prefix_lens.shape[0]
     if not use_triton(cache.device, backend):
         return extend_attention_ref(
             q,
@@ -314,8 +349,8 @@ def _extend_split(
                 *rows, window_slots[a:b], qlens[a:b], bounds[a:b], scale, dense
             )
         else:
-            out[t0:t1] = extend_attention(
-                *rows, window_slots[a:b], max(qlens[a:b]), scale, check_bounds=False,
+            out[t0:t1] = run_extend(
+                *rows, window_slots[a:b], max(qlens[a:b]), scale,
                 host_lens=(qlens[a:b], bounds[a:b]), num_splits=num_splits,
             )  # fmt: skip
     return out

@@ -18,7 +18,7 @@ from .reference.paged_write import paged_write_ref
 #: the last compiled kernel (diagnostics for benchmarks)
 LAST_COMPILED: dict = {}
 
-__all__ = ["paged_write", "WRITE_PARTS", "FUSE_MAX_TOKENS"]
+__all__ = ["paged_write", "WritePlan", "plan_write", "run_write", "WRITE_PARTS", "FUSE_MAX_TOKENS"]
 
 #: what one :func:`paged_write` call stores: everything, the INT2 pages + sink rows, or the ring rows
 WRITE_PARTS = ("all", "pages", "ring")
@@ -142,37 +142,93 @@ def paged_write(
             side. ``None``: ``parts="all"`` with at most :data:`FUSE_MAX_TOKENS` tokens, where the write is
             latency (a decode step: one token per sequence). The results are the same either way.
     """
-    lo = cache.layout
     check(parts in WRITE_PARTS, "parts", f"one of {WRITE_PARTS}", parts)
     _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
     check_write_bounds(cache, slot_mapping, positions, seq_index, seq_lens, window_slots, check_bounds)
+    lo = cache.layout
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
-    if key.shape[0] == 0 or (parts == "ring" and lo.recent_tokens == 0):
+    plan = plan_write(cache, ep, key.shape[0], parts, backend, precise, block_t, num_warps, fuse)
+    run_write(plan, cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
+
+
+class WritePlan(NamedTuple):
+    """How :func:`paged_write` launches for ``num_tokens`` tokens of one layer configuration
+    (:func:`plan_write`): built once per engine step, reused by every layer with the same
+    parameters' structure (:func:`run_write`)."""
+
+    num_tokens: int
+    parts: str
+    use_triton: bool
+    precision: str
+    k_tile: tuple[int, int]  # (tokens per program, warps)
+    v_tile: tuple[int, int]
+    fuse: bool  # K and V in one launch (requested; :func:`run_write` also needs shared strides)
+
+
+def plan_write(
+    cache: PagedKVCache,
+    params: ExpandedParams,
+    num_tokens: int,
+    parts: str = "all",
+    backend: Backend | str = "auto",
+    precise: bool = False,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+    fuse: bool | None = None,
+) -> WritePlan:
+    """The launch of a :func:`paged_write` of ``num_tokens`` tokens (arguments as there): tiles,
+    warps, one or two launches. Host arithmetic on sizes and on which of ``params``' optional
+    fields are set only."""
+    lo = cache.layout
+    triton_on = use_triton(cache.device, backend)
+    prec = "ieee" if (precise or interpreting()) else "tf32"
+    if not triton_on:
+        return WritePlan(num_tokens, parts, False, prec, (0, 0), (0, 0), False)
+    has_rope = params.k_rope_mean is not None
+    kcfg = _tile_for(params.k_feedback is not None, has_rope, num_tokens, lo.head_dim, block_t, num_warps)
+    vcfg = _tile_for(params.v_feedback is not None, False, num_tokens, lo.head_dim, block_t, num_warps)
+    if fuse is None:
+        # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
+        # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
+        fuse = parts == "all" and num_tokens <= FUSE_MAX_TOKENS
+    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse))
+
+
+def run_write(
+    plan: WritePlan,
+    cache: PagedKVCache,
+    ep: ExpandedParams,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window_slots: torch.Tensor,
+) -> None:
+    """One layer's write as ``plan`` says, without :func:`paged_write`'s checks (the caller
+    checked the step's tensors once): launches only."""
+    lo = cache.layout
+    n, parts = plan.num_tokens, plan.parts
+    if n == 0 or (parts == "ring" and lo.recent_tokens == 0):
         return
-    if not use_triton(cache.device, backend):
+    if not plan.use_triton:
         paged_write_ref(
             cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots, parts
         )
         return
-    n = key.shape[0]
-    prec = "ieee" if (precise or interpreting()) else "tf32"
     kt = _Tensor(
         key, ep.k_rotation, ep.k_feedback, ep.k_clip, ep.has_mean, ep.k_rope_mean is not None, "k", cache
     )
     vt = _Tensor(value, ep.v_rotation, ep.v_feedback, ep.v_clip, False, False, "v", cache)
-    kcfg, vcfg = _tile(kt, n, lo.head_dim, block_t, num_warps), _tile(vt, n, lo.head_dim, block_t, num_warps)
     idx = (slot_mapping, positions, seq_index, seq_lens, window_slots)
-    if fuse is None:
-        # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
-        # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
-        fuse = parts == "all" and n <= FUSE_MAX_TOKENS
-    if fuse and _shared_strides(cache, kt, vt):
+    if plan.fuse and _shared_strides(cache, kt, vt):
         # one launch, K and V programs side by side: the smaller tile, the larger warp count
-        bt, warps = min(kcfg[0], vcfg[0]), max(kcfg[1], vcfg[1])
-        _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, prec, parts)
+        bt, warps = min(plan.k_tile[0], plan.v_tile[0]), max(plan.k_tile[1], plan.v_tile[1])
+        _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts)
         return
-    for t, (bt, warps) in ((kt, kcfg), (vt, vcfg)):
-        _launch_one(cache, ep, t, idx, n, bt, warps, prec, parts)
+    for t, (bt, warps) in ((kt, plan.k_tile), (vt, plan.v_tile)):
+        _launch_one(cache, ep, t, idx, n, bt, warps, plan.precision, parts)
 
 
 class _Tensor(NamedTuple):
@@ -191,18 +247,21 @@ class _Tensor(NamedTuple):
         return getattr(self.cache, f"{self.name}_{what}")
 
 
-def _tile(t: _Tensor, n: int, head_dim: int, block_t: int | None, num_warps: int | None) -> tuple[int, int]:
-    """Tokens per program and warps of one tensor's write."""
+def _tile_for(
+    feedback: bool, has_rope: bool, n: int, head_dim: int, block_t: int | None, num_warps: int | None
+) -> tuple[int, int]:
+    """Tokens per program and warps of one tensor's write (with error-feedback codes or not, with
+    the pre-RoPE key mean or not)."""
     import triton
 
     # the feedback loop runs faster on smaller token blocks (register pressure; see docstring);
     # the in-kernel RoPE_p(m) of a plain key tensor spills least at 64 tokens on 8 warps
     # (ptxas for sm_90: 160 B against 2144 B at 128 tokens on 4)
-    rope_plain = t.has_rope and t.fb is None
+    rope_plain = has_rope and not feedback
     if block_t is not None:
         bt = block_t
     else:
-        bt = 32 if t.fb is not None else (64 if rope_plain else (128 if head_dim <= 128 else 32))
+        bt = 32 if feedback else (64 if rope_plain else (128 if head_dim <= 128 else 32))
         # a decode step writes one token per sequence: a 128-token tile per KV head rotated
         # 128 rows for each real one (H200, Qwen3-8B shape, batch 1: 20 us per launch, 40% of
         # OSCAR's device time in a 2k decode step); tiles of the next power of two >= n

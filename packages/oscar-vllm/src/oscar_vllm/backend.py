@@ -11,11 +11,11 @@
   its BF16 window rows in pages of a vLLM sliding-window KV-cache group (window blocks smaller
   than the INT2 block, same page bytes), declared by *window layers* registered beside it
   (:class:`OscarWindowLayer`); a row whose window slot does not hold its windows (a hit, a
-  request that lost its slot: :class:`oscar_vllm.step.SlotTracker`) restores it from them, so
+  request that lost its slot: :class:`oscar_kernels.serving.SlotTracker`) restores it from them, so
   a cache hit computes what a miss computes (docs/vllm.md, "Prefix caching").
 * CUDA graphs: FULL graphs of pure decode batches with prefix caching off, none with it
   (:func:`oscar_vllm.compat.cudagraph_support`); the builder keeps each step's metadata in
-  persistent buffers (:class:`oscar_vllm.step.StepBuffers`) that a replay reads.
+  persistent buffers (:class:`oscar_kernels.serving.StepBuffers`) that a replay reads.
 * ``exclude_layers``: those layers leave OSCAR once the model is loaded
   (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
   them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
@@ -24,7 +24,7 @@
   :func:`oscar_kernels.decode_attention` when every row is a one-token decode, else
   :func:`oscar_kernels.extend_attention` over the whole mixed batch (a decode row is a
   one-token chunk), which applies the windows per query token: its step writes the INT2
-  rows + sink before attention and the ring rows after (:func:`oscar_vllm.step.run_layer`).
+  rows + sink before attention and the ring rows after (:func:`oscar_kernels.serving.run_layer`).
   CUDA tensors run the Triton kernels, CPU tensors the torch references.
 
 Version-specific glue lives in :mod:`oscar_vllm.compat`; options in :mod:`oscar_vllm.settings`.
@@ -43,30 +43,34 @@ import torch
 
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
 from oscar_kernels.extend_attention import DENSE_MIN_QUERY
-from oscar_kernels.serving import cell_bytes, check_head_dim, kv_heads_of_rank, rank_layout, shard_params
-from oscar_math.errors import OscarError
-
-from . import compat, startup
-from .settings import load_checked, settings_from
-from .step import (
+from oscar_kernels.serving import (
     FreshRows,
     RecordStamps,
     RequestSlots,
     SlotTracker,
     StepBuffers,
-    StepMetadata,
+    StepPlan,
     WindowPages,
     WindowPlan,
     WindowSlots,
-    build_step,
+    cell_bytes,
+    check_head_dim,
     gather_columns,
+    kv_heads_of_rank,
     plan_slots,
+    plan_step,
     plan_window_records,
+    rank_layout,
     restore_windows,
     run_layer,
+    shard_params,
     step_record,
     write_window_pages,
 )
+from oscar_math.errors import OscarError
+
+from . import compat, startup
+from .settings import load_checked, settings_from
 from .warmup import WARMUP_ENV, run_warmup, warmup_steps
 
 _attn = compat.attention_api()  # vLLM's attention interface
@@ -85,8 +89,8 @@ log = logging.getLogger("oscar_vllm")
 #: JSON line (diagnostics: outputs depend on chunk boundaries, docs/vllm.md "Reproducibility")
 STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
 #: ``0``: with vLLM's V2 runner, restores by the content tracker's per-step read of block ids
-#: (step.plan_slots) instead of by request identity (step.FreshRows fed by compat.track_v2_rows,
-#: the default since the H200 run of 2026-12-03 gave the same tokens, perplexity and prefix hits;
+#: (oscar_kernels.serving.plan_slots) instead of by request identity (serving.FreshRows fed by
+#: compat.track_v2_rows, the default since the H200 run of 2026-12-03 gave the same tokens, perplexity and prefix hits;
 #: docs/vllm.md, "Window slots by request identity"). The V1 runner restores by identity
 #: (RequestSlots), checked by the CPU engine suite.
 V2_IDENTITY_ENV = "OSCAR_VLLM_V2_IDENTITY_RESTORES"
@@ -179,7 +183,7 @@ class OscarAttentionBackend(_OscarBackendBase):
 
 
 def _request_slots(vllm_config: Any, num_slots: int) -> RequestSlots | None:
-    """The engine's :class:`~oscar_vllm.step.RequestSlots`, fed by the V1 runner hook; ``None``
+    """The engine's :class:`~oscar_kernels.serving.RequestSlots`, fed by the V1 runner hook; ``None``
     where the hook cannot be installed (then slots follow content or first blocks)."""
     got = _REQUEST_SLOTS.get(id(vllm_config))
     if got is None or got[0] is not vllm_config:
@@ -193,16 +197,16 @@ def _request_slots(vllm_config: Any, num_slots: int) -> RequestSlots | None:
 
 _REQUEST_SLOTS: dict[int, tuple[Any, RequestSlots]] = {}
 
-#: one step's batch, shared by every layer (see :class:`oscar_vllm.step.StepMetadata`)
-OscarMetadata = StepMetadata
+#: one step's batch, shared by every layer (see :class:`oscar_kernels.serving.StepPlan`)
+OscarMetadata = StepPlan
 
 
-class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
-    """Builds :class:`~oscar_vllm.step.StepMetadata`; gives every live request a window slot.
+class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
+    """Builds :class:`~oscar_kernels.serving.StepPlan`; gives every live request a window slot.
 
     The slot is vLLM's persistent request row when the model runner provides it
-    (``req_idx``, V2 runner), else the request id's slot (:class:`~oscar_vllm.step.RequestSlots`,
-    V1 runner, e.g. on CPU); only where neither exists does :class:`~oscar_vllm.step.WindowSlots`
+    (``req_idx``, V2 runner), else the request id's slot (:class:`~oscar_kernels.serving.RequestSlots`,
+    V1 runner, e.g. on CPU); only where neither exists does :class:`~oscar_kernels.serving.WindowSlots`
     key it by the request's first KV block.
     """
 
@@ -215,8 +219,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         sc = vllm_config.scheduler_config
         self.max_seqs = int(sc.max_num_seqs)
         self.slots = WindowSlots(self.max_seqs)
-        # the V1 runner gives no persistent request row: slots by request id (step.RequestSlots),
-        # one instance per engine, shared by the engine's builders
+        # the V1 runner gives no persistent request row: slots by request id
+        # (oscar_kernels.serving.RequestSlots), one instance per engine, shared by the engine's builders
         v2 = compat.uses_v2_runner(vllm_config)
         self.requests = None if v2 else _request_slots(vllm_config, self.max_seqs)
         # with prefix caching SlotTracker knows what each slot holds: a request whose slot holds
@@ -224,7 +228,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         self.cached = compat.exact_prefix_caching(vllm_config)
         self.tracker = SlotTracker(self.max_seqs)
         # where slots follow request identity a restore is due exactly at a request's first step
-        # in its slot (step.FreshRows): no block ids read back from the device, so a step's
+        # in its slot (oscar_kernels.serving.FreshRows): no block ids read back from the device, so a step's
         # metadata build never waits for the previous step's kernels
         if v2:
             gen = compat.track_v2_rows(vllm_config) if os.environ.get(V2_IDENTITY_ENV) != "0" else None
@@ -256,7 +260,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         (its restore runs host logic per row): :func:`oscar_vllm.compat.cudagraph_support`."""
         return compat.cudagraph_support(vllm_config)
 
-    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> StepMetadata:
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> StepPlan:
         # capture batches are dummies (no requests): window slots 0..B-1, no slot bookkeeping
         self._capturing = True
         try:
@@ -266,7 +270,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> StepMetadata:
+    ) -> StepPlan:
         cm = common_attn_metadata
         seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
         seq_cpu = seq_cpu if seq_cpu is not None else cm.seq_lens.cpu()
@@ -281,7 +285,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             self.tracker.restores += len(restore)
         elif self.cached:
             rows, restore = self._plan_cached(cm, seq_cpu, rows)
-        md = build_step(
+        md = plan_step(
             cm.query_start_loc,
             cm.query_start_loc_cpu,
             cm.seq_lens,
@@ -310,7 +314,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         self, cm: CommonAttentionMetadata, seq_cpu: torch.Tensor, fixed: Any
     ) -> tuple[list[int], list[tuple[int, int, int]]]:
         """Window slots and rows to restore with prefix caching by slot content
-        (:func:`oscar_vllm.step.plan_slots`), where :class:`~oscar_vllm.step.FreshRows` does not
+        (:func:`oscar_kernels.serving.plan_slots`), where :class:`~oscar_kernels.serving.FreshRows` does not
         serve: the runner gives no request identity, or V2's identity restores are off.
 
         Copies the few block-table entries it needs to the host: a device-to-host copy on the GPU
@@ -491,7 +495,7 @@ class OscarAttentionImpl(AttentionImpl):
         for n in self.window_names:
             compat.add_window_layer(self._cfg, n, OscarWindowLayer(spec))
 
-    def restore_before_forward(self, md: StepMetadata, tables: torch.Tensor) -> None:
+    def restore_before_forward(self, md: StepPlan, tables: torch.Tensor) -> None:
         """Run this layer's restores of the step from the metadata builders (:class:`_StepExchange`),
         before the model runs: nothing of it is then left to a forward pass that a CUDA graph
         replays. A layer not prepared yet (no forward has run) restores in its forward instead."""
@@ -503,7 +507,7 @@ class OscarAttentionImpl(AttentionImpl):
             restore_windows(self._cache, slot, self._pages, tables[:, row], prefix)
         md.restored_by.add(id(self))
 
-    def _check_records(self, md: StepMetadata, tables: torch.Tensor) -> None:
+    def _check_records(self, md: StepPlan, tables: torch.Tensor) -> None:
         """Run the step's record-stamp check once (first layer; host lists, one copy per step)."""
         stamps = md.stamps
         assert stamps is not None and self._plan is not None
@@ -559,7 +563,7 @@ class OscarAttentionImpl(AttentionImpl):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: StepMetadata | None,
+        attn_metadata: StepPlan | None,
         output: torch.Tensor | None = None,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
@@ -581,7 +585,7 @@ class OscarAttentionImpl(AttentionImpl):
         o = output[:n].view(n, h, d)  # a decode step's attention writes here directly
         if not self.cached:
             out = run_layer(
-                cache, params, q, k, v, md, self.scale, dense=self._dense, out=o, extend_splits=self._splits
+                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits
             )
         else:
             assert self._pages is not None
@@ -604,7 +608,7 @@ class OscarAttentionImpl(AttentionImpl):
                 for row, slot, prefix in md.restore:
                     restore_windows(cache, slot, self._pages, tables[:, row], prefix)
             out = run_layer(
-                cache, params, q, k, v, md, self.scale, dense=self._dense, out=o, extend_splits=self._splits
+                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits
             )
             write_window_pages(cache, params, k, v, md, self._pages, tables)
         if out is not o:
@@ -826,7 +830,7 @@ class _StepExchange:
     def __init__(self, vllm_config: Any) -> None:
         self.cfg = vllm_config
         self._layers: list[OscarAttentionImpl] | None = None
-        self.pending: StepMetadata | None = None
+        self.pending: StepPlan | None = None
         self.tables: dict[int, torch.Tensor] = {}
         self.int2_steps = 0
         self.window_steps: dict[int, int] = {}
@@ -844,7 +848,7 @@ class _StepExchange:
     def groups(self) -> int:
         return len(self.layers[0].window_names) if self.layers else 0
 
-    def plan(self, md: StepMetadata) -> None:
+    def plan(self, md: StepPlan) -> None:
         self.int2_steps += 1
         self.pending, self.tables = md, {}
 

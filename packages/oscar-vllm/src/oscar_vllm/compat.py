@@ -677,7 +677,7 @@ def _v1_runner_class() -> type | None:
 
 
 def track_v1_requests(slots: Any = None, vllm_config: Any = None) -> bool:
-    """Feed ``slots`` (:class:`oscar_vllm.step.RequestSlots`) the V1 model runner's requests.
+    """Feed ``slots`` (:class:`oscar_kernels.serving.RequestSlots`) the V1 model runner's requests.
 
     After the runner applies a scheduler output to its persistent batch (``_update_states``,
     which also orders the rows as the attention metadata will), ``slots.step`` gets the requests
@@ -748,9 +748,9 @@ def track_v2_rows(vllm_config: Any, runner_class: type | None = None) -> dict[in
     gives rows to new and resumed requests (``add_requests``; with the V2 runner vLLM's scheduler
     sends resumed requests as new ones). The returned dict (row -> count) is bumped when a row
     gets a request other than the one it held; a request re-added to its own row (a streaming
-    input update) keeps the count. :class:`oscar_vllm.step.FreshRows` turns it into restores
+    input update) keeps the count. :class:`oscar_kernels.serving.FreshRows` turns it into restores
     without reading block ids. ``None`` where the hook cannot be installed (then OSCAR tracks
-    slot contents by block ids, :func:`oscar_vllm.step.plan_slots`).
+    slot contents by block ids, :func:`oscar_kernels.serving.plan_slots`).
     """
     cls = runner_class or _v2_runner_class()
     if cls is None:

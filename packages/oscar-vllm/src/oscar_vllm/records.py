@@ -24,7 +24,7 @@ running request (21 blocks of 16 tokens at SmolLM2's geometry: as many bytes as 
 Registered through vLLM's ``KVCacheSpecRegistry`` (public; :func:`register`), no vLLM file
 patched. Safe only where a running request never needs its own records: with the V2 model
 runner (slot = persistent ``req_idx``), and on the V1 runner behind the worker's record
-stamps (:class:`oscar_vllm.step.RecordStamps`), which refuse a restore from records that are
+stamps (:class:`oscar_kernels.serving.RecordStamps`), which refuse a restore from records that are
 gone instead of reading them.
 """
 

@@ -20,7 +20,7 @@ Keys of ``additional_config["oscar"]``:
   ``held``: vLLM's sliding-window manager holds the last ``recent`` tokens' records for every
   running request (2.5x at 2k), so a request that loses its window slot can always restore.
   ``auto``: ``transient`` wherever a running request's slot is never lost: vLLM's V2 model runner
-  (its persistent row) and the V1 runner (slots by request id, ``oscar_vllm.step.RequestSlots``);
+  (its persistent row) and the V1 runner (slots by request id, ``oscar_kernels.serving.RequestSlots``);
   ``held`` only where OSCAR cannot hook the V1 runner.
 
 Everything here is plain Python (no vLLM import) so it is unit-tested without vLLM. What every

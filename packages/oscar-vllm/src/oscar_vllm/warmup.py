@@ -9,7 +9,7 @@ token (FA3: 0.05 s), and vLLM's monitor named ``paged_write_kernel``, ``rotate_t
 
 :func:`warmup_steps` lists steps (rows of ``(cached tokens, new tokens)``) that between them launch
 every specialisation a server can meet; :func:`run_warmup` runs one layer's step functions
-(:func:`oscar_vllm.step.run_layer`, :func:`oscar_vllm.step.write_window_pages`) over them on a
+(:func:`oscar_kernels.serving.run_layer`, :func:`oscar_kernels.serving.write_window_pages`) over them on a
 scratch cache with the layer's own layout, parameters and block-table widths, so the engine's
 pages and window slots are never touched. The backend runs it once per distinct layer
 configuration after vLLM's warm-up (``compat.after_model_warm_up``): by default where vLLM warms its
@@ -25,12 +25,11 @@ import torch
 
 from oscar_kernels import CacheLayout, PagedKVCache, cache_from_page_buffer, page_bytes
 from oscar_kernels.extend_attention import DENSE_MIN_QUERY
-
-from .step import (
-    StepMetadata,
+from oscar_kernels.serving import (
+    StepPlan,
     WindowPages,
     WindowPlan,
-    build_step,
+    plan_step,
     run_layer,
     scratch_ring,
     write_window_pages,
@@ -123,7 +122,7 @@ def _scratch(
     return c, pages
 
 
-def _step_metadata(rows: Step, width: int, page: int, dev: torch.device, slots: int) -> StepMetadata:
+def _step_metadata(rows: Step, width: int, page: int, dev: torch.device, slots: int) -> StepPlan:
     """A step's metadata: each row's cached whole pages all on scratch page 1, its other pages
     consecutive from page 2 (page 0 stays unused, as vLLM's null block), so a long prefix costs one
     page; built with whole-tensor ops (a decode step may have hundreds of rows)."""
@@ -143,7 +142,7 @@ def _step_metadata(rows: Step, width: int, page: int, dev: torch.device, slots: 
     mapping = table[row, pos // page].long() * page + pos % page
     qsl, seq = qsl.to(torch.int32), seq.to(torch.int32)
     ws = torch.arange(b, dtype=torch.int32) % slots
-    return build_step(qsl.to(dev), qsl, seq.to(dev), seq, table.to(dev), mapping.to(dev), b, ws, None)
+    return plan_step(qsl.to(dev), qsl, seq.to(dev), seq, table.to(dev), mapping.to(dev), b, ws, None)
 
 
 def run_warmup(
@@ -175,9 +174,9 @@ def run_warmup(
         plan, window_table_width: the layer's window records and their tables' width (prefix
             caching; None: no window pages).
         dense: the layer's dense prefill (``oscar_kernels.DenseAttention``), if any.
-        backend: as :func:`oscar_vllm.step.run_layer` (``triton``: the interpreter on a CPU).
+        backend: as :func:`oscar_kernels.serving.run_layer` (``triton``: the interpreter on a CPU).
         done: compile keys already launched (shared between layers; updated).
-        extend_splits: the layer's ``extend_splits`` (:func:`oscar_vllm.step.run_layer`).
+        extend_splits: the layer's ``extend_splits`` (:func:`oscar_kernels.serving.run_layer`).
     Returns:
         The number of steps run for real.
     """
@@ -197,16 +196,16 @@ def run_warmup(
     o_all = torch.empty_like(q_all)
     groups = plan.groups if plan is not None else 0
 
-    def one(md: StepMetadata) -> None:
+    def one(md: StepPlan) -> None:
         t = md.num_actual_tokens
         q, k, v = q_all[:t], k_all[:t], v_all[:t]
         run_layer(
+            md,
             scratch,
             params,
             q,
             k,
             v,
-            md,
             scale,
             backend,
             dense=dense,

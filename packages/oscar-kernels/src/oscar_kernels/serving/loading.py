@@ -25,8 +25,8 @@ import torch
 from oscar_math.artifact import Rotations, load_rotations
 from oscar_math.errors import OscarError
 
-from .layout import CacheLayout
-from .params import LayerQuantParams
+from ..layout import CacheLayout
+from ..params import LayerQuantParams
 
 __all__ = [
     "load_for_serving",

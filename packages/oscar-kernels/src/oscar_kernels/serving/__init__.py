@@ -1,0 +1,82 @@
+"""The engine-neutral serving core: what vLLM's and SGLang's attention backends share.
+
+An engine adapter turns its batch into a :class:`StepPlan` once per step (:func:`plan_step`),
+and every layer's forward calls :func:`run_layer` with it — FlashInfer's plan/run split: the
+first layer of each configuration validates and plans the launches, the others only launch.
+
+* :mod:`.plan` — :class:`StepPlan`, :func:`plan_step`, :class:`StepBuffers` (CUDA graphs).
+* :mod:`.run` — :func:`run_layer` (write → attend → ring) and its window-op hooks.
+* :mod:`.slots` — which window slot each request owns and when it must be restored.
+* :mod:`.window_pages` — BF16 window rows kept in engine pages (prefix-cache hits, vLLM).
+* :mod:`.snapshots` — window snapshots and INT2 rebuilds (radix-cache hits, SGLang).
+* :mod:`.loading` — the artifact for serving: loading, sharding, layout, memory sizes.
+"""
+
+from .loading import (
+    PER_HEAD_FIELDS,
+    SHARED_FIELDS,
+    cell_bytes,
+    check_head_dim,
+    kv_heads_of_rank,
+    load_for_serving,
+    rank_layout,
+    shard_params,
+    window_bytes_per_slot,
+)
+from .plan import StepBuffers, StepPlan, plan_step, step_record, to_device
+from .run import WindowOp, attend_step, run_layer, write_step
+from .slots import FreshRows, RequestSlots, SlotTracker, WindowSlots, WindowTracker, plan_slots
+from .snapshots import SnapshotStore, copy_windows, prefix_digests, rebuild_windows
+from .window_pages import (
+    RecordStamps,
+    WindowPages,
+    WindowPlan,
+    gather_columns,
+    hit_window_positions,
+    plan_window_records,
+    restore_windows,
+    scratch_ring,
+    window_sink_parts,
+    write_window_pages,
+)
+
+__all__ = [
+    "StepPlan",
+    "plan_step",
+    "StepBuffers",
+    "step_record",
+    "to_device",
+    "WindowOp",
+    "run_layer",
+    "write_step",
+    "attend_step",
+    "WindowSlots",
+    "RequestSlots",
+    "FreshRows",
+    "SlotTracker",
+    "plan_slots",
+    "WindowTracker",
+    "WindowPlan",
+    "window_sink_parts",
+    "plan_window_records",
+    "WindowPages",
+    "hit_window_positions",
+    "gather_columns",
+    "scratch_ring",
+    "write_window_pages",
+    "restore_windows",
+    "RecordStamps",
+    "SnapshotStore",
+    "prefix_digests",
+    "rebuild_windows",
+    "copy_windows",
+    "load_for_serving",
+    "check_head_dim",
+    "kv_heads_of_rank",
+    "shard_params",
+    "rank_layout",
+    "cell_bytes",
+    "window_bytes_per_slot",
+    "PER_HEAD_FIELDS",
+    "SHARED_FIELDS",
+]

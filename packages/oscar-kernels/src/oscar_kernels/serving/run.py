@@ -1,0 +1,266 @@
+"""One layer of an engine step, run from the step's plan: write, attend, ring — launches only.
+
+:func:`run_layer` is what an engine's attention backend calls in every layer's forward. The
+step's first layer of each configuration goes through the validated public ops
+(:func:`oscar_kernels.paged_write`, :func:`~oscar_kernels.decode_attention`,
+:func:`~oscar_kernels.extend_attention`: shape checks, and the step's one bounds check, a host
+synchronisation) and leaves its launch plans in the :class:`StepPlan`; every further layer runs
+:func:`~oscar_kernels.run_write` / :func:`~oscar_kernels.run_decode` /
+:func:`~oscar_kernels.run_extend` with them: no checks, no launch arithmetic, no host reads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..decode_attention import DecodePlan, decode_attention, plan_decode, run_decode
+from ..extend_attention import extend_attention, run_extend
+from ..extend_dense import DenseAttention
+from ..layout import PagedKVCache
+from ..paged_write import WritePlan, paged_write, plan_write, run_write
+from ..params import ExpandedParams, LayerQuantParams, as_expanded
+from .plan import StepPlan
+
+__all__ = ["WindowOp", "run_layer", "write_step", "attend_step"]
+
+
+class WindowOp(Protocol):
+    """A window-slot operation every layer of a step runs (:attr:`StepPlan.before`,
+    :attr:`StepPlan.after_attend`): a slot restored from a snapshot, rebuilt from INT2 pages, or
+    captured into a snapshot. Called with the layer's cache, parameters and the step's un-rotated
+    ``k``/``v`` (``None`` where the model stored them itself)."""
+
+    def __call__(
+        self, cache: PagedKVCache, params: ExpandedParams, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> None: ...
+
+
+def _config(
+    cache: PagedKVCache, params: ExpandedParams, q: torch.Tensor, scale: float, backend: str
+) -> tuple:
+    """What a layer's launch plans depend on besides the step's batch: its layout, query heads and
+    dtype, scale, and which optional parameter fields it has (they select kernel variants)."""
+    return (
+        cache.layout,
+        q.shape[1],
+        q.dtype,
+        scale,
+        backend,
+        params.k_feedback is None,
+        params.v_feedback is None,
+        params.k_rope_mean is None,
+        params.rope_pairs,
+    )
+
+
+def _write_plan(
+    plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, parts: str, backend: str
+) -> WritePlan:
+    wkey = (key, "write", parts)
+    wp = plan.launches.get(wkey)
+    if wp is None:
+        wp = plan.launches[wkey] = plan_write(cache, ep, plan.num_actual_tokens, parts, backend)
+    return wp
+
+
+def _write(
+    plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, k: torch.Tensor, v: torch.Tensor,
+    parts: str, backend: str, first: bool,
+) -> None:  # fmt: skip
+    if first:
+        write_step(
+            cache,
+            ep,
+            k,
+            v,
+            plan,
+            backend,
+            parts=parts,
+            check_bounds=None if not plan.bounds_checked[0] else False,
+        )
+        return
+    wp = _write_plan(plan, key, cache, ep, parts, backend)
+    run_write(
+        wp,
+        cache,
+        ep,
+        k,
+        v,
+        plan.slot_mapping,
+        plan.positions,
+        plan.seq_index,
+        plan.seq_lens,
+        plan.window_slots,
+    )
+
+
+def run_layer(
+    plan: StepPlan,
+    cache: PagedKVCache,
+    params: LayerQuantParams | ExpandedParams,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    scale: float,
+    backend: str = "auto",
+    dense: DenseAttention | None = None,
+    out: torch.Tensor | None = None,
+    extend_splits: int | str = 1,
+) -> torch.Tensor:
+    """One layer's step: the plan's ``before`` window ops, the write, attention, the plan's
+    ``after_attend`` ops, and for an extend step the ring rows last — the windows apply per query
+    token (``oscar_kernels.extend_attention``), and a chunk's ring rows overwrite rows its first
+    queries still read.
+
+    Args:
+        plan: the step (:func:`oscar_kernels.serving.plan_step`).
+        cache, params: the layer's cache and parameters (pass :class:`ExpandedParams`, expanded
+            at load time: the compact form is expanded on every call).
+        q: ``[T, H_q, d]``; k, v: ``[T, H_kv, d]`` un-rotated (after RoPE); ``k``/``v`` ``None``:
+            the model stored this step's keys already (nothing written here).
+        scale: softmax scale.
+        backend: ``auto`` | ``triton`` | ``torch``.
+        dense: an extend step's dense flash-attention kernel (:func:`oscar_kernels.extend_attention`).
+        out: where a decode step writes (contiguous ``[T, H_q, d]`` in ``q.dtype``).
+        extend_splits: :func:`oscar_kernels.extend_attention`'s ``num_splits``.
+    Returns:
+        ``[T, H_q, d]`` in ``q.dtype`` (``out`` for a decode step when given).
+    """
+    lo = cache.layout
+    ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
+    key = _config(cache, ep, q, scale, backend)
+    first = (key, "decode" if plan.all_decode else "extend") not in plan.launches
+    for op in plan.before:
+        op(cache, ep, k, v)
+    has_kv = k is not None and v is not None
+    if plan.all_decode:
+        if has_kv:
+            _write(plan, key, cache, ep, k, v, "all", backend, first)
+        for op in plan.after_attend:  # a decode step's attention leaves the windows as they are
+            op(cache, ep, k, v)
+        if first:
+            cb = None if not plan.bounds_checked[0] else False
+            res = decode_attention(
+                q, cache, ep, plan.block_table, plan.seq_lens, plan.window_slots, softmax_scale=scale,
+                backend=backend, check_bounds=cb, out=out,
+            )  # fmt: skip
+            plan.launches[(key, "decode")] = plan_decode(
+                cache, q.shape[1], plan.seq_lens.shape[0], plan.block_table.shape[1], scale, backend
+            )
+        else:
+            dp: DecodePlan = plan.launches[(key, "decode")]
+            res = run_decode(dp, q, cache, ep, plan.block_table, plan.seq_lens, plan.window_slots, out)
+        plan.bounds_checked[0] = True
+        return res
+    if has_kv:
+        _write(plan, key, cache, ep, k, v, "pages", backend, first)
+    host_lens = (plan.query_lens_host, plan.seq_lens_bound_host) if plan.query_lens_host else None
+    if first:
+        res = attend_step(
+            cache, ep, q, k, v, plan, scale, backend,
+            check_bounds=None if not plan.bounds_checked[0] else False, dense=dense,
+            extend_splits=extend_splits,
+        )  # fmt: skip
+        plan.launches[(key, "extend")] = True
+    else:
+        res = run_extend(
+            q, k, v, cache, ep, plan.query_start_loc, plan.prefix_lens, plan.block_table, plan.window_slots,
+            plan.max_query_len, scale, backend, dense=dense, host_lens=host_lens, num_splits=extend_splits,
+        )  # fmt: skip
+    for op in plan.after_attend:
+        op(cache, ep, k, v)
+    if has_kv:
+        _write(plan, key, cache, ep, k, v, "ring", backend, first)
+    plan.bounds_checked[0] = True
+    return res
+
+
+def write_step(
+    cache: PagedKVCache,
+    params: object,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: StepPlan,
+    backend: str = "auto",
+    parts: str = "all",
+    check_bounds: bool | None = None,
+) -> None:
+    """Quantise the step's ``k``/``v`` (``[T, H_kv, d]``) into ``cache`` (INT2 pages + BF16 windows)
+    through the validated :func:`oscar_kernels.paged_write`.
+
+    ``parts`` as :func:`oscar_kernels.paged_write`: :func:`run_layer` writes ``"all"`` before
+    a decode-only step, ``"pages"`` before and ``"ring"`` after an extend step.
+    """
+    paged_write(
+        cache,
+        params,
+        k,
+        v,
+        md.slot_mapping,
+        md.positions,
+        md.seq_index,
+        md.seq_lens,
+        md.window_slots,
+        backend=backend,
+        parts=parts,
+        check_bounds=check_bounds,
+    )
+
+
+def attend_step(
+    cache: PagedKVCache,
+    params: object,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    md: StepPlan,
+    scale: float,
+    backend: str = "auto",
+    check_bounds: bool | None = None,
+    dense: DenseAttention | None = None,
+    out: torch.Tensor | None = None,
+    extend_splits: int | str = 1,
+) -> torch.Tensor:
+    """Attention of the step's queries over the cache (after :func:`write_step`), through the
+    validated ops.
+
+    Decode kernel when every row is a one-token decode (everything written before);
+    otherwise one extend call over the whole mixed batch (a decode row is a one-token
+    chunk; extend and decode agree there, see oscar-kernels' tests), after the INT2 +
+    sink write and before the ring write. Returns ``[T, H_q, d]`` in ``q.dtype``; a decode step
+    writes it into ``out`` when given (contiguous, as ``q``), other steps return a new tensor.
+    ``extend_splits``: :func:`oscar_kernels.extend_attention`'s ``num_splits``.
+    """
+    if md.all_decode:
+        return decode_attention(
+            q,
+            cache,
+            params,
+            md.block_table,
+            md.seq_lens,
+            md.window_slots,
+            softmax_scale=scale,
+            backend=backend,
+            check_bounds=check_bounds,
+            out=out,
+        )
+    return extend_attention(
+        q,
+        k,
+        v,
+        cache,
+        params,
+        md.query_start_loc,
+        md.prefix_lens,
+        md.block_table,
+        md.window_slots,
+        md.max_query_len,
+        softmax_scale=scale,
+        backend=backend,
+        check_bounds=check_bounds,
+        dense=dense,
+        host_lens=(md.query_lens_host, md.seq_lens_bound_host) if md.query_lens_host else None,
+        num_splits=extend_splits,
+    )
