@@ -32,19 +32,12 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from oscar_kernels import (
-    PagedKVCache,
-    cache_from_page_buffer,
-    decode_attention,
-    extend_attention,
-    page_bytes,
-    paged_write,
-)
+from oscar_kernels import PagedKVCache, cache_from_page_buffer, page_bytes, paged_write
+from oscar_kernels.serving import CaptureChunk, CopyWindows, RebuildWindows, StepPlan, plan_step, run_layer
 from oscar_math.artifact import load_rotations
 from oscar_math.errors import OscarError
 
@@ -62,7 +55,6 @@ from .core import (
     load_rank_quant,
     prefix_digests,
     radix_mode,
-    rebuild_windows,
     rotations_path,
     snapshot_count,
     tokens_after_windows,
@@ -153,19 +145,6 @@ def _rank_quant(kvc: Any, layer_ids: list[int], device: str | torch.device) -> R
 # --------------------------------------------------------------------------- pool
 
 
-@dataclass
-class StepContext:
-    """Per-forward write arguments of :func:`oscar_kernels.paged_write`, set by the backend."""
-
-    positions: torch.Tensor
-    seq_index: torch.Tensor
-    seq_lens: torch.Tensor
-    window_slots: torch.Tensor
-    #: what ``set_kv_buffer`` stores: ``"all"`` in decode; ``"pages"`` (INT2 + sink) in extend,
-    #: whose ring rows the backend writes after attention (windows apply per query token)
-    parts: str = "all"
-
-
 class OscarTokenToKVPool(MHATokenToKVPool):
     """SGLang KV pool holding INT2 pages (one ``[num_pages, page_bytes]`` uint8 buffer per layer)
     plus BF16 sink/recent windows with one row per ``req_to_token_pool`` row.
@@ -242,7 +221,8 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.inexact_hits = 0
         self.exact_hits = 0
         self.tracker = WindowTracker(max_seqs)
-        self.step: StepContext | None = None
+        #: the step's plan (set by the backend's init_forward_metadata; read by set_kv_buffer)
+        self.step: StepPlan | None = None
         self._finalize_allocation_log(size)
 
     def note_hit(self, token_slot: int, digest: bytes, length: int) -> None:
@@ -316,34 +296,12 @@ class OscarTokenToKVPool(MHATokenToKVPool):
             st.seq_index[:n],
             st.seq_lens,
             st.window_slots,
-            parts=parts or st.parts,
+            # windows apply per query token: an extend step's ring rows follow its attention
+            parts=parts or ("all" if st.all_decode else "pages"),
         )
 
 
 # --------------------------------------------------------------------------- backend
-
-
-@dataclass
-class _Meta:
-    decode: bool
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    window_slots: torch.Tensor
-    cu_seqlens_q: torch.Tensor | None = None
-    prefix_lens: torch.Tensor | None = None
-    max_query_len: int = 0
-    rebuild: tuple = ()  # (b, slot, start, prefix_len) of radix-hit prefixes rebuilt from INT2 (mode int2)
-    restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, snapshot rows) of exact hits
-    capture: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, snapshot rows) at a page boundary
-    # extend only: chunk tokens [lo, hi) of the flat batch that go into capture row j's ring, with
-    # their positions / the snapshot length (seq_lens) for paged_write
-    capture_tokens: tuple | None = None
-
-
-def _copy_windows(cache: PagedKVCache, dst: torch.Tensor, src: torch.Tensor) -> None:
-    for t in (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent):
-        if t.shape[2]:
-            t[dst] = t[src]
 
 
 class OscarAttnBackend(AttentionBackend):
@@ -365,13 +323,14 @@ class OscarAttnBackend(AttentionBackend):
         # the ReqToTokenPool.alloc hook finds the OSCAR pool here (branch-point snapshots)
         self.req_to_token_pool._oscar_pool = pool
         self.device = model_runner.device
-        self.meta: _Meta | None = None
+        #: this step's plan (the serving core's StepPlan), shared by every layer's forward
+        self.plan: StepPlan | None = None
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         fb = forward_batch
         mode = fb.forward_mode
         if mode.is_idle():  # a data-parallel worker with nothing to run this step
-            self.meta = None
+            self.plan = None
             return
         pool = self.pool
         slots = fb.req_pool_indices.to(torch.int32)
@@ -381,25 +340,21 @@ class OscarAttnBackend(AttentionBackend):
         P = pool.page_size
         if mode.is_decode():
             bsz = seq_lens.shape[0]
-            pool.step = StepContext(
-                positions=(seq_lens - 1).to(torch.int64),
-                seq_index=torch.arange(bsz, device=seq_lens.device),
-                seq_lens=seq_lens,
-                window_slots=slots,
-            )
-            lens_cpu = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else None
+            lens_cpu = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
             cap_src, cap_dst = [], []
-            if lens_cpu is not None:
-                for slot, length in zip(fb.req_pool_indices.tolist(), lens_cpu, strict=True):
-                    gen = int(gens[slot])
-                    pool.tracker.mark(slot, gen, length)
-                    if length % P == 0 and pool.may_snapshot(slot, gen):
-                        # this step writes position length-1: the windows are those of a hit of `length`
-                        buf = pool.store.capture(slot, gen, length, self._current_gens(), set())
-                        if buf is not None:
-                            cap_src.append(slot)
-                            cap_dst.append(buf)
-            self.meta = _Meta(True, bt, seq_lens, slots, capture=self._pair(cap_src, cap_dst))
+            for slot, length in zip(fb.req_pool_indices.tolist(), lens_cpu, strict=True):
+                gen = int(gens[slot])
+                pool.tracker.mark(slot, gen, length)
+                if length % P == 0 and pool.may_snapshot(slot, gen):
+                    # this step writes position length-1: the windows are those of a hit of `length`
+                    buf = pool.store.capture(slot, gen, length, self._current_gens(), set())
+                    if buf is not None:
+                        cap_src.append(slot)
+                        cap_dst.append(buf)
+            cap = self._pair(cap_dst, cap_src)  # after the step's write: the windows a hit of seq_len reads
+            plan = self._plan(fb, bt, slots, torch.ones(bsz, dtype=torch.int64), lens_cpu)
+            plan.after_attend = () if cap is None else (CopyWindows(*cap),)
+            pool.step = self.plan = plan
             return
         if mode.name not in ("EXTEND", "MIXED"):  # speculative / dLLM / split-prefill modes
             raise OscarError(f"--attention-backend {BACKEND_NAME}: forward mode {mode.name} is not supported")
@@ -462,21 +417,51 @@ class OscarAttnBackend(AttentionBackend):
             )
             lens = torch.tensor([k for _, _, _, k in cap_tok], dtype=torch.int32, device=dev)
             cap_meta = (idx, positions[idx], sidx, lens, torch.tensor(cap_dst, dtype=torch.int32, device=dev))
-        pool.step = StepContext(
-            positions=positions, seq_index=seq_index, seq_lens=seq_lens, window_slots=slots, parts="pages"
-        )
-        self.meta = _Meta(
-            False,
+        plan = self._plan(fb, bt, slots, torch.as_tensor(ext_cpu, dtype=torch.int64), None, pre_cpu)
+        before: list = []
+        restore = self._pair(res_dst, res_src)
+        if restore is not None:  # exact radix hits: the prefix's BF16 windows, as a miss wrote them
+            before.append(CopyWindows(*restore))
+        if rebuild:
+            before.append(RebuildWindows(tuple((bt[b], slot, start, p) for b, slot, start, p in rebuild)))
+        plan.before = tuple(before)
+        if cap_meta is not None:
+            # snapshots at page boundaries K inside the chunk (its last one, and a branch point the
+            # match asked for): the windows before this chunk's ring write (sink already written),
+            # plus the chunk's tokens [p, K) written into the snapshot's ring
+            src, dst = self._pair(cap_src, cap_dst)
+            idx, pos, sidx, lens, _ = cap_meta
+            plan.after_attend = (CaptureChunk(src, dst, idx, pos, sidx, lens, plan.slot_mapping[idx]),)
+        pool.step = self.plan = plan
+
+    def _plan(
+        self,
+        fb: Any,
+        bt: torch.Tensor,
+        slots: torch.Tensor,
+        qlens_cpu: torch.Tensor,
+        seq_lens_cpu: list[int] | None,
+        prefix_cpu: list[int] | None = None,
+    ) -> StepPlan:
+        """The serving core's plan of this batch: SGLang's ``out_cache_loc`` is the INT2 slot
+        mapping (``page * page_size + offset``), its request rows the window slots."""
+        dev = fb.seq_lens.device
+        cu_cpu = torch.zeros(qlens_cpu.shape[0] + 1, dtype=torch.int64)
+        cu_cpu[1:] = torch.cumsum(qlens_cpu, 0)
+        if seq_lens_cpu is None:
+            seq_lens_cpu = (torch.as_tensor(prefix_cpu, dtype=torch.int64) + qlens_cpu).tolist()
+        seq_cpu = torch.as_tensor(seq_lens_cpu, dtype=torch.int64)
+        return plan_step(
+            cu_cpu.to(dev, torch.int32),
+            cu_cpu,
+            fb.seq_lens,
+            seq_cpu,
             bt,
-            seq_lens,
+            unwrap_write_loc(fb.out_cache_loc)[0].to(torch.int64),
+            qlens_cpu.shape[0],
             slots,
-            cu,
-            prefix,
-            max(ext_cpu) if len(ext_cpu) else 0,
-            tuple(rebuild),
-            restore=self._pair(res_dst, res_src),
-            capture=self._pair(cap_src, cap_dst),
-            capture_tokens=cap_meta,
+            None,
+            num_tokens=int(cu_cpu[-1]),
         )
 
     def _pair(self, a: list[int], b: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -531,84 +516,32 @@ class OscarAttnBackend(AttentionBackend):
                 "window, logit capping or non-causal attention, which the INT2 kernels do not implement"
             )
 
-    def _write(self, layer: Any, k: torch.Tensor | None, v: torch.Tensor | None, fb: Any, save: bool) -> None:
-        if save:
-            if k is None or v is None:
-                raise OscarError(
-                    f"--attention-backend {BACKEND_NAME}: layer {layer.layer_id} gave no key/value"
-                )
-            self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+    def _run(self, q: Any, k: Any, v: Any, layer: Any, save_kv_cache: bool) -> torch.Tensor:
+        """One layer through the serving core (:func:`oscar_kernels.serving.run_layer`)."""
         self._check_layer(layer)
-        m, pool = self.meta, self.pool
-        cache = pool.cache(layer.layer_id)
-        if m.restore is not None:  # exact radix hits: the prefix's BF16 windows, as a miss wrote them
-            _copy_windows(cache, *m.restore)
-        for b, slot, start, p in m.rebuild:
-            rebuild_windows(cache, m.block_table[b], slot, start, p, params=pool.params(layer.layer_id))
-        self._write(layer, k, v, forward_batch, save_kv_cache)  # INT2 rows + sink
-        lo = pool.layout
-        q3 = q.reshape(-1, layer.tp_q_head_num, lo.head_dim)
-        out = extend_attention(
-            q3,
-            k.reshape(-1, lo.num_kv_heads, lo.head_dim),
-            v.reshape(-1, lo.num_kv_heads, lo.head_dim),
-            cache,
-            pool.params(layer.layer_id),
-            m.cu_seqlens_q,
-            m.prefix_lens,
-            m.block_table,
-            m.window_slots,
-            m.max_query_len,
-            softmax_scale=layer.scaling,
-        )
-        if m.capture is not None and (k is None or v is None):
-            for buf in m.capture[1].tolist():  # nothing to compose them from: never publish them
-                pool.store.discard(buf)
-        elif m.capture is not None:
-            # snapshots at page boundaries K inside the chunk (its last one, and a branch point the
-            # match asked for): the windows before this chunk's ring write (sink already written),
-            # plus the chunk's tokens [p, K) written into the snapshot's ring
-            _copy_windows(cache, m.capture[1], m.capture[0])
-            idx, pos, sidx, lens, rows = m.capture_tokens
-            lo = pool.layout
-            paged_write(
-                cache,
-                pool.params(layer.layer_id),
-                k.reshape(-1, lo.num_kv_heads, lo.head_dim)[idx].contiguous(),
-                v.reshape(-1, lo.num_kv_heads, lo.head_dim)[idx].contiguous(),
-                forward_batch.out_cache_loc[idx].to(torch.int64),
-                pos,
-                sidx,
-                lens,
-                rows,
-                parts="ring",
-            )
-        if k is not None and v is not None:
-            # after attention: these ring rows replace rows the chunk's first queries read. Also
-            # when the model stored its K/V itself (save_kv_cache=False): the pool's
-            # set_kv_buffer wrote the INT2 rows + sink only in an extend step
-            pool.write_ring(layer, forward_batch.out_cache_loc, k, v)
-        return out.reshape(-1, layer.tp_q_head_num * lo.head_dim)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
-        self._check_layer(layer)
-        m, pool = self.meta, self.pool
-        self._write(layer, k, v, forward_batch, save_kv_cache)
-        if m.capture is not None:  # page boundary: the windows now are those a hit of seq_len reads
-            _copy_windows(pool.cache(layer.layer_id), m.capture[1], m.capture[0])
-        lo = pool.layout
-        out = decode_attention(
-            q.reshape(-1, layer.tp_q_head_num, lo.head_dim),
+        if k is None or v is None:
+            raise OscarError(f"--attention-backend {BACKEND_NAME}: layer {layer.layer_id} gave no key/value")
+        lo, pool = self.pool.layout, self.pool
+        hq = layer.tp_q_head_num
+        out = run_layer(
+            self.plan,
             pool.cache(layer.layer_id),
             pool.params(layer.layer_id),
-            m.block_table,
-            m.seq_lens,
-            m.window_slots,
-            softmax_scale=layer.scaling,
+            q.reshape(-1, hq, lo.head_dim),
+            k.reshape(-1, lo.num_kv_heads, lo.head_dim),
+            v.reshape(-1, lo.num_kv_heads, lo.head_dim),
+            layer.scaling,
+            # the model stored its K/V itself (pool.set_kv_buffer): the ring rows of an extend
+            # step still follow its attention
+            stored=not save_kv_cache,
         )
-        return out.reshape(-1, layer.tp_q_head_num * lo.head_dim)
+        return out.reshape(-1, hq * lo.head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        return self._run(q, k, v, layer, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
+        return self._run(q, k, v, layer, save_kv_cache)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise OscarError(

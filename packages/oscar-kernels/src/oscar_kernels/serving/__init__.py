@@ -26,7 +26,15 @@ from .loading import (
 from .plan import StepBuffers, StepPlan, plan_step, step_record, to_device
 from .run import WindowOp, attend_step, run_layer, write_step
 from .slots import FreshRows, RequestSlots, SlotTracker, WindowSlots, WindowTracker, plan_slots
-from .snapshots import SnapshotStore, copy_windows, prefix_digests, rebuild_windows
+from .snapshots import (
+    CaptureChunk,
+    CopyWindows,
+    RebuildWindows,
+    SnapshotStore,
+    copy_windows,
+    prefix_digests,
+    rebuild_windows,
+)
 from .window_pages import (
     RecordStamps,
     WindowPages,
@@ -70,6 +78,9 @@ __all__ = [
     "prefix_digests",
     "rebuild_windows",
     "copy_windows",
+    "CopyWindows",
+    "RebuildWindows",
+    "CaptureChunk",
     "load_for_serving",
     "check_head_dim",
     "kv_heads_of_rank",

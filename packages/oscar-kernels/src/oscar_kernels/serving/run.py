@@ -108,6 +108,7 @@ def run_layer(
     dense: DenseAttention | None = None,
     out: torch.Tensor | None = None,
     extend_splits: int | str = 1,
+    stored: bool = False,
 ) -> torch.Tensor:
     """One layer's step: the plan's ``before`` window ops, the write, attention, the plan's
     ``after_attend`` ops, and for an extend step the ring rows last — the windows apply per query
@@ -125,6 +126,9 @@ def run_layer(
         dense: an extend step's dense flash-attention kernel (:func:`oscar_kernels.extend_attention`).
         out: where a decode step writes (contiguous ``[T, H_q, d]`` in ``q.dtype``).
         extend_splits: :func:`oscar_kernels.extend_attention`'s ``num_splits``.
+        stored: the model already stored this step's keys through the engine's pool (what the
+            write before attention stores: everything in a decode step, the INT2 and sink rows in
+            an extend step); an extend step's ring rows are still written here, after attention.
     Returns:
         ``[T, H_q, d]`` in ``q.dtype`` (``out`` for a decode step when given).
     """
@@ -136,7 +140,7 @@ def run_layer(
         op(cache, ep, k, v)
     has_kv = k is not None and v is not None
     if plan.all_decode:
-        if has_kv:
+        if has_kv and not stored:
             _write(plan, key, cache, ep, k, v, "all", backend, first)
         for op in plan.after_attend:  # a decode step's attention leaves the windows as they are
             op(cache, ep, k, v)
@@ -154,7 +158,7 @@ def run_layer(
             res = run_decode(dp, q, cache, ep, plan.block_table, plan.seq_lens, plan.window_slots, out)
         plan.bounds_checked[0] = True
         return res
-    if has_kv:
+    if has_kv and not stored:
         _write(plan, key, cache, ep, k, v, "pages", backend, first)
     host_lens = (plan.query_lens_host, plan.seq_lens_bound_host) if plan.query_lens_host else None
     if first:

@@ -14,16 +14,26 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from oscar_math import unpack_int2
 
 from ..layout import PagedKVCache
+from ..paged_write import paged_write
 from ..params import ExpandedParams
 from ..reference.attention import rope_mean_at
 
-__all__ = ["SnapshotStore", "prefix_digests", "rebuild_windows", "copy_windows"]
+__all__ = [
+    "SnapshotStore",
+    "prefix_digests",
+    "rebuild_windows",
+    "copy_windows",
+    "CopyWindows",
+    "RebuildWindows",
+    "CaptureChunk",
+]
 
 
 def copy_windows(cache: PagedKVCache, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -216,3 +226,73 @@ class SnapshotStore:
         if hit is not None:
             self.published.move_to_end(digest)
         return hit
+
+
+# ---- the window operations of a step (run by every layer: oscar_kernels.serving.run_layer) ----
+
+
+@dataclass(frozen=True)
+class CopyWindows:
+    """Window rows ``src`` copied to ``dst`` in every layer (``[n]`` int64 on the cache's device):
+    a snapshot restored into a request's slot before the write, or a slot captured into a
+    snapshot after a decode step's write."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+
+    def __call__(
+        self, cache: PagedKVCache, params: ExpandedParams, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> None:
+        copy_windows(cache, self.dst, self.src)
+
+
+@dataclass(frozen=True)
+class RebuildWindows:
+    """Window rows of prefixes recomputed from their INT2 pages before the write (an approximate
+    hit): per entry ``(block_table_row, slot, start, prefix_len)`` as :func:`rebuild_windows`."""
+
+    rows: tuple[tuple[torch.Tensor, int, int, int], ...]
+
+    def __call__(
+        self, cache: PagedKVCache, params: ExpandedParams, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> None:
+        for table_row, slot, start, prefix in self.rows:
+            rebuild_windows(cache, table_row, slot, start, prefix, params=params)
+
+
+@dataclass(frozen=True)
+class CaptureChunk:
+    """Snapshots at page boundaries inside an extend step's chunks, after attention and before the
+    ring write: the slots' windows (sink rows written, ring as before the chunk) copied into the
+    snapshot rows, then the chunk's tokens up to each boundary written into the snapshot's ring.
+
+    ``src``/``dst``: ``[n]`` slots and snapshot rows; ``tokens``: ``[m]`` indices of those tokens
+    in the step; ``positions``/``snapshot_index``: their positions and which snapshot (``[m]``);
+    ``lengths``: ``[n]`` int32 snapshot lengths; ``slot_mapping``: ``[m]`` their INT2 slots."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    snapshot_index: torch.Tensor
+    lengths: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def __call__(
+        self, cache: PagedKVCache, params: ExpandedParams, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> None:
+        copy_windows(cache, self.dst, self.src)
+        if k is None or v is None:
+            return
+        paged_write(
+            cache,
+            params,
+            k[self.tokens].contiguous(),
+            v[self.tokens].contiguous(),
+            self.slot_mapping,
+            self.positions,
+            self.snapshot_index,
+            self.lengths,
+            self.dst.to(torch.int32),
+            parts="ring",
+        )
