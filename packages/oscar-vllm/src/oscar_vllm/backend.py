@@ -89,9 +89,9 @@ log = logging.getLogger("oscar_vllm")
 #: JSON line (diagnostics: outputs depend on chunk boundaries, docs/vllm.md "Reproducibility")
 STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
 #: ``0``: with vLLM's V2 runner, restores by the content tracker's per-step read of block ids
-#: (oscar_kernels.serving.plan_slots) instead of by request identity (serving.FreshRows fed by
-#: compat.track_v2_rows, the default since the H200 run of 2026-12-03 gave the same tokens,
-#: perplexity and prefix hits; docs/vllm.md, "Window slots by request identity"). The V1 runner restores by identity
+#: (serving.plan_slots) instead of by request identity (serving.FreshRows fed by
+#: compat.track_v2_rows; the default since the H200 run of 2026-12-03 gave the same tokens,
+#: perplexity and prefix hits: docs/vllm.md). The V1 runner restores by identity
 #: (RequestSlots), checked by the CPU engine suite.
 V2_IDENTITY_ENV = "OSCAR_VLLM_V2_IDENTITY_RESTORES"
 #: ``1``: chunks whose extend grid would leave SMs idle split their INT2 keys over more programs
