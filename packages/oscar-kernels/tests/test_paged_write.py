@@ -92,7 +92,7 @@ def test_triton_write_matches_reference(d, h, page, group, sink, recent, granula
         elif f.endswith("codes"):
             # tf32 rotation: rotated values move by ~1e-3 relative, so a code flips by one
             # step where a value sits near a rounding tie; measured 0.10-0.21 % of codes on
-            # the H200 (benchmarks/results/h200_check.json), never by more than one step
+            # the H200 (lab/results/kernels/h200_check.json), never by more than one step
             diff = unpack_int2(x).int() - unpack_int2(y).int()
             assert (diff != 0).float().mean() <= 5e-3 and diff.abs().max() <= 1, f
         else:
