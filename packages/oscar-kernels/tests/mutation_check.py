@@ -236,6 +236,14 @@ MUTATIONS = (
         ("tests/test_extend_dense.py", "-k", "row_offset"),
     ),
     Mutation(
+        # quarter 0's errors no longer reach quarter 1's targets (the per-quarter feedback loop)
+        "write-feedback-skips-a-later-quarter",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "            if q <= 1:\n                t1 = t1",
+        "            if q == 1:\n                t1 = t1",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
         "far-rows-page-off-by-one",
         "src/oscar_kernels/kernels/far_rows.py",
         "col = tl.minimum(p // page_size, last_page)",
