@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# One device call (no vLLM needed), for the next session, with `gpu_engine.sh stash 1` in front:
-#   device call:  bash packages/oscar-vllm/benchmarks/gpu_engine.sh stash 1 && bash lab/gpu_vllm/pending_kernels.sh
-# then stash 2..4 back to back and the engine run:
-#   gpu_engine.sh run --only qwen-oscar-cache,qwen-bf16-fa3 --smol "" --capture-sizes 1,2,4,8,16,32,48,64 \
-#       --budget-s 585 --case-timeout 420     # jit_compiles must be [] (the row-offset fix), shared hits
-# Writes under $OUT. Kept under ~150 s: the engine calls must follow while the machine is warm.
+# Issue #38, one device call (no vLLM needed; H100; at most ~245 s, give it timeout 300):
+#   bash lab/gpu_vllm/pending_kernels.sh
+# Writes under $OUT: *_tests.log, kernel_speed.json, kernel_speed.log.
+#   1. kernel tests on the GPU: the row-offset compile check (now keyed per offset, by OSCAR's and
+#      Triton's own binder), the write's feedback exactness (the per-quarter loop), decode, rotate;
+#   2. lab/gpu_vllm/kernel_speed.py: the one-token write before/after (bitwise_equal must be true),
+#      and decode at 1 x 2k, 1 x 130k, 8 x 32k: op with/without PDL, per-kernel profile, the merge
+#      alone, SDPA BF16 of the same run, bytes, TB/s and % of 3.35 TB/s.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/pending}"
 mkdir -p "$OUT"
-export PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src:packages/oscar-vllm/src
-# 1. the row-offset compile check and the extend tests with the pre-RoPE term on the GPU
-timeout 100 python3 -m pytest -q -p no:cacheprovider -p no:warnings packages/oscar-kernels/tests/test_extend_dense.py \
-    -k "row_offset or far_rows" >"$OUT/extend_dense_tests.log" 2>&1
-tail -2 "$OUT/extend_dense_tests.log"
-# 2. the extend kernel with the pre-RoPE term, 48 hits over 100k: tiles of 64 / 32 keys, 4 / 8 warps
-#    (ptxas for sm_90: 64 keys on 4 warps spill 316 bytes, 32 keys none; 2026-12-04 third session)
-timeout 120 python3 lab/kernel_studies/extend_split.py --out "$OUT" --rep-ms 30 --quick --shapes \
-    100000,48,48,0,4,1,64 100000,48,48,0,8,1,64 100000,48,48,0,4,1,32 100000,48,48,0,4,0,32 100000,48,48,0,4,0,64
+export PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src
+T=packages/oscar-kernels/tests
+PYT=(python3 -m pytest -q -x -p no:cacheprovider -p no:warnings)
+run_tests() {  # name, timeout (s), pytest arguments...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "${PYT[@]}" "$@" >"$OUT/${name}_tests.log" 2>&1
+    echo "[$name rc=$?] $(tail -1 "$OUT/${name}_tests.log")"
+}
+run_tests extend_row_offset 30 "$T/test_extend_dense.py" -k "row_offset"
+run_tests write_feedback 30 "$T/test_paged_write.py" -k "feedback"
+run_tests rotate 20 "$T/test_rotate.py"
+run_tests decode 45 "$T/test_decode_attention.py"
+# 2. timings (the write first: its cases are short; each case is saved as it finishes)
+timeout 120 python3 lab/gpu_vllm/kernel_speed.py --out "$OUT" 2>&1 | tee "$OUT/kernel_speed.log" | grep -v "^ *File\|^Traceback" | tail -30

@@ -113,14 +113,17 @@ def compile_extend(
     return _compile(fn, consts, ptr, arch, num_warps)
 
 
-def compile_write_kv(arch: int = 90, num_warps: int = 8, block_t: int = 16, rope: bool = True):  # noqa: ANN201
-    """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape."""
+def compile_write_kv(  # noqa: ANN201
+    arch: int = 90, num_warps: int = 8, block_t: int = 16, rope: bool = True, feedback: bool = False
+):
+    """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
+    (``feedback``: error feedback on the keys, the default artifact's case)."""
     import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
 
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
 
     consts = dict(
-        NUM_KV_HEADS=8, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, HAS_MEAN=True, K_FEEDBACK=False,
+        NUM_KV_HEADS=8, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, HAS_MEAN=True, K_FEEDBACK=feedback,
         V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True, BLOCK_T=block_t,
         DOT_PRECISION="tf32",
     )  # fmt: skip

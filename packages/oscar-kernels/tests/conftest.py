@@ -242,3 +242,44 @@ def compile_check_ptx(call: str) -> str:
     if r.stdout.startswith("SKIP "):
         pytest.skip(r.stdout[5:].strip())
     return r.stdout
+
+
+def triton_specialisation(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton's own JIT compiles ``kernel`` per for this call on a CUDA GPU, computed on any
+    machine: the kernel's Python function re-wrapped as a ``JITFunction`` (also under the
+    interpreter, whose ``InterpretedFunction`` specialises nothing) and bound by Triton's binder
+    with the NVIDIA backend (per tensor dtype and 16-byte alignment, per int 1 / multiple of 16,
+    constexprs, ``do_not_specialize*`` honoured). ``("unbound", name)`` where this Triton has no
+    such binder."""
+    name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError:
+        return ("unbound", name)
+    opts = getattr(kernel, "kwargs", None) or {}
+    dns, dnsa = (
+        getattr(kernel, a, None) or opts.get(a)
+        for a in ("do_not_specialize", "do_not_specialize_on_alignment")
+    )
+    jit = JITFunction(kernel.fn, do_not_specialize=dns, do_not_specialize_on_alignment=dnsa)
+    _, spec, options = create_function_from_signature(jit.signature, jit.params, CUDABackend)(*args, **kwargs)
+    return (name, str(spec), str(sorted(options.items())))
+
+
+def record_triton_specialisations(monkeypatch) -> None:
+    """Make :func:`oscar_kernels.launch.record_launches` collect, next to OSCAR's own
+    :func:`~oscar_kernels.launch.compile_key`, :func:`triton_specialisation` of each launch, and
+    route the rotations to their Triton kernel under the interpreter too: the launches, and the
+    keys, a GPU makes (the CPU default runs the rotations in torch, where nothing is launched)."""
+    import oscar_kernels.launch as launch_mod
+    import oscar_kernels.rotate as rotate_mod
+
+    ours = launch_mod.compile_key
+
+    def both(kernel, args, kwargs):
+        return (*ours(kernel, args, kwargs), triton_specialisation(kernel, args, kwargs))
+
+    monkeypatch.setattr(launch_mod, "compile_key", both)
+    real = rotate_mod.use_triton
+    monkeypatch.setattr(rotate_mod, "use_triton", lambda dev, b: real(dev, "triton" if b == "auto" else b))

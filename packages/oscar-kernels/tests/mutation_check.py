@@ -228,6 +228,22 @@ MUTATIONS = (
         ("tests/test_extend_dense.py", "-k", "row_offset"),
     ),
     Mutation(
+        # the prefix view alone: [a:b] of an int32 tensor is 16-byte aligned only for a % 4 == 0
+        "extend-prefix-specialised-on-the-row-offset",
+        "src/oscar_kernels/kernels/attention.py",
+        'do_not_specialize_on_alignment=["bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"],',
+        'do_not_specialize_on_alignment=["bt_ptr", "cu_ptr", "wslot_ptr"],',
+        ("tests/test_extend_dense.py", "-k", "row_offset"),
+    ),
+    Mutation(
+        # quarter 0's errors no longer reach quarter 1's targets (the per-quarter feedback loop)
+        "write-feedback-skips-a-later-quarter",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "            if q <= 1:\n                t1 = t1",
+        "            if q == 1:\n                t1 = t1",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
         "far-rows-page-off-by-one",
         "src/oscar_kernels/kernels/far_rows.py",
         "col = tl.minimum(p // page_size, last_page)",

@@ -1,0 +1,460 @@
+"""The write kernels as of commit 1144f31 (before the per-quarter feedback loop): the "before" of
+lab/gpu_vllm/kernel_speed.py's write timing. Not imported by the package."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 → the nearest bf16 value (ties to even), still as float32.
+
+    Done with integer ops so the result is identical on GPU and under the
+    interpreter (whose float32 → bf16 cast truncates); a later ``.to(bf16)`` is exact.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
+    """Store four ``[BLOCK_T, Q4]`` quarters as bf16 rows starting at ``row_ptr``."""
+    j = tl.arange(0, Q4)
+    ptr = row_ptr[:, None] + j[None, :]
+    m2 = m[:, None]
+    tl.store(ptr, round_bf16(x0).to(tl.bfloat16), mask=m2)
+    tl.store(ptr + Q4, round_bf16(x1).to(tl.bfloat16), mask=m2)
+    tl.store(ptr + 2 * Q4, round_bf16(x2).to(tl.bfloat16), mask=m2)
+    tl.store(ptr + 3 * Q4, round_bf16(x3).to(tl.bfloat16), mask=m2)
+
+
+@triton.jit
+def _load_rows(
+    x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr,
+):  # fmt: skip
+    """Rows ``t`` of head ``h`` as ``[BLOCK_T, d]`` float32, minus the key mean."""
+    d = tl.arange(0, HEAD_DIM)
+    x = tl.load(x_ptr + t[:, None] * stride_xt + h * stride_xh + d[None, :], mask=valid[:, None], other=0.0)
+    x = x.to(tl.float32)
+    if HAS_MEAN:
+        x = x - tl.load(mean_ptr + h * stride_mh + d).to(tl.float32)[None, :]
+    return x
+
+
+@triton.jit
+def _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x @ R`` of head ``h`` as four ``[BLOCK_T, d/4]`` quarters.
+
+    Quarter ``i`` of ``x @ R`` is ``x @ R[:, i*d/4:(i+1)*d/4]``, which is exactly what byte
+    lane ``i`` of the strided packing holds (no reshapes needed)."""
+    d = tl.arange(0, HEAD_DIM)
+    Q4: tl.constexpr = HEAD_DIM // 4
+    j = tl.arange(0, Q4)
+    rbase = rot_ptr + h * stride_rh + d[:, None] * stride_rr + j[None, :]
+    x0 = tl.dot(x, tl.load(rbase).to(tl.float32), input_precision=DOT_PRECISION)
+    x1 = tl.dot(x, tl.load(rbase + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x2 = tl.dot(x, tl.load(rbase + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    x3 = tl.dot(x, tl.load(rbase + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _rotate_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+    HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Rows ``t`` of head ``h`` (minus the mean), rotated, as four ``[BLOCK_T, d/4]`` quarters."""
+    x = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
+    return _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+
+
+@triton.jit
+def _cos_sin(a):
+    """``cos(a), sin(a)`` of float32 angles in plain float32 arithmetic (no FMA fusion in this
+    kernel: the same bits on the GPU and in the interpreter, whatever the backend's cos/sin).
+
+    ``a`` is reduced by ``2π`` (Cody–Waite, three float32 parts; ``k·6.28125`` is exact for
+    ``|a| < 2^16·2π ≈ 4·10^5``) and then by the quadrant ``j·π/2`` (``|j| ≤ 2``, two parts) to
+    ``|r| ≤ π/4``, where Cephes' ``sinf``/``cosf`` polynomials are accurate to about an ulp."""
+    k = tl.floor(a * 0.15915494309189535 + 0.5)
+    r = a - k * 6.28125
+    r = r - k * 0.0019378662109375
+    r = r + k * 2.559031372584286e-06  # (the second part is rounded up)
+    j = tl.floor(r * 0.6366197723675814 + 0.5)  # quadrant, -2..2
+    r = r - j * 1.5703125
+    r = r - j * 0.0004838267923332751
+    z = r * r
+    s = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r
+    c = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z - 0.5 * z + 1.0
+    q = j.to(tl.int32) & 3  # cos(r + qπ/2), sin(r + qπ/2)
+    cos = tl.where(q == 0, c, tl.where(q == 1, -s, tl.where(q == 2, -c, s)))
+    sin = tl.where(q == 0, s, tl.where(q == 1, c, tl.where(q == 2, -s, -c)))
+    return cos, sin
+
+
+@triton.jit
+def _centred_rotated_rows(
+    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, rmean_ptr, stride_rmh,
+    freq_ptr, pos, t, h, valid, HEAD_DIM: tl.constexpr, HAS_MEAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``(x − mean − RoPE_p(m)) @ R`` of rows ``t`` of head ``h`` as four ``[BLOCK_T, d/4]`` quarters.
+
+    Rotate-half layout (:mod:`oscar_math.rope_center`): pair ``i`` (coordinates ``i`` and
+    ``i + d/2``) of ``RoPE_p(m)`` is ``(a·cos − b·sin, b·cos + a·sin)`` at angle ``p·θ_i``,
+    ``(a, b) = (m_i, m_{i+d/2})``; the angle is one float32 product (its rounding,
+    ``2^-24·p·θ_i`` rad, is what the float64 reference does not have). The rows are held as
+    their two halves (one angle per pair, no joins) and rotated as
+    ``x_lo @ R[:d/2] + x_hi @ R[d/2:]``; for ``d < 32`` (whose halves are too narrow for a
+    ``tl.dot`` on Triton < 3.9: K >= 16) as whole rows, the offset computed per column."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    Q4: tl.constexpr = HEAD_DIM // 4
+    if HALF < 16:
+        # column c of pair c mod d/2: m_c·cos + m'_c·sin with m' = (−m[d/2:], m[:d/2])
+        d = tl.arange(0, HEAD_DIM)
+        low = d < HALF
+        x = _load_rows(x_ptr, stride_xt, stride_xh, mean_ptr, stride_mh, t, h, valid, HEAD_DIM, HAS_MEAN)
+        m = tl.load(rmean_ptr + h * stride_rmh + d).to(tl.float32)[None, :]
+        mp = tl.load(rmean_ptr + h * stride_rmh + tl.where(low, d + HALF, d - HALF)).to(tl.float32)[None, :]
+        theta = tl.load(freq_ptr + tl.where(low, d, d - HALF)).to(tl.float32)
+        cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * theta[None, :])
+        x = x - tl.where(low[None, :], m * cos - mp * sin, m * cos + mp * sin)
+        x0, x1, x2, x3 = _rotate(x, rot_ptr, stride_rh, stride_rr, h, HEAD_DIM, DOT_PRECISION)
+    else:
+        i = tl.arange(0, HALF)
+        rows = x_ptr + t[:, None] * stride_xt + h * stride_xh + i[None, :]
+        xlo = tl.load(rows, mask=valid[:, None], other=0.0).to(tl.float32)
+        xhi = tl.load(rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            xlo = xlo - tl.load(mean_ptr + h * stride_mh + i).to(tl.float32)[None, :]
+            xhi = xhi - tl.load(mean_ptr + h * stride_mh + HALF + i).to(tl.float32)[None, :]
+        a = tl.load(rmean_ptr + h * stride_rmh + i).to(tl.float32)[None, :]
+        b = tl.load(rmean_ptr + h * stride_rmh + HALF + i).to(tl.float32)[None, :]
+        cos, sin = _cos_sin(pos.to(tl.float32)[:, None] * tl.load(freq_ptr + i).to(tl.float32)[None, :])
+        xlo = xlo - (a * cos - b * sin)
+        xhi = xhi - (b * cos + a * sin)
+        j = tl.arange(0, Q4)
+        rlo = rot_ptr + h * stride_rh + i[:, None] * stride_rr + j[None, :]
+        rhi = rlo + HALF * stride_rr
+        x0 = tl.dot(xlo, tl.load(rlo).to(tl.float32), input_precision=DOT_PRECISION)
+        x0 = tl.dot(xhi, tl.load(rhi).to(tl.float32), acc=x0, input_precision=DOT_PRECISION)
+        x1 = tl.dot(xlo, tl.load(rlo + Q4).to(tl.float32), input_precision=DOT_PRECISION)
+        x1 = tl.dot(xhi, tl.load(rhi + Q4).to(tl.float32), acc=x1, input_precision=DOT_PRECISION)
+        x2 = tl.dot(xlo, tl.load(rlo + 2 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+        x2 = tl.dot(xhi, tl.load(rhi + 2 * Q4).to(tl.float32), acc=x2, input_precision=DOT_PRECISION)
+        x3 = tl.dot(xlo, tl.load(rlo + 3 * Q4).to(tl.float32), input_precision=DOT_PRECISION)
+        x3 = tl.dot(xhi, tl.load(rhi + 3 * Q4).to(tl.float32), acc=x3, input_precision=DOT_PRECISION)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _pick(c, x0, x1, x2, x3, Q: tl.constexpr):
+    """Column ``c`` (``0 <= c < 4 * Q``) of a row held as four ``[BLOCK_T, Q]`` quarters, as ``[BLOCK_T]``.
+
+    A masked sum: exact (one term is the value, the others are zero)."""
+    j = tl.arange(0, Q)
+    q = c // Q
+    sel = (j == c % Q)[None, :]
+    v = tl.sum(tl.where(sel & (q == 0), x0, 0.0), 1) + tl.sum(tl.where(sel & (q == 1), x1, 0.0), 1)
+    return v + (tl.sum(tl.where(sel & (q == 2), x2, 0.0), 1) + tl.sum(tl.where(sel & (q == 3), x3, 0.0), 1))
+
+
+@triton.jit
+def _feedback_codes(
+    x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Error-feedback codes, exactly as ``oscar_math.quantize_int2_feedback``.
+
+    Coordinates are rounded in order ``c = 0 .. d-1`` (quarter ``c // (d/4)``, lane
+    ``c % (d/4)``); after each, its error ``e_c = x_c − x̂_c`` is added to the targets of the
+    later coordinates times column ``c`` of the strictly lower-triangular ``F`` (entries on and
+    above the diagonal are zero, so adding to every coordinate changes only the later ones).
+    ``fb_ptr`` points at ``F`` of this head, row stride ``stride_fr``, column stride 1.
+    Returns the four quarters' int32 codes."""
+    Q4: tl.constexpr = HEAD_DIM // 4
+    j = tl.arange(0, Q4)
+    t0, t1, t2, t3 = x0, x1, x2, x3
+    k0 = tl.zeros(x0.shape, tl.int32)
+    k1 = tl.zeros(x0.shape, tl.int32)
+    k2 = tl.zeros(x0.shape, tl.int32)
+    k3 = tl.zeros(x0.shape, tl.int32)
+    for c in range(HEAD_DIM):
+        tc = _pick(c, t0, t1, t2, t3, Q4)
+        zc = _pick(c, z0, z1, z2, z3, Q4)
+        ic = _pick(c, i0, i1, i2, i3, Q4)
+        code = tl.minimum(tl.maximum(tl.floor((tc - zc) * ic + 0.5), 0.0), 3.0)
+        err = _pick(c, x0, x1, x2, x3, Q4) - (code * _pick(c, s0, s1, s2, s3, Q4) + zc)
+        q = c // Q4
+        sel = (j == c % Q4)[None, :]
+        kc = code.to(tl.int32)[:, None]
+        k0 = tl.where(sel & (q == 0), kc, k0)
+        k1 = tl.where(sel & (q == 1), kc, k1)
+        k2 = tl.where(sel & (q == 2), kc, k2)
+        k3 = tl.where(sel & (q == 3), kc, k3)
+        col = fb_ptr + j * stride_fr + c  # F[j, c] for the lanes of quarter 0
+        e = err[:, None]
+        t0 = t0 + e * tl.load(col).to(tl.float32)[None, :]
+        t1 = t1 + e * tl.load(col + Q4 * stride_fr).to(tl.float32)[None, :]
+        t2 = t2 + e * tl.load(col + 2 * Q4 * stride_fr).to(tl.float32)[None, :]
+        t3 = t3 + e * tl.load(col + 3 * Q4 * stride_fr).to(tl.float32)[None, :]
+    return k0, k1, k2, k3
+
+
+# n_tokens only bounds the tiles: one compile for every token count of a tile size
+@triton.jit(do_not_specialize=["n_tokens"])
+def paged_write_kernel(
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    rot_ptr,
+    stride_rh,
+    stride_rr,
+    mean_ptr,
+    stride_mh,
+    rmean_ptr,
+    stride_rmh,
+    freq_ptr,
+    alpha_ptr,
+    fb_ptr,
+    stride_fh,
+    stride_fr,
+    slot_ptr,
+    pos_ptr,
+    seqidx_ptr,
+    seqlen_ptr,
+    wslot_ptr,
+    codes_ptr,
+    stride_cp,
+    stride_ch,
+    stride_ct,
+    scale_ptr,
+    zero_ptr,
+    stride_sp,
+    stride_sh,
+    stride_st,
+    sink_ptr,
+    stride_ks,
+    stride_kh,
+    stride_kt,
+    ring_ptr,
+    stride_rs,
+    stride_rgh,
+    stride_rt,
+    n_tokens,
+    page_size,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
+    HAS_FEEDBACK: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    WRITE_PAGES: tl.constexpr,
+    WRITE_RING: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    H_BASE: tl.constexpr = 0,
+):
+    """One program: ``BLOCK_T`` tokens (``program_id(0)``) of KV head ``program_id(1) - H_BASE`` of
+    K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
+
+    ``WRITE_PAGES``: the INT2 row and the sink row; ``WRITE_RING``: the ring row
+    (``paged_write``'s ``parts``). A ring-only pass (after an extend) returns before the
+    rotation when none of its tokens holds a ring row: a chunk longer than the window
+    stores only its last ``recent`` rows per sequence.
+
+    ``HAS_ROPE`` (a pre-RoPE key mean, format version 3): the INT2 rows quantise
+    ``(x − mean − RoPE_p(m)) @ R``; the BF16 rows keep ``(x − mean) @ R``, rotated a second
+    time from a reload of the rows, only in blocks that hold a BF16 row (after the INT2
+    stores, so the two rotated rows are never live together). Without it this is the
+    kernel of format versions 1 and 2, unchanged.
+    """
+    pid = tl.program_id(0)
+    h = tl.program_id(1) - H_BASE
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n_tokens
+    slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
+    valid = tmask & (slot >= 0)
+    Q4: tl.constexpr = HEAD_DIM // 4
+    if SINK + RECENT > 0:
+        pos = tl.load(pos_ptr + t, mask=valid, other=0)
+        sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
+        length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
+        ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
+        ring_m = valid & (pos >= SINK) & (pos >= length - RECENT)
+        if not WRITE_PAGES:
+            if tl.max(ring_m.to(tl.int32), 0) == 0:
+                return
+    if HAS_ROPE:
+        if WRITE_PAGES:
+            # x0..x3 are the centred rows the INT2 part quantises
+            rpos = tl.load(pos_ptr + t, mask=valid, other=0)
+            x0, x1, x2, x3 = _centred_rotated_rows(
+                x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, rmean_ptr,
+                stride_rmh, freq_ptr, rpos, t, h, valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        x0, x1, x2, x3 = _rotate_rows(
+            x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+            HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+        )  # fmt: skip
+    j = tl.arange(0, Q4)
+
+    if WRITE_PAGES:
+        # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
+        alpha = tl.load(alpha_ptr + h).to(tl.float32)
+        page = slot // page_size
+        off = slot % page_size
+        mrow = page * stride_sp + h * stride_sh + off * stride_st
+        NG: tl.constexpr = HEAD_DIM // GROUP
+        z0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        z1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        z2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        z3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        i3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s0 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s1 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s2 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        s3 = tl.zeros([BLOCK_T, Q4], tl.float32)
+        for g in tl.static_range(NG):
+            # column masks of group g inside each quarter
+            c0 = (j // GROUP) == g
+            c1 = ((j + Q4) // GROUP) == g
+            c2 = ((j + 2 * Q4) // GROUP) == g
+            c3 = ((j + 3 * Q4) // GROUP) == g
+            mn = tl.minimum(
+                tl.minimum(
+                    tl.min(tl.where(c0[None, :], x0, float("inf")), 1),
+                    tl.min(tl.where(c1[None, :], x1, float("inf")), 1),
+                ),
+                tl.minimum(
+                    tl.min(tl.where(c2[None, :], x2, float("inf")), 1),
+                    tl.min(tl.where(c3[None, :], x3, float("inf")), 1),
+                ),
+            )
+            mx = tl.maximum(
+                tl.maximum(
+                    tl.max(tl.where(c0[None, :], x0, -float("inf")), 1),
+                    tl.max(tl.where(c1[None, :], x1, -float("inf")), 1),
+                ),
+                tl.maximum(
+                    tl.max(tl.where(c2[None, :], x2, -float("inf")), 1),
+                    tl.max(tl.where(c3[None, :], x3, -float("inf")), 1),
+                ),
+            )
+            lo = tl.where(mn < 0, mn * alpha, mn)
+            hi = tl.where(mx > 0, mx * alpha, mx)
+            z = round_bf16(lo)
+            sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
+            inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
+            tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
+            tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
+            z0 = tl.where(c0[None, :], z[:, None], z0)
+            z1 = tl.where(c1[None, :], z[:, None], z1)
+            z2 = tl.where(c2[None, :], z[:, None], z2)
+            z3 = tl.where(c3[None, :], z[:, None], z3)
+            i0 = tl.where(c0[None, :], inv[:, None], i0)
+            i1 = tl.where(c1[None, :], inv[:, None], i1)
+            i2 = tl.where(c2[None, :], inv[:, None], i2)
+            i3 = tl.where(c3[None, :], inv[:, None], i3)
+            if HAS_FEEDBACK:
+                s0 = tl.where(c0[None, :], sc[:, None], s0)
+                s1 = tl.where(c1[None, :], sc[:, None], s1)
+                s2 = tl.where(c2[None, :], sc[:, None], s2)
+                s3 = tl.where(c3[None, :], sc[:, None], s3)
+        if HAS_FEEDBACK:
+            k0, k1, k2, k3 = _feedback_codes(
+                x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
+                fb_ptr + h * stride_fh, stride_fr, HEAD_DIM,
+            )  # fmt: skip
+        else:
+            # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
+            k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
+            k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
+            k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
+            k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
+        packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
+        row = page * stride_cp + h * stride_ch + off * stride_ct
+        tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
+
+    if SINK + RECENT > 0:
+        if HAS_ROPE:
+            # the BF16 rows are not centred by RoPE_p(m): rotate the uncentred rows
+            if WRITE_PAGES:
+                need = valid & (pos < SINK)
+                if WRITE_RING:
+                    need = need | ring_m
+                if tl.max(need.to(tl.int32), 0) > 0:
+                    x0, x1, x2, x3 = _rotate_rows(
+                        x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
+                        valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                    )  # fmt: skip
+            else:  # a ring-only pass got here only with a ring row in the block
+                x0, x1, x2, x3 = _rotate_rows(
+                    x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
+                    valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                )  # fmt: skip
+        if WRITE_PAGES and SINK > 0:
+            m = valid & (pos < SINK)
+            p = tl.where(m, pos, 0)
+            _store_quarters(sink_ptr + ws * stride_ks + h * stride_kh + p * stride_kt, m, x0, x1, x2, x3, Q4)
+        if WRITE_RING and RECENT > 0:
+            p = tl.where(ring_m, pos % RECENT, 0)
+            _store_quarters(
+                ring_ptr + ws * stride_rs + h * stride_rgh + p * stride_rt, ring_m, x0, x1, x2, x3, Q4
+            )
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def paged_write_kv_kernel(
+    k_ptr, stride_kxt, stride_kxh, v_ptr, stride_vxt, stride_vxh,
+    krot_ptr, vrot_ptr, stride_rh, stride_rr,
+    mean_ptr, stride_mh, rmean_ptr, stride_rmh, freq_ptr,
+    kalpha_ptr, valpha_ptr,
+    kfb_ptr, stride_kfh, stride_kfr, vfb_ptr, stride_vfh, stride_vfr,
+    slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
+    kcodes_ptr, vcodes_ptr, stride_cp, stride_ch, stride_ct,
+    kscale_ptr, kzero_ptr, vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
+    ksink_ptr, vsink_ptr, stride_ks, stride_kh, stride_kt,
+    kring_ptr, vring_ptr, stride_rs, stride_rgh, stride_rt,
+    n_tokens, page_size,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SINK: tl.constexpr,
+    RECENT: tl.constexpr, HAS_MEAN: tl.constexpr, K_FEEDBACK: tl.constexpr, V_FEEDBACK: tl.constexpr,
+    HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """K and V in one launch: ``program_id(1)`` < ``NUM_KV_HEADS`` is a key head, the rest value heads.
+
+    A decode step's write is latency, not bandwidth (a few tokens per KV head): one launch runs the
+    K and V programs side by side instead of one after the other. The two caches share their
+    layout, hence the strides; each tensor keeps its own constants (only keys have a mean or a
+    pre-RoPE mean)."""
+    if tl.program_id(1) < NUM_KV_HEADS:
+        paged_write_kernel(
+            k_ptr, stride_kxt, stride_kxh, krot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh,
+            rmean_ptr, stride_rmh, freq_ptr, kalpha_ptr, kfb_ptr, stride_kfh, stride_kfr,
+            slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
+            kcodes_ptr, stride_cp, stride_ch, stride_ct,
+            kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
+            ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
+            n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0,
+        )  # fmt: skip
+    else:
+        paged_write_kernel(
+            v_ptr, stride_vxt, stride_vxh, vrot_ptr, stride_rh, stride_rr, mean_ptr,
+            stride_mh, rmean_ptr, stride_rmh, freq_ptr, valpha_ptr, vfb_ptr, stride_vfh, stride_vfr,
+            slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
+            vcodes_ptr, stride_cp, stride_ch, stride_ct,
+            vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
+            vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
+            n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS,
+        )  # fmt: skip
