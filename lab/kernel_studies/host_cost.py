@@ -9,6 +9,12 @@ Runs what ``oscar_kernels.serving.run_layer`` runs for a decode step (``paged_wr
   µs each, so the loop is host-bound and its wall time per layer is the host cost, Triton's
   launcher included; ``--gpu`` also times each op alone.
 
+``--path plan`` runs what an engine step runs now (``oscar_kernels.serving``): one
+:func:`plan_step` per step, then :func:`run_layer` for ``--layers`` layers (the first layer of the
+step validates and plans, the others only launch); µs per layer is the step's time over its layers,
+the plan included. ``--fa3`` (GPU, vLLM installed) also times vLLM's FlashAttention-3 decode layer
+(``reshape_and_cache_flash`` + ``flash_attn_varlen_func`` on a paged BF16 cache) the same way.
+
 Prints µs per layer and the top functions by own time (cProfile; ``OSCAR_SORT=cumtime`` for the call tree).
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src TRITON_INTERPRET=1 \\
@@ -37,6 +43,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--gpu", action="store_true", help="real launches on CUDA")
+    ap.add_argument(
+        "--path", choices=("ops", "plan"), default="ops", help="validated ops, or plan + run_layer"
+    )
+    ap.add_argument("--layers", type=int, default=36, help="layers per step (--path plan)")
+    ap.add_argument("--fa3", action="store_true", help="also vLLM's FA3 decode layer (GPU, vLLM installed)")
+    ap.add_argument("--json", default="", help="append one JSON line of the results to this file")
     a = ap.parse_args()
     dev = "cuda" if a.gpu else "cpu"
     launches = [0]
@@ -80,6 +92,19 @@ def main() -> None:
         write()
         attend()
 
+    if a.path == "plan":
+        from oscar_kernels.serving import plan_step, run_layer
+
+        qsl = torch.arange(b + 1, dtype=torch.int32)
+        caches = [cache] * a.layers  # the same buffers: host cost does not depend on which
+
+        def layer() -> None:  # noqa: F811 - one step of --layers layers, timed per layer below
+            md = plan_step(
+                qsl.to(dev), qsl, seq_lens, seq_lens.cpu(), table, slots, b, ws, None, num_tokens=b
+            )
+            for c in caches:
+                run_layer(md, c, ep, q, k, v, d**-0.5, "triton")
+
     def per_call(fn) -> float:  # noqa: ANN001 - µs per call, the device drained at both ends
         for _ in range(20):
             fn()
@@ -94,18 +119,58 @@ def main() -> None:
         return (time.perf_counter() - t) / a.iters * 1e6
 
     what = "host time (Triton launches included)" if a.gpu else "wrapper Python (launches stubbed)"
-    us = per_call(layer)
-    print(f"batch {b} x ctx {n}: {us:.0f} us of {what} per layer")
+    us = per_call(layer) / (a.layers if a.path == "plan" else 1)
+    print(f"path {a.path}, batch {b} x ctx {n}: {us:.1f} us of {what} per layer")
+    res = {"path": a.path, "batch": b, "ctx": n, "gpu": a.gpu, "us_per_layer": round(us, 2)}
     if a.gpu:
+        res["device"] = torch.cuda.get_device_name()
+    if a.fa3:
+        res["fa3_us_per_layer"] = round(fa3_layer_us(b, n, h, g, d, per_call), 2)
+        print(f"  FA3 (vLLM) decode layer: {res['fa3_us_per_layer']:.1f} us of host time per layer")
+    if a.json:
+        import json
+
+        with open(a.json, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    if a.gpu and a.path == "ops":
         print(f"  paged_write {per_call(write):.0f} us, decode_attention {per_call(attend):.0f} us")
     else:
-        print(f"  {launches[0] / a.iters:.0f} launches per layer")
+        print(f"  {launches[0] / a.iters / (a.layers if a.path == 'plan' else 1):.0f} launches per layer")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.iters):
         layer()
     prof.disable()
     pstats.Stats(prof).sort_stats(os.environ.get("OSCAR_SORT", "tottime")).print_stats(18)
+
+
+def fa3_layer_us(b: int, n: int, h: int, g: int, d: int, per_call) -> float:  # noqa: ANN001
+    """Host µs of vLLM's FA3 decode layer (cache write + paged attention), 16-token blocks."""
+    from vllm import _custom_ops as ops
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    bs = 16
+    nb = b * (n // bs + 2)
+    kc = torch.zeros(nb, bs, h, d, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    q = torch.randn(b, h * g, d, device="cuda").bfloat16()
+    k = torch.randn(b, h, d, device="cuda").bfloat16()
+    v = torch.randn(b, h, d, device="cuda").bfloat16()
+    out = torch.empty_like(q)
+    table = torch.arange(nb, dtype=torch.int32, device="cuda").view(b, -1)
+    seq = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    slots = (table[:, (n - 1) // bs].long() * bs + (n - 1) % bs).long()
+    one = torch.ones((), device="cuda")
+
+    def layer() -> None:
+        ops.reshape_and_cache_flash(k, v, kc, vc, slots, "auto", one, one)
+        flash_attn_varlen_func(
+            q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cu, max_seqlen_k=n, seqused_k=seq,
+            softmax_scale=d**-0.5, causal=True, block_table=table, out=out, fa_version=3,
+        )  # fmt: skip
+
+    return per_call(layer)
 
 
 if __name__ == "__main__":
