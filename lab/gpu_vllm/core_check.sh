@@ -13,7 +13,7 @@ for path in ops plan; do
     for shape in "1 2048" "8 32768"; do
         set -- $shape
         timeout 90 python3 lab/kernel_studies/host_cost.py --gpu --path "$path" --batch "$1" --ctx "$2" \
-            --iters 200 --json "$OUT/host_cost.jsonl" 2>&1 | head -3
+            --iters 300 --json "$OUT/host_cost.jsonl" 2>&1 | OSCAR_TOP=12 head -30
     done
 done
 timeout 240 python3 packages/oscar-vllm/benchmarks/gpu_check.py --out "$OUT/gpu_check.json" >"$OUT/gpu_check.log" 2>&1
