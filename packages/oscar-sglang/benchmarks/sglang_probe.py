@@ -38,7 +38,8 @@ def alive(pid: int) -> bool:
 
 
 def wait_up(url: str, pid: int, limit: float) -> float:
-    """Seconds until /model_info answers; raises if the server died or the limit passed."""
+    """Seconds until the server is up and has served its warm-up (/health_generate answers 503
+    until then); raises if the server process died or the limit passed."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit:
         if not alive(pid):
@@ -97,13 +98,13 @@ def main() -> int:
     res: dict = {"ok": False}
     try:
         res["startup_s"] = round(wait_up(a.url, a.pid, a.wait), 1)
-        for path in ("/v1/models", "/get_model_info", "/get_server_info"):
+        for path in ("/v1/models", "/model_info", "/server_info"):
             try:
                 info = call(a.url, path, timeout=30)
             except (urllib.error.URLError, OSError) as e:
                 info = {"error": str(e)}
             res[path] = info
-        srv = res["/get_server_info"]
+        srv = res["/server_info"]
         if isinstance(srv, dict):  # the capacity line: the KV pool's token count
             res["max_total_num_tokens"] = srv.get("max_total_num_tokens") or next(
                 (
