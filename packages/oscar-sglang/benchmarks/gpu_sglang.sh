@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# Bring SGLang 0.5.17 to the GPU test machine (torch 2.11.0+cu130, Python 3.12, no package index)
+# and run its own server there. 0.5.17 is the last SGLang pinning torch==2.11.0; its sglang-kernel
+# 0.4.5 loads on 2.11 (docs/sglang.md). Each device call carries at most 64 MiB and /tmp there
+# lives only while the machine stays warm (~30 s between calls), so the calls run back to back:
+# stash 1..N (the last one unpacks), then run (any number of times while warm).
+#
+#   here, repo root (pip access):  bash packages/oscar-sglang/benchmarks/gpu_sglang.sh pack
+#        (parts land in $OSCAR_SGL_STAGE, default <repo>/.gpu-sgl; .git/info/exclude ignores it)
+#   device call K=1..N, carry .gpu-sgl/cK:  bash packages/oscar-sglang/benchmarks/gpu_sglang.sh stash K
+#   device call N+1.., no carry:            bash packages/oscar-sglang/benchmarks/gpu_sglang.sh run [options]
+#        run --help lists the options (OSCAR backend, CUDA graphs, probes, transformers choice).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+HERE="$ROOT/packages/oscar-sglang/benchmarks"
+G="${OSCAR_SGL_STAGE:-$ROOT/.gpu-sgl}"
+# OSCAR_SGL_TMP / OSCAR_SGL_PYTHON: only for rehearsing stash/unpack on a CPU machine
+T="${OSCAR_SGL_TMP:-/tmp}"
+PY="${OSCAR_SGL_PYTHON:-python3}"
+ST="$T/sst"          # the parts, gathered over the stash calls
+SITE="$T/ssite"      # SGLang and its missing dependencies (vLLM's target is /tmp/site: kept apart)
+# SGLang 0.5.17 pins transformers 5.12.1, which wants tokenizers <= 0.23.0 (the image has 5.17.0 and
+# 0.23.2; 0.23.0 is not on PyPI): 5.12.1 + tokenizers 0.22.2 go to their own dir, on PYTHONPATH by default
+TF="$T/ssite-tf"
+PART_BYTES=50000000  # + the ~10 MB checkout stays under the 64 MiB a call carries
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
+      --platform manylinux_2_34_x86_64 --platform any)
+
+pack() {  # here: download, trim, resolve, split into parts of <= 50 MB
+    local W="$G/build" img="${OSCAR_IMAGE_PACKAGES:-$ROOT/../shared/gpu-vllm/gpu-image-packages.txt}"
+    mkdir -p "$W/dl" "$W/tree/wheels" "$W/tree/tf" "$W/tree/sk"
+    python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$W/dl" sglang==0.5.17 sglang-kernel==0.4.5 tokenizers==0.22.2
+    # the dependency closure minus what the image has (and minus kernels a dense model never loads)
+    [[ -f "$W/deps/resolve.json" ]] || python3 "$HERE/sglang_deps.py" "$W"/dl/sglang-0.5.17-*.whl "$W/deps" "$img" dill
+    rm -f "$W"/tree/wheels/* "$W"/tree/tf/*
+    cp "$W"/deps/*.whl "$W"/dl/sglang-0.5.17-*.whl "$W/tree/wheels/"
+    mv "$W"/tree/wheels/transformers-*.whl "$W/tree/tf/"; cp "$W"/dl/tokenizers-0.22.2-*.whl "$W/tree/tf/"
+    # sglang-kernel without flash_ops.abi3.so (1.1 GB raw, only the fa3 backend loads it) and
+    # sm100/ (Blackwell); __init__ loads sm90/common_ops on Hopper. Kept as a tree, not a wheel:
+    # pip would not install a wheel whose RECORD lists missing files any differently, but the
+    # tree needs no repacking.
+    rm -rf "$W/tree/sk" && mkdir -p "$W/tree/sk"
+    (cd "$W/tree/sk" && unzip -q "$W"/dl/sglang_kernel-0.4.5-*.whl -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*')
+    # one xz stream (the kernel .so files compress 4:1, wheels hardly), split in fixed-size parts
+    (cd "$W/tree" && tar cf - sk tf wheels) | xz -T2 -6 >"$W/sgl.txz"
+    rm -rf "$G"/c[0-9]* && split -b "$PART_BYTES" -d -a 2 "$W/sgl.txz" "$W/sgl.txz."
+    local n=0 p
+    for p in "$W"/sgl.txz.[0-9][0-9]; do n=$((n + 1)); mkdir -p "$G/c$n"; mv "$p" "$G/c$n/"; done
+    {
+        echo "parts $n"
+        (cd "$W" && sha256sum sgl.txz)
+        for p in "$G"/c*/sgl.txz.*; do (cd "$(dirname "$p")" && sha256sum "$(basename "$p")"); done
+        (cd "$W/tree" && find sk tf wheels -maxdepth 1 -name '*.whl' -printf '%s %p\n' | sort -k2)
+    } >"$W/MANIFEST"
+    for ((k = 1; k <= n; k++)); do cp "$W/MANIFEST" "$G/c$k/"; done
+    rm -f "$W/sgl.txz"
+    du -b "$G"/c*/sgl.txz.* | awk '{printf "%s %.1f MB\n", $2, $1 / 1e6}'
+    echo "$n parts; device calls: stash 1..$n (carry .gpu-sgl/cK), then run"
+}
+
+stash() {  # device: keep this call's part; the last one unpacks
+    local k="$1" n
+    mkdir -p "$ST" && cp "$G/c$k"/* "$ST/"
+    n=$(awk '/^parts/ {print $2}' "$ST/MANIFEST")
+    (cd "$ST" && grep " sgl.txz.$(printf %02d $((k - 1)))\$" MANIFEST | sha256sum -c -)
+    if [[ "$k" == "$n" ]]; then unpack "$n"; fi
+    ls -la "$ST" | tail -n +2
+}
+
+unpack() {  # device: all parts present -> $SITE, $TF, then this repo's packages
+    local n="$1" t0=$SECONDS
+    local have; have=$(ls "$ST"/sgl.txz.[0-9][0-9] | wc -l)
+    [[ "$have" == "$n" ]] || { echo "have $have of $n parts in $ST: the machine went cold? start from stash 1" >&2; exit 3; }
+    local want got
+    want=$(awk '$2 == "sgl.txz" {print $1}' "$ST/MANIFEST")
+    got=$(cat "$ST"/sgl.txz.[0-9][0-9] | sha256sum | cut -d' ' -f1)
+    [[ "$want" == "$got" ]] || { echo "sgl.txz sha256 mismatch: parts from different packs?" >&2; exit 4; }
+    rm -rf "$ST/x" "$SITE" "$TF" && mkdir -p "$ST/x" "$SITE" "$TF"
+    cat "$ST"/sgl.txz.[0-9][0-9] | xz -T8 -dc | tar xf - -C "$ST/x"
+    rm -f "$ST"/sgl.txz.[0-9][0-9]
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$ST"/x/wheels/*.whl
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$TF" "$ST"/x/tf/*.whl
+    cp -a "$ST"/x/sk/. "$SITE/"
+    rm -rf "$ST/x"
+    install_repo
+    echo "unpacked SGLang 0.5.17 into $SITE (+ $TF) in $((SECONDS - t0)) s; $(du -sh "$SITE" | cut -f1)"
+}
+
+install_repo() {  # device: this tree's packages (the sglang.srt.plugins entry point), every run
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" \
+        "$ROOT"/packages/oscar-math "$ROOT"/packages/oscar-kernels "$ROOT"/packages/oscar-sglang
+}
+
+usage_run() {
+    cat <<'EOF'
+run [options]   (device; after stash 1..N)
+  --backend NAME        attention backend (default triton: SGLang's BF16 Triton kernels)
+  --oscar FILE          OSCAR case: --attention-backend oscar --oscar-rotations FILE, plugin loaded
+  --graph | --no-graph  CUDA graphs on (default) or --disable-cuda-graph (OSCAR forces off)
+  --tf pinned|image     transformers 5.12.1 (SGLang's pin, default) or the image's 5.17.0
+  --model DIR           model dir (default: Qwen3-8B shape from the vLLM benchmarks, dummy weights)
+  --ctx N               --context-length (default 8192)
+  --mem F               --mem-fraction-static (default 0.85)
+  --probe B,L,G         throughput probe: B concurrent requests, L prompt ids, G new tokens
+                        (repeatable; default 1,512,64 and 16,2048,128)
+  --startup-timeout S   seconds for the server to come up (default 540: first nvcc JITs)
+  --tag NAME            prefix of the log files under $OUT (several runs in one call)
+  --diag-only           only the import diagnostics
+  -- ARGS               passed to sglang.launch_server as they are
+EOF
+}
+
+run() {  # device: diagnostics, then one SGLang server, a generate and the probes, then stop it
+    local backend=triton rot="" graph=1 tf=pinned model="" ctx=8192 mem=0.85 limit=540 tag=sgl diag_only=0
+    local probes=() extra=()
+    while (($#)); do
+        case "$1" in
+            --backend) backend="$2"; shift ;;
+            --oscar) backend=oscar; rot="$2"; shift ;;
+            --graph) graph=1 ;;
+            --no-graph) graph=0 ;;
+            --tf) tf="$2"; shift ;;
+            --model) model="$2"; shift ;;
+            --ctx) ctx="$2"; shift ;;
+            --mem) mem="$2"; shift ;;
+            --probe) probes+=(--probe "$2"); shift ;;
+            --startup-timeout) limit="$2"; shift ;;
+            --tag) tag="$2"; shift ;;
+            --diag-only) diag_only=1 ;;
+            --help | -h) usage_run; return 0 ;;
+            --) shift; extra=("$@"); break ;;
+            *) echo "run: unknown option $1" >&2; usage_run >&2; exit 2 ;;
+        esac
+        shift
+    done
+    ((${#probes[@]})) || probes=(--probe 1,512,64 --probe 16,2048,128)
+    [[ -f "$SITE/sglang/__init__.py" ]] || { echo "no SGLang in $SITE: run stash 1..N first (machine went cold?)" >&2; exit 3; }
+    install_repo
+    local out="${OUT:-/tmp/sgl-out}"; mkdir -p "$out"
+    export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    [[ "$tf" == pinned ]] && PYTHONPATH="$SITE:$TF"
+    # JIT caches on /tmp: flashinfer, tvm-ffi (SGLang 0.5.17's own JIT kernels: rope, KV store,
+    # silu_and_mul are nvcc-built on first use), Triton, inductor. They live while the machine does,
+    # so a second run in the same warm machine skips the compiles.
+    export FLASHINFER_WORKSPACE_BASE=/tmp/sgl-jit/flashinfer TVM_FFI_CACHE_DIR=/tmp/sgl-jit/tvm-ffi \
+        TRITON_CACHE_DIR=/tmp/sgl-jit/triton TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor \
+        XDG_CACHE_HOME=/tmp/sgl-jit/xdg OSCAR_CACHE_DIR=/tmp/oscar-cache
+    # keep the machine's NVLink-multicast switches off in the server's processes too (KINDS.md)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # the OSCAR plugin registers hooks in every SGLang process; a BF16 baseline runs without it
+    # (SGLANG_PLUGINS is a whitelist of entry-point names; "none" matches nothing)
+    if [[ "$backend" == oscar ]]; then export SGLANG_PLUGINS=oscar; else export SGLANG_PLUGINS=none; fi
+    mkdir -p /tmp/sgl-jit
+
+    diag 2>&1 | tee "$out/$tag.diag.txt"
+    ((diag_only)) && return 0
+
+    if [[ -z "$model" ]]; then
+        model=/tmp/qwen3-8b-shape
+        mkdir -p "$model" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$model/config.json"
+    fi
+    local args=(--model-path "$model" --load-format dummy --skip-tokenizer-init
+        --host 127.0.0.1 --port 30000 --context-length "$ctx" --mem-fraction-static "$mem"
+        # pytorch sampling: flashinfer's sampling kernels are JIT-built (minutes of nvcc) on first
+        # non-greedy request; greedy needs none. The autotune only runs for FP8/FP4/MoE anyway.
+        --sampling-backend pytorch --disable-flashinfer-autotune --attention-backend "$backend"
+        --log-level info)
+    [[ "$backend" == oscar ]] && { args+=(--oscar-rotations "$rot"); graph=0; }
+    ((graph)) || args+=(--disable-cuda-graph)
+    args+=("${extra[@]}")
+    echo "launch_server ${args[*]}" | tee "$out/$tag.server.log"
+
+    # own process group, so the stop below ends the scheduler and detokenizer children too
+    setsid python3 -m sglang.launch_server "${args[@]}" >>"$out/$tag.server.log" 2>&1 &
+    local pid=$! rc=0 t0=$SECONDS
+    trap 'kill -TERM -- -'"$pid"' 2>/dev/null || true' EXIT
+    python3 "$HERE/sglang_probe.py" --url http://127.0.0.1:30000 --pid "$pid" --wait "$limit" \
+        --out "$out/$tag.client.json" "${probes[@]}" || rc=$?
+    echo "client rc=$rc after $((SECONDS - t0)) s; stopping the server"
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    trap - EXIT
+    { echo "JIT caches after the run:"; du -sh /tmp/sgl-jit/* 2>/dev/null; ls /tmp/sgl-jit/tvm-ffi 2>/dev/null; } |
+        tee -a "$out/$tag.diag.txt"
+    grep -E "max_total_num_tokens|KV Cache is allocated|Capture cuda graph|Error|Traceback" "$out/$tag.server.log" | head -20 || true
+    return "$rc"
+}
+
+diag() {  # device: what loads, how long it takes, and what the image gives SGLang
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    command -v nvcc && nvcc --version | tail -2 || echo "no nvcc on PATH (CUDA_HOME=${CUDA_HOME:-unset})"
+    python3 - <<'EOF'
+import importlib, importlib.metadata as md, time
+for name in ("torch", "sgl_kernel", "flashinfer", "tvm_ffi", "transformers", "tokenizers", "sglang",
+             "sglang.srt.server_args", "sglang.srt.entrypoints.http_server",
+             "sglang.srt.layers.attention.triton_backend", "sglang.srt.models.qwen3", "oscar_sglang.sglang_glue"):
+    t0 = time.perf_counter()
+    try:
+        m = importlib.import_module(name)
+        v = getattr(m, "__version__", "")
+        print(f"import {name:45s} {time.perf_counter() - t0:6.2f} s  {v}  {getattr(m, '__file__', '')}")
+    except Exception as e:  # the diagnostics go on past a failed import
+        print(f"import {name:45s} FAILED {type(e).__name__}: {e}")
+for d in ("sglang", "sglang-kernel", "flashinfer-python", "apache-tvm-ffi", "transformers", "tokenizers",
+          "huggingface-hub", "numpy", "triton", "torch", "xgrammar", "oscar-sglang"):
+    try:
+        print(f"dist {d:20s} {md.version(d)}")
+    except md.PackageNotFoundError:
+        print(f"dist {d:20s} MISSING")
+import torch
+print("cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+try:
+    from importlib.metadata import entry_points
+    print("sglang.srt.plugins:", [e.value for e in entry_points(group="sglang.srt.plugins")])
+except Exception as e:
+    print("entry points:", e)
+EOF
+}
+
+case "${1:-}" in
+    pack) pack ;;
+    stash) stash "$2" ;;
+    run) shift; run "$@" ;;
+    diag) shift; run --diag-only "$@" ;;
+    *) echo "usage: gpu_sglang.sh pack | stash K | run [options] (run --help) | diag" >&2; exit 2 ;;
+esac
