@@ -86,7 +86,7 @@ def check_specs() -> str:
     from oscar_vllm import backend, compat
 
     bf16 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
-    backend._LOADED_GROUP["group"] = 64
+    backend._Process.group = 64
     int2 = customize_attention_spec(backend.OscarAttentionBackend, bf16)
     assert int2.page_size_bytes == 3 * 128 * cell_bytes(64, 64), int2
     both = UniformTypeKVCacheSpecs.from_specs({"int2": int2, "bf16": bf16})

@@ -470,7 +470,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
         # preempt running requests and resume them (the counter says how often). The earlier shape
         # (1,500 + 64 tokens) read 0 preemptions on the H200 (2026-12-04): vLLM admitted only what
         # fitted and queued the rest.
-        # the fallback to restores by block ids (backend.V2_IDENTITY_ENV=0; identity restores are the
+        # the fallback to restores by block ids (OSCAR_VLLM_V2_IDENTITY_RESTORES=0; identity restores are the
         # default since they gave this case's greedy tokens, perplexity and hit on the H200): the
         # same work as smol-oscar-eager-cache, and the same results
         blockids = {"OSCAR_VLLM_V2_IDENTITY_RESTORES": "0"}

@@ -208,7 +208,7 @@ def test_the_warm_up_follows_vllms_jit_warm_up_unless_told(monkeypatch):
     monkeypatch.setenv("OSCAR_VLLM_WARMUP", "0")
     assert not warmup_wanted(graphs)
     monkeypatch.setenv("OSCAR_VLLM_WARMUP", "yes")
-    with pytest.raises(OscarError, match="OSCAR_VLLM_WARMUP must be 0 or 1"):
+    with pytest.raises(OscarError, match="OSCAR_VLLM_WARMUP"):
         warmup_wanted(graphs)
 
 

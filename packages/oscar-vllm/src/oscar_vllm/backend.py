@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import fields, replace
 from typing import Any, ClassVar
@@ -85,21 +84,43 @@ AttentionType, CommonAttentionMetadata, MultipleOf = (
 
 log = logging.getLogger("oscar_vllm")
 
-#: file to which every step's batch (chunk lengths, prefixes, window slots) is appended as one
-#: JSON line (diagnostics: outputs depend on chunk boundaries, docs/vllm.md "Reproducibility")
-STEP_LOG_ENV = "OSCAR_VLLM_STEP_LOG"
-#: ``0``: with vLLM's V2 runner, restores by the content tracker's per-step read of block ids
-#: (serving.plan_slots) instead of by request identity (serving.FreshRows fed by
-#: compat.track_v2_rows; the default since the H200 run of 2026-12-03 gave the same tokens,
-#: perplexity and prefix hits: docs/vllm.md). The V1 runner restores by identity
-#: (RequestSlots), checked by the CPU engine suite.
-V2_IDENTITY_ENV = "OSCAR_VLLM_V2_IDENTITY_RESTORES"
-#: ``1``: chunks whose extend grid would leave SMs idle split their INT2 keys over more programs
-#: (``oscar_kernels.extend_attention(num_splits="auto")``); off until a GPU run measures it
-SPLIT_EXTEND_ENV = "OSCAR_VLLM_SPLIT_EXTEND"
+# Options (settings.py, oscar_kernels.serving.settings): ``step_log`` appends every step's batch
+# as a JSON line (docs/vllm.md, "Reproducibility"); ``identity_restores`` (default on) restores
+# windows by request identity on vLLM's V2 runner (serving.FreshRows fed by compat.track_v2_rows),
+# off by the content tracker's per-step read of block ids (serving.plan_slots); ``split_extend``
+# (default on) splits a short chunk's INT2 keys over more programs where the grid leaves SMs idle.
 
-#: group size of the artifact loaded by this process's layers (read by customize_spec)
-_LOADED_GROUP: dict[str, int] = {}
+
+class _Process:
+    """What this process's OSCAR layers share with vLLM calls that get no config (``customize_spec``)."""
+
+    group: int | None = None  # the group size of the artifact the layers loaded
+
+
+class EngineState:
+    """One engine's OSCAR state in this process: its settings, the V1 runner's request slots and
+    the metadata builders' hand-over (:class:`_StepExchange`). One per engine config
+    (:func:`engine_state`); a new engine (a new config object) gets a new one."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.cfg = vllm_config
+        self.settings = settings_from(
+            getattr(vllm_config, "additional_config", None), require_rotations=False
+        )
+        self.request_slots: RequestSlots | None = None
+        self.request_slots_tried = False
+        self.exchange = _StepExchange(vllm_config)
+
+
+_ENGINE: list[EngineState] = []  # the current engine's state (one engine per process at a time)
+
+
+def engine_state(vllm_config: Any) -> EngineState:
+    """The :class:`EngineState` of ``vllm_config``'s engine (made at its first use)."""
+    if not _ENGINE or _ENGINE[0].cfg is not vllm_config:
+        _ENGINE[:] = [EngineState(vllm_config)]
+    return _ENGINE[0]
+
 
 __all__ = [
     "OscarAttentionBackend",
@@ -172,7 +193,7 @@ class OscarAttentionBackend(_OscarBackendBase):
             return spec
         # called after the layers were built (outside vLLM's config context): the group size
         # comes from the artifact their implementations loaded in this process
-        group = _LOADED_GROUP.get("group")
+        group = _Process.group
         if group is None:  # a process that built no layer (e.g. a planner): read the artifact
             cfg = compat.current_config()
             try:
@@ -185,17 +206,13 @@ class OscarAttentionBackend(_OscarBackendBase):
 def _request_slots(vllm_config: Any, num_slots: int) -> RequestSlots | None:
     """The engine's :class:`~oscar_kernels.serving.RequestSlots`, fed by the V1 runner hook; ``None``
     where the hook cannot be installed (then slots follow content or first blocks)."""
-    got = _REQUEST_SLOTS.get(id(vllm_config))
-    if got is None or got[0] is not vllm_config:
+    st = engine_state(vllm_config)
+    if not st.request_slots_tried:
+        st.request_slots_tried = True
         slots = RequestSlots(num_slots)
-        if not compat.track_v1_requests(slots, vllm_config):
-            return None
-        _REQUEST_SLOTS.clear()  # one engine per process at a time
-        _REQUEST_SLOTS[id(vllm_config)] = got = (vllm_config, slots)
-    return got[1]
+        st.request_slots = slots if compat.track_v1_requests(slots, vllm_config) else None
+    return st.request_slots
 
-
-_REQUEST_SLOTS: dict[int, tuple[Any, RequestSlots]] = {}
 
 #: one step's batch, shared by every layer (see :class:`oscar_kernels.serving.StepPlan`)
 OscarMetadata = StepPlan
@@ -217,6 +234,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         sc = vllm_config.scheduler_config
+        self.settings = engine_state(vllm_config).settings
         self.max_seqs = int(sc.max_num_seqs)
         self.slots = WindowSlots(self.max_seqs)
         # the V1 runner gives no persistent request row: slots by request id
@@ -231,7 +249,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
         # in its slot (oscar_kernels.serving.FreshRows): no block ids read back from the device, so a step's
         # metadata build never waits for the previous step's kernels
         if v2:
-            gen = compat.track_v2_rows(vllm_config) if os.environ.get(V2_IDENTITY_ENV) != "0" else None
+            gen = compat.track_v2_rows(vllm_config) if self.settings.identity_restores else None
         else:
             gen = getattr(self.requests, "generation", None)
         self.fresh = FreshRows(gen) if self.cached and gen is not None else None
@@ -304,7 +322,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
             md = self.buffers.hold(md)
         if self.exchange is not None and not self._capturing:
             self.exchange.plan(md)
-        path = os.environ.get(STEP_LOG_ENV)
+        path = self.settings.step_log
         if path:
             with open(path, "a") as f:
                 f.write(json.dumps(step_record(md)) + "\n")
@@ -382,7 +400,7 @@ class OscarAttentionImpl(AttentionImpl):
         self._plan: WindowPlan | None = None
         self._cfg = cfg
         rot = self.rotations
-        _LOADED_GROUP["group"] = rot.group_size
+        _Process.group = rot.group_size
         pc = cfg.parallel_config
         self.heads = kv_heads_of_rank(
             int(cfg.model_config.get_total_num_kv_heads()), pc.tensor_parallel_size, _tp_rank()
@@ -404,8 +422,7 @@ class OscarAttentionImpl(AttentionImpl):
         # a short chunk over a long prefix (a prefix hit's tail) split over more programs where the
         # grid leaves SMs idle (H200: a 16-token tail over 100k tokens 21x faster, docs/vllm.md);
         # OSCAR_VLLM_SPLIT_EXTEND=0 turns it off
-        self._splits: int | str = 1 if env_switch(SPLIT_EXTEND_ENV) is False else "auto"
-        env_switch(WARMUP_ENV)  # a bad value: refused here, at start, not in the worker's warm-up
+        self._splits: int | str = "auto" if engine_state(cfg).settings.split_extend else 1
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
 
@@ -642,20 +659,9 @@ def warm_up_engine(worker: Any) -> None:
         )
 
 
-def env_switch(name: str) -> bool | None:
-    """An on/off environment variable: ``"1"`` True, ``"0"`` False, unset or empty None; anything
-    else is refused with one line (checked when a layer is built, so at engine start)."""
-    v = os.environ.get(name, "")
-    if v in ("0", "1"):
-        return v == "1"
-    if v:
-        raise OscarError(f"OSCAR: {name} must be 0 or 1, not {v!r}")
-    return None
-
-
 def warmup_wanted(vllm_config: Any) -> bool:
-    """The warm-up's switch: ``OSCAR_VLLM_WARMUP`` where set, else vLLM's own JIT warm-up setting."""
-    on = env_switch(WARMUP_ENV)
+    """The warm-up's switch: the ``warmup`` setting where set, else vLLM's own JIT warm-up setting."""
+    on = settings_from(getattr(vllm_config, "additional_config", None), require_rotations=False).warmup
     return compat.jit_warmup_enabled(vllm_config) if on is None else on
 
 
@@ -874,15 +880,8 @@ class _StepExchange:
         self.tables = {}
 
 
-#: one exchange per engine configuration in this process (the builders' and the layers' config)
-_EXCHANGES: dict[int, _StepExchange] = {}
-
-
 def _exchange(vllm_config: Any) -> _StepExchange:
-    ex = _EXCHANGES.get(id(vllm_config))
-    if ex is None or ex.cfg is not vllm_config:  # a new engine (an id can be reused after one ends)
-        ex = _EXCHANGES[id(vllm_config)] = _StepExchange(vllm_config)
-    return ex
+    return engine_state(vllm_config).exchange
 
 
 class OscarWindowBackend(_OscarBackendBase):

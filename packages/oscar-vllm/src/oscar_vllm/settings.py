@@ -23,18 +23,21 @@ Keys of ``additional_config["oscar"]``:
   (its persistent row) and the V1 runner (slots by request id, ``oscar_kernels.serving.RequestSlots``);
   ``held`` only where OSCAR cannot hook the V1 runner.
 
-Everything here is plain Python (no vLLM import) so it is unit-tested without vLLM. What every
-engine shares (artifact loading, KV-head sharding, head-dim rule, page and window bytes) is in
+The options themselves (every key, its type, default and environment fallback) are the
+engine-neutral :class:`oscar_kernels.serving.settings.ServingSettings`; this module reads them
+from vLLM's config. Everything here is plain Python (no vLLM import), unit-tested without vLLM.
+What every engine shares (artifact loading, KV-head sharding, head-dim rule, page and window bytes) is in
 :mod:`oscar_kernels.serving`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from oscar_kernels.serving import load_for_serving
+from oscar_kernels.serving.settings import ServingSettings, WindowRecords
 from oscar_math.artifact import Rotations
 from oscar_math.errors import OscarError
 
@@ -47,67 +50,29 @@ __all__ = [
     "GPU_BLOCK_SIZE",
 ]
 
-ENV_ROTATIONS = "OSCAR_ROTATIONS"
 #: values of ``additional_config["oscar"]["window_records"]``
-WINDOW_RECORDS = ("auto", "transient", "held")
+WINDOW_RECORDS = tuple(w.value for w in WindowRecords)
 #: KV block (page) tokens of an OSCAR engine on a GPU when the user gives none (vLLM's default is
 #: 16): the decode kernel's 64-token tiles and 16-byte copies need pages of 64 (compat.default_block_size)
 GPU_BLOCK_SIZE = 64
+_EXCLUDE = 'additional_config["oscar"]["exclude_layers"]'
+
+#: OSCAR's options for one engine (the engine-neutral settings object)
+OscarSettings = ServingSettings
 
 
-@dataclass(frozen=True)
-class OscarSettings:
-    """OSCAR's options for one engine."""
-
-    rotations: str
-    exclude_layers: tuple[int, ...] = ()
-    window_records: str = "auto"
-
-
-def settings_from(additional_config: Any) -> OscarSettings:
-    """Read :class:`OscarSettings` from vLLM's ``additional_config`` (dict or ``None``), env fallback."""
+def settings_from(
+    additional_config: Any, env: Mapping[str, str] | None = None, require_rotations: bool = True
+) -> ServingSettings:
+    """The engine's :class:`~oscar_kernels.serving.settings.ServingSettings` from vLLM's
+    ``additional_config`` (dict or ``None``) and the environment (``os.environ`` by default)."""
     extra = additional_config if isinstance(additional_config, dict) else {}
     section = extra.get("oscar", {})
     if not isinstance(section, dict):
         raise OscarError(f'additional_config["oscar"] must be a JSON object, got {type(section).__name__}')
-    unknown = sorted(set(section) - {"rotations", "exclude_layers", "window_records"})
-    if unknown:
-        raise OscarError(
-            f'additional_config["oscar"] has unknown keys {unknown} '
-            "(known: rotations, exclude_layers, window_records)"
-        )
-    records = section.get("window_records", "auto")
-    if records not in WINDOW_RECORDS:
-        raise OscarError(
-            f'additional_config["oscar"]["window_records"] must be one of {list(WINDOW_RECORDS)}, '
-            f"got {records!r}"
-        )
-    path = section.get("rotations") or os.environ.get(ENV_ROTATIONS, "")
-    if not path:
-        raise OscarError(
-            "the OSCAR attention backend needs a rotations artifact: pass "
-            '--additional-config \'{"oscar": {"rotations": "FILE"}}\' (or set OSCAR_ROTATIONS=FILE); '
-            "make one with 'oscar calibrate MODEL --out FILE'"
-        )
-    return OscarSettings(
-        rotations=str(path),
-        exclude_layers=_exclude_list(section.get("exclude_layers", [])),
-        window_records=records,
+    return ServingSettings.parse(
+        section, os.environ if env is None else env, 'additional_config["oscar"]', require_rotations
     )
-
-
-_EXCLUDE = 'additional_config["oscar"]["exclude_layers"]'
-
-
-def _exclude_list(value: Any) -> tuple[int, ...]:
-    """The excluded layers, sorted; one-line errors for a non-list, non-ints and repeats."""
-    # bool is an int subclass: `true` in JSON is a mistake, not layer 1
-    if not isinstance(value, list | tuple) or not all(type(i) is int for i in value):
-        raise OscarError(f"{_EXCLUDE} must be a list of layer indices (ints), got {value!r}")
-    repeated = sorted({i for i in value if value.count(i) > 1})
-    if repeated:
-        raise OscarError(f"{_EXCLUDE} lists layers {repeated} more than once")
-    return tuple(sorted(value))
 
 
 def check_excluded(exclude_layers: tuple[int, ...], num_layers: int) -> None:
@@ -138,7 +103,7 @@ def default_max_num_seqs(engine_default: int, device_bytes: int, slot_bytes: int
     return max(min(engine_default, fit), min(engine_default, MIN_DEFAULT_SEQS))
 
 
-def load_checked(settings: OscarSettings, num_layers: int, num_kv_heads: int, head_dim: int) -> Rotations:
+def load_checked(settings: ServingSettings, num_layers: int, num_kv_heads: int, head_dim: int) -> Rotations:
     """Load the artifact once per process and check it against the model's geometry.
 
     Args:

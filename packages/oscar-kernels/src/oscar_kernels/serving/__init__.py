@@ -9,6 +9,7 @@ first layer of each configuration validates and plans the launches, the others o
 * :mod:`.slots` — which window slot each request owns and when it must be restored.
 * :mod:`.window_pages` — BF16 window rows kept in engine pages (prefix-cache hits, vLLM).
 * :mod:`.snapshots` — window snapshots and INT2 rebuilds (radix-cache hits, SGLang).
+* :mod:`.settings` — :class:`ServingSettings`, every engine's OSCAR options, validated once.
 * :mod:`.loading` — the artifact for serving: loading, sharding, layout, memory sizes.
 """
 
@@ -25,6 +26,7 @@ from .loading import (
 )
 from .plan import StepBuffers, StepPlan, plan_step, step_record, to_device
 from .run import WindowOp, attend_step, run_layer, write_step
+from .settings import RadixCache, ServingSettings, WindowRecords
 from .slots import FreshRows, RequestSlots, SlotTracker, WindowSlots, WindowTracker, plan_slots
 from .snapshots import (
     CaptureChunk,
@@ -49,6 +51,9 @@ from .window_pages import (
 )
 
 __all__ = [
+    "ServingSettings",
+    "RadixCache",
+    "WindowRecords",
     "StepPlan",
     "plan_step",
     "StepBuffers",
