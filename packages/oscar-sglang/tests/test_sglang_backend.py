@@ -501,7 +501,7 @@ def test_backend_selection_and_forward_modes(artifact):
         h.oscar.init_forward_metadata(fb)
     fb.forward_mode = ForwardMode.IDLE
     h.oscar.init_forward_metadata(fb)
-    assert h.oscar.meta is None
+    assert h.oscar.plan is None
 
 
 def test_mixed_batch_decode_token_plus_new_prompt(artifact):

@@ -37,7 +37,16 @@ from typing import Any
 import torch
 
 from oscar_kernels import PagedKVCache, cache_from_page_buffer, page_bytes, paged_write
-from oscar_kernels.serving import CaptureChunk, CopyWindows, RebuildWindows, StepPlan, plan_step, run_layer
+from oscar_kernels.serving import (
+    CaptureChunk,
+    CopyWindows,
+    RebuildWindows,
+    StepBuffers,
+    StepPlan,
+    copy_windows,
+    plan_step,
+    run_layer,
+)
 from oscar_math.artifact import load_rotations
 from oscar_math.errors import OscarError
 
@@ -221,9 +230,24 @@ class OscarTokenToKVPool(MHATokenToKVPool):
         self.inexact_hits = 0
         self.exact_hits = 0
         self.tracker = WindowTracker(max_seqs)
+        #: decode steps' snapshot captures ``(snapshot rows, slots)``, copied (every layer) before the
+        #: next step runs: the windows a hit of ``L`` reads exist once the step that wrote position
+        #: ``L - 1`` ran, and a CUDA graph's replay cannot run the copies itself
+        self.pending_copies: list[tuple[list[int], list[int]]] = []
         #: the step's plan (set by the backend's init_forward_metadata; read by set_kv_buffer)
         self.step: StepPlan | None = None
         self._finalize_allocation_log(size)
+
+    def flush_copies(self) -> None:
+        """Run the pending snapshot captures (before any later step's forward is launched)."""
+        if not self.pending_copies:
+            return
+        dev = self.caches[0].k_sink.device
+        dst = torch.tensor([d for ds, _ in self.pending_copies for d in ds], dtype=torch.int64, device=dev)
+        src = torch.tensor([x for _, xs in self.pending_copies for x in xs], dtype=torch.int64, device=dev)
+        self.pending_copies = []
+        for cache in self.caches:
+            copy_windows(cache, dst, src)
 
     def note_hit(self, token_slot: int, digest: bytes, length: int) -> None:
         self.pending_hits[token_slot] = (digest, length)
@@ -329,33 +353,18 @@ class OscarAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         fb = forward_batch
         mode = fb.forward_mode
+        self.pool.flush_copies()
         if mode.is_idle():  # a data-parallel worker with nothing to run this step
             self.plan = None
             return
         pool = self.pool
+        if mode.is_decode():
+            pool.step = self.plan = self._decode_plan(fb, fb.seq_lens.shape[0])
+            return
         slots = fb.req_pool_indices.to(torch.int32)
-        seq_lens = fb.seq_lens.to(torch.int32)
         bt = block_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices, pool.page_size)
         gens = self.req_to_token_pool.req_generation
         P = pool.page_size
-        if mode.is_decode():
-            bsz = seq_lens.shape[0]
-            lens_cpu = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
-            cap_src, cap_dst = [], []
-            for slot, length in zip(fb.req_pool_indices.tolist(), lens_cpu, strict=True):
-                gen = int(gens[slot])
-                pool.tracker.mark(slot, gen, length)
-                if length % P == 0 and pool.may_snapshot(slot, gen):
-                    # this step writes position length-1: the windows are those of a hit of `length`
-                    buf = pool.store.capture(slot, gen, length, self._current_gens(), set())
-                    if buf is not None:
-                        cap_src.append(slot)
-                        cap_dst.append(buf)
-            cap = self._pair(cap_dst, cap_src)  # after the step's write: the windows a hit of seq_len reads
-            plan = self._plan(fb, bt, slots, torch.ones(bsz, dtype=torch.int64), lens_cpu)
-            plan.after_attend = () if cap is None else (CopyWindows(*cap),)
-            pool.step = self.plan = plan
-            return
         if mode.name not in ("EXTEND", "MIXED"):  # speculative / dLLM / split-prefill modes
             raise OscarError(f"--attention-backend {BACKEND_NAME}: forward mode {mode.name} is not supported")
         ext = fb.extend_seq_lens.to(torch.int64)
@@ -543,10 +552,73 @@ class OscarAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):  # noqa: ANN001, ANN201
         return self._run(q, k, v, layer, save_kv_cache)
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise OscarError(
-            f"--attention-backend {BACKEND_NAME}: CUDA graphs are not wired yet; pass --disable-cuda-graph"
+    def _decode_plan(self, fb: Any, raw: int) -> StepPlan:
+        """A decode step's plan; rows past ``raw`` are a CUDA graph's padding (no write: slot -1).
+
+        Rows whose length reaches a page boundary have their windows captured for exact radix
+        hits after this step's write (:meth:`OscarTokenToKVPool.flush_copies`)."""
+        pool, P = self.pool, self.pool.page_size
+        bsz = fb.seq_lens.shape[0]
+        slots = fb.req_pool_indices.to(torch.int32)
+        bt = block_table(self.req_to_token_pool.req_to_token, fb.req_pool_indices, P)
+        gens = self.req_to_token_pool.req_generation
+        lens_cpu = (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens).tolist()
+        cap_src, cap_dst = [], []
+        for slot, length in zip(fb.req_pool_indices[:raw].tolist(), lens_cpu[:raw], strict=True):
+            gen = int(gens[slot])
+            pool.tracker.mark(slot, gen, length)
+            if length % P == 0 and pool.may_snapshot(slot, gen):
+                # this step writes position length-1: the windows are those of a hit of `length`
+                buf = pool.store.capture(slot, gen, length, self._current_gens(), set())
+                if buf is not None:
+                    cap_src.append(slot)
+                    cap_dst.append(buf)
+        if cap_dst:
+            pool.pending_copies.append((cap_dst, cap_src))
+        loc = unwrap_write_loc(fb.out_cache_loc)[0].to(torch.int64)
+        if raw < bsz:  # padding rows write nothing (their slot's windows are a live request's)
+            loc = torch.cat([loc[:raw], loc.new_full((bsz - raw,), -1)])
+        cu_cpu = torch.arange(bsz + 1, dtype=torch.int64)
+        return plan_step(
+            cu_cpu.to(fb.seq_lens.device, torch.int32),
+            cu_cpu,
+            fb.seq_lens,
+            torch.as_tensor(lens_cpu, dtype=torch.int64),
+            bt,
+            loc,
+            bsz,
+            slots,
+            None,
+            num_tokens=bsz,
         )
+
+    # -- CUDA graphs (decode): SGLang's runner captures forward_decode with the plan's tensors in
+    # fixed buffers, and before every replay calls init_forward_metadata_out_graph with its
+    # persistent batch buffers, which copies the new step's plan into the same buffers
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph_buffers = StepBuffers(max_bs, max(max_num_tokens, max_bs), torch.device(self.device))
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # a padding row attends one key (its output is dropped); it writes nothing
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        fb = forward_batch
+        self.pool.flush_copies()
+        if not fb.forward_mode.is_decode():
+            raise OscarError(
+                f"--attention-backend {BACKEND_NAME}: CUDA graphs of forward mode {fb.forward_mode.name} "
+                "are not supported (decode only); pass --disable-cuda-graph"
+            )
+        bsz = fb.seq_lens.shape[0]
+        raw = bsz - int(getattr(fb, "num_padding", 0) or 0)
+        if in_capture:  # a capture batch is a dummy: no request slots to track
+            raw = 0
+        plan = self.graph_buffers.hold(self._decode_plan(fb, raw))
+        self.pool.step = self.plan = plan
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        pass  # everything is copied into the fixed buffers outside the graph
 
     def support_triton(self) -> bool:
         return False
