@@ -202,7 +202,9 @@ def test_off_mode_builds_the_tree_disabled_and_refuses_a_hit(artifact):
     _, _, toks = f.run(range(1, 20), decode=2)
     from array import array
 
-    assert f.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks)))).device_prefix_len == 0
+    from oscar_sglang.compat import adapter
+
+    assert adapter().prefix_len(f.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks))))) == 0
     # a hit that reaches the backend anyway (another tree class, a plugin): one clear error, not INT2
     h = f.h
     donor = h.new_request(8)
