@@ -214,6 +214,8 @@ def test_capacity_vs_bf16_pool_at_same_budget(tmp_path, monkeypatch, topology):
     art = tmp_path / "r128.safetensors"
     make_artifact(art, layers=3, kv_heads=2, d=128, granularity="layer")
     monkeypatch.setenv(core.ENV_ROTATIONS, str(art))
+    # the request slots' windows alone (test_sglang_radix.py counts the radix snapshots on top)
+    monkeypatch.setenv(core.ENV_RADIX, "off")
     kvc = _configurator_ns(tmp_path)
     conf = object.__new__(DefaultPoolConfigurator)  # only the two methods under test are used
     conf.kv_cache_dtype_str = None

@@ -220,7 +220,7 @@ def test_off_mode_builds_the_tree_disabled_and_refuses_a_hit(artifact):
 # --------------------------------------------------------------------------- memory and settings
 
 
-def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology):
+def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology, caplog):
     """Exact mode's snapshot rows come out of the KV budget (SGLang's configurator methods) and are in
     the pool's reported bytes."""
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
@@ -238,7 +238,10 @@ def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology):
     per_slot = core.window_bytes_per_slot(conf._oscar_layout, 3)
 
     def tokens(mode, snaps=None):
-        monkeypatch.setenv(core.ENV_RADIX, mode)
+        if mode is None:  # the default
+            monkeypatch.delenv(core.ENV_RADIX, raising=False)
+        else:
+            monkeypatch.setenv(core.ENV_RADIX, mode)
         if snaps is None:
             monkeypatch.delenv(core.ENV_SNAPSHOTS, raising=False)
         else:
@@ -247,13 +250,22 @@ def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology):
         return DefaultPoolConfigurator.finalize_with_max_running_requests(conf, cfg).max_total_num_tokens
 
     off, exact, exact5 = tokens("off"), tokens("exact"), tokens("exact", 5)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="oscar_sglang.sglang_glue"):
+        default = tokens(None)
+    assert core.radix_mode() == "exact" and default == exact  # exact is the default
+    # the start-up line states the snapshot budget: 2 per request slot (9 slots), in MiB and tokens
+    line = next(r.getMessage() for r in caplog.records if "window snapshots" in r.getMessage())
+    mib = 18 * per_slot / 2**20
+    assert f"radix cache exact: 18 window snapshots (--oscar-window-snapshots) {mib:.1f} MiB" in line
+    assert f"together {budget // cell // 64 * 64 - exact} tokens taken" in line and "equals a miss" in line
     slots = reqs + 1
     assert off * cell + slots * per_slot <= budget
     assert exact * cell + 3 * slots * per_slot <= budget  # default: two snapshots per request slot
     assert off - exact >= 2 * slots * per_slot // cell - 64  # the snapshots cost what they weigh
     assert exact5 * cell + (slots + 5) * per_slot <= budget and exact < exact5 < off
 
-    monkeypatch.delenv(core.ENV_SNAPSHOTS)
+    monkeypatch.delenv(core.ENV_SNAPSHOTS, raising=False)
     req_pool = ReqToTokenPool(size=reqs, max_context_len=512, device="cpu", enable_memory_saver=False)
     pool = KVCacheConfigurator._build_token_to_kv_pool(
         kvc,

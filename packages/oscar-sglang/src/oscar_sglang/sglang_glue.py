@@ -651,9 +651,9 @@ def _add_cli_args(result: Any, parser: Any) -> None:
         "--oscar-radix-cache",
         choices=list(RADIX_MODES),
         default=None,
-        help=f"radix (prefix) cache under --attention-backend {BACKEND_NAME}: off (default; SGLang's tree is "
-        "built disabled), exact (hits only where the prefix's BF16 window rows were kept: a hit equals a "
-        "miss), int2 (any hit; the prefix's window tokens are read at INT2). Sets $" + ENV_RADIX,
+        help=f"radix (prefix) cache under --attention-backend {BACKEND_NAME}: exact (default; hits only "
+        "where the prefix's BF16 window rows were kept: a hit equals a miss), off (SGLang's tree is built "
+        "disabled), int2 (any hit; the prefix's window tokens are read at INT2). Sets $" + ENV_RADIX,
     )
     parser.add_argument(
         "--oscar-window-snapshots",
@@ -700,7 +700,9 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
     config = original(self, config)
     layout = getattr(self, "_oscar_layout", None)
     if layout is not None and config.max_running_requests is not None:
-        snaps = snapshot_count(radix_mode(), config.max_running_requests + 1)
+        mode = radix_mode()
+        slots = config.max_running_requests + 1
+        snaps = snapshot_count(mode, slots)
         left = tokens_after_windows(
             config.max_total_num_tokens, config.max_running_requests, layout, self._oscar_layers, snaps
         )
@@ -710,8 +712,31 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
                 "request "
                 "slots do not fit the KV budget; lower --max-running-requests or raise --mem-fraction-static"
             )
+        _log_windows(mode, slots, snaps, layout, self._oscar_layers, config.max_total_num_tokens - left)
         config.max_total_num_tokens = left
     return config
+
+
+def _log_windows(mode: str, slots: int, snaps: int, layout: Any, layers: int, tokens_taken: int) -> None:
+    """The start-up line that states what the windows and the radix mode cost and promise."""
+    per = window_bytes_per_slot(layout, layers)
+    promise = {
+        "exact": "hits read the BF16 window rows their prefix wrote (a hit equals a miss); a prefix without "
+        "a snapshot is recomputed",
+        "off": "SGLang's radix tree is built disabled (no prefix reuse)",
+        "int2": "any hit; a hit's sink/recent tokens are read at INT2, not BF16 (approximate)",
+    }[mode]
+    logger.info(
+        "OSCAR: BF16 windows %.1f MiB for %d request slots; radix cache %s: %d window snapshots "
+        "(--oscar-window-snapshots) %.1f MiB; together %d tokens taken from the INT2 budget; %s",
+        slots * per / 2**20,
+        slots,
+        mode,
+        snaps,
+        snaps * per / 2**20,
+        tokens_taken,
+        promise,
+    )
 
 
 def _build_pool(
@@ -768,10 +793,10 @@ def _tree_init(original: Any, self: Any, params: Any, *args: Any, **kwargs: Any)
     pool = alloc.get_kvcache() if alloc is not None and hasattr(alloc, "get_kvcache") else None
     if isinstance(pool, OscarTokenToKVPool) and pool.radix == "off" and not params.disable:
         logger.warning(
-            "OSCAR: radix (prefix) cache disabled under --attention-backend %s: a hit would read the "
-            "prefix's sink/recent window tokens at INT2 where a miss reads them in BF16. "
-            "--oscar-radix-cache exact keeps it on with exact hits (window snapshots, more memory); "
-            "--oscar-radix-cache int2 allows approximate hits",
+            "OSCAR: radix (prefix) cache off under --attention-backend %s (--oscar-radix-cache off): "
+            "SGLang's tree is built disabled. The default, --oscar-radix-cache exact, keeps it on with hits "
+            "equal to misses (window snapshots, more memory); --oscar-radix-cache int2 allows approximate "
+            "hits",
             BACKEND_NAME,
         )
         params.disable = True
