@@ -564,3 +564,46 @@ def test_mixed_batch_decode_token_plus_new_prompt(artifact):
     fb.forward_mode = ForwardMode.MIXED
     q, k, v = (torch.cat([x[5:6], y[:6]]) for x, y in ((qa, qb), (ka, kb), (va, vb)))
     assert rel(h.run(h.oscar, fb, q, k, v), h.run(h.native, fb, q, k, v)) < 1e-2
+
+
+# --------------------------------------------------------------------------- releases
+
+
+def test_release_adapter_and_cuda_graph_interface():
+    """The adapter matches the installed SGLang, and every method SGLang's CUDA-graph runners call
+    on an attention backend (the release's ``CUDA_GRAPH_CALLS``) is declared by SGLang's base class
+    and takes the runner's arguments on OscarAttnBackend. The legacy capture/replay pair exists in
+    neither release: a backend overriding it would never be called."""
+    import inspect
+
+    import sglang
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    from oscar_sglang import sglang_glue
+    from oscar_sglang.compat import adapter, release_of
+    from oscar_sglang.sglang_glue import OscarAttnBackend
+
+    ad = adapter()
+    assert sglang_glue.SGLANG_VERSION == ad.VERSION == release_of(sglang.__version__) == sglang_release()
+    for name, (args, kwargs) in ad.CUDA_GRAPH_CALLS.items():
+        assert callable(getattr(AttentionBackend, name)), name
+        inspect.signature(getattr(OscarAttnBackend, name)).bind(None, *args, **dict.fromkeys(kwargs))
+    for legacy in ("init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"):
+        assert not hasattr(AttentionBackend, legacy) and legacy not in vars(OscarAttnBackend)
+    with pytest.raises(OscarError, match="supports SGLang 0.5.17 and 0.5.23, found SGLang 0.6.0") as e:
+        adapter("0.6.0")
+    assert "\n" not in str(e.value)
+
+
+def test_row_generation_stays_monotonic_across_a_cache_flush():
+    """``flush_cache`` clears the request pool; the window bookkeeping reads an unchanged
+    ``req_generation`` as "the same request still owns this row", so a row handed out after the
+    flush must get a new generation (0.5.23 keeps it; on 0.5.17 the plugin's hook does)."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(size=2, max_context_len=8, device="cpu", enable_memory_saver=False)
+    s = scheduler()
+    row = s.alloc_row(pool)
+    before = int(pool.req_generation[row])
+    pool.clear()
+    assert s.alloc_row(pool) == row and int(pool.req_generation[row]) > before

@@ -31,7 +31,7 @@ from oscar_math.errors import OscarError
 #: release -> adapter module (``oscar_sglang.compat.<name>``): the one list of supported releases
 SUPPORTED: dict[str, str] = {"0.5.17": "sglang_0517", "0.5.23": "sglang_0523"}
 
-__all__ = ["SUPPORTED", "adapter", "release_of"]
+__all__ = ["SUPPORTED", "adapter", "check_release", "release_of"]
 
 
 def release_of(version: str) -> str | None:
@@ -41,16 +41,22 @@ def release_of(version: str) -> str | None:
     return m.group(1) if m and m.group(1) in SUPPORTED else None
 
 
+def check_release(version: str | None) -> str:
+    """The supported release of ``version`` (``None``: SGLang not installed); one-line error otherwise."""
+    release = release_of(version) if version is not None else None
+    if release is None:
+        found = f"SGLang {version}" if version is not None else "no SGLang installed"
+        raise OscarError(
+            f"oscar-sglang supports SGLang {' and '.join(SUPPORTED)}, found {found}: "
+            f"install one of them (pip install sglang=={list(SUPPORTED)[-1]})"
+        )
+    return release
+
+
 def adapter(version: str | None = None) -> ModuleType:
     """The adapter module of the installed SGLang (or of ``version``); one-line error otherwise."""
     if version is None:
         import sglang
 
         version = str(getattr(sglang, "__version__", "unknown"))
-    release = release_of(version)
-    if release is None:
-        raise OscarError(
-            f"oscar-sglang supports SGLang {' and '.join(SUPPORTED)}, not SGLang {version}: "
-            f"install one of them (pip install sglang=={list(SUPPORTED)[-1]})"
-        )
-    return importlib.import_module(f"{__name__}.{SUPPORTED[release]}")
+    return importlib.import_module(f"{__name__}.{SUPPORTED[check_release(version)]}")
