@@ -127,6 +127,40 @@ def test_exact_hit_cut_back_to_a_snapshot(artifact, tree):
 
 
 @pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_exact_hit_cut_back_inside_the_tree(artifact, tree):
+    """SGLang matches 12 tokens, a page boundary with no snapshot, while the prefix's chunked
+    prefill snapshotted 8: the hit is cut back to 8 by SGLang's own match of the shorter key (the
+    tree splits its node there), and equals a miss."""
+    f = _flow(artifact, tree=tree)
+    _, _, base = f.run(range(1, 20), chunks=(9,))  # snapshots 8 (chunk 1) and 16 (prompt end)
+    tokens = base[:14] + [800 + i for i in range(6)]
+    outs, m, _ = f.run(tokens)
+    assert m == 8
+    _check_equal_to_miss(f, tokens, outs, m)
+    assert f.h.pool.inexact_hits == 0 and f.h.pool.exact_hits == 1
+
+
+@pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_hit_on_a_running_request(artifact, tree):
+    """The same prompt arriving while the first request still decodes hits the snapshot that
+    request's prefill published where the tree took its tokens (0.5.23: ``checkpoint``, 0.5.17:
+    ``cache_unfinished_req``), before it finishes."""
+    f = _flow(artifact, tree=tree)
+    prompt = list(range(60, 79))  # 19 tokens: snapshot 16 at the end of the prefill
+    a = f.admit(prompt, decode=3)
+    f.extend([a])
+    f.decode([a])
+    tokens = prompt + [950, 951]
+    outs, m, _ = f.run(tokens)
+    assert m == 16
+    _check_equal_to_miss(f, tokens, outs, m)
+    while a.done < a.total:
+        f.decode([a])
+    f.finish(a)
+    assert f.h.pool.inexact_hits == 0 and f.h.pool.exact_hits == 1
+
+
+@pytest.mark.parametrize("tree", ["unified", "radix"])
 def test_shared_system_prompt_second_request_plants_the_branch_snapshot(artifact, tree):
     """Requests that share only a system prompt: the first two recompute it (no snapshot where they
     branch), the second also snapshots the branch point SGLang's match reported, and from the
