@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import nox
@@ -110,19 +111,47 @@ for _name in PACKAGES:
         _package_session(_name)
 
 
-@nox.session(tags=["packages"])
-def sglang(session: nox.Session) -> None:
-    """oscar-sglang against SGLang 0.5.23's real classes on CPU (SGLang's pinned torch 2.14.1).
+# The SGLang releases oscar-sglang supports (oscar_sglang/compat/__init__.py SUPPORTED names the
+# same), each with its pins where they differ; sglang-requirements.txt lists the rest, which both
+# releases share. 0.5.17 registers model types in its configs that transformers 5.19 has built in
+# (so it needs its own pin, 5.12.1, which needs tokenizers <= 0.23.0; 0.23.0 itself is not on the
+# index) and its server_args imports xgrammar.
+SGLANG_RELEASES = {
+    "0.5.23": ["transformers==5.19.0", "tokenizers==0.23.2"],
+    "0.5.17": ["transformers==5.12.1", "tokenizers==0.22.2", "xgrammar==0.2.1"],
+}
 
-    SGLang is installed without its dependency list (CUDA kernel libraries that cannot
-    load here); packages/oscar-sglang/sglang-requirements.txt lists what its imports need.
+
+@nox.session(tags=["packages"], venv_backend="none")
+@nox.parametrize("release", list(SGLANG_RELEASES))
+def sglang(session: nox.Session, release: str) -> None:
+    """oscar-sglang against each supported SGLang release's real classes on CPU.
+
+    SGLang is installed without its dependency list (CUDA kernel libraries that cannot load
+    here); packages/oscar-sglang/sglang-requirements.txt lists what its imports need, torch
+    2.14.1 included (PyPI's torchvision needs the CUDA torch of its release, and both releases
+    import torchvision: 0.5.17 in sglang/srt/utils/common.py, 0.5.23 in its configs). That
+    environment is ~6 GB, so every release runs in ONE virtualenv (nox would give each
+    parametrisation its own): each run swaps in its SGLang wheel and pins, a few seconds.
     """
-    session.install("-r", "packages/oscar-sglang/sglang-requirements.txt")
-    session.install("--no-deps", "sglang==0.5.23")
-    session.install(
-        "--no-deps", *[a for n in ("math", "kernels", "sglang") for a in ("-e", f"packages/oscar-{n}")]
+    # plain pip runs (not session.install): the swap must happen under `-R` (no-install) too
+    venv = Path(nox.options.envdir) / "sglang-releases"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    session.run(
+        *pip, "-r", "packages/oscar-sglang/sglang-requirements.txt", *SGLANG_RELEASES[release], external=True
     )
-    _pytest(session, "packages/oscar-sglang/tests")
+    session.run(*pip, "--no-deps", f"sglang=={release}", external=True)
+    session.run(
+        *pip,
+        "--no-deps",
+        *[a for n in ("math", "kernels", "sglang") for a in ("-e", f"packages/oscar-{n}")],
+        external=True,
+    )
+    tests = "packages/oscar-sglang/tests"
+    session.run(str(python), "-m", "pytest", "-q", tests, *session.posargs, external=True)
 
 
 # vLLM's CPU build pins this torch; it also pulls vision/audio packages built for a

@@ -13,6 +13,117 @@ from oscar_math.artifact import identity_rotations, save_rotations
 H_Q, H_KV, D, PAGE, SINK, RECENT = 4, 2, 64, 4, 4, 8
 
 
+def sglang_release() -> str:
+    """The supported SGLang release installed (``0.5.17`` / ``0.5.23``), as the plugin picks it."""
+    import sglang
+
+    from oscar_sglang.compat import release_of
+
+    return release_of(sglang.__version__) or sglang.__version__
+
+
+class _Scheduler0523:
+    """What SGLang 0.5.23's scheduler does to a request and the tree (``schedule_batch.py``,
+    ``mem_cache/common.py``, the test helper ``sglang.test.mem_cache_utils.finish_req``)."""
+
+    @staticmethod
+    def alloc_row(pool) -> int:
+        return pool.alloc_rows(1)[0]
+
+    @staticmethod
+    def free_row(pool, slot: int) -> None:
+        """Free a row; the next ``alloc_row`` hands it out again (0.5.23 pops the newest)."""
+        pool.free_rows([slot])
+
+    @staticmethod
+    def refresh(req) -> None:
+        req.refresh_fill_ids()
+
+    @staticmethod
+    def admit(tree, req, res) -> torch.Tensor:
+        """Adopt a match; returns the prefix's token slots."""
+        req.last_node = res.last_device_node
+        req.lock = tree.lock(res.last_device_node)
+        req.kv.cache_protected_len = int(res.device_prefix_len)
+        return tree.path_device_indices(req.last_node)[: int(res.device_prefix_len)]
+
+    @staticmethod
+    def allocated(req, total: int) -> None:
+        req.kv.kv_allocated_len = total
+
+    @staticmethod
+    def extended(tree, req, start: int, end: int, last: bool, use_tree: bool) -> None:
+        req.kv.kv_committed_len = end
+        req.extend_end = end
+        if use_tree:
+            tree.checkpoint(req, up_to=end)
+
+    @staticmethod
+    def decoded(req, length: int) -> None:
+        req.kv.kv_committed_len = length
+
+    @staticmethod
+    def finish(tree, req) -> None:
+        from sglang.test.mem_cache_utils import finish_req
+
+        finish_req(tree, req, up_to=req.owned_kv_len())
+
+
+class _Scheduler0517:
+    """The same for SGLang 0.5.17: no ``checkpoint``, the tree takes a request's tokens in
+    ``cache_unfinished_req`` (after each prefill chunk) and ``cache_finished_req`` (what
+    ``release_kv_cache`` calls); the row is ``req.req_pool_idx``; no ``alloc_rows``."""
+
+    @staticmethod
+    def alloc_row(pool) -> int:
+        return pool.alloc([SimpleNamespace(req_pool_idx=None)])[0]
+
+    @staticmethod
+    def free_row(pool, slot: int) -> None:
+        """Free a row and put it first: 0.5.17 hands rows out oldest-freed first, so a test that wants
+        the row reused at once (with its stale windows) moves it to the front."""
+        pool.free(SimpleNamespace(req_pool_idx=slot))
+        pool.free_slots.insert(0, pool.free_slots.pop())
+
+    @staticmethod
+    def refresh(req) -> None:
+        req._refresh_fill_ids()
+
+    @staticmethod
+    def admit(tree, req, res) -> torch.Tensor:
+        req.last_node = res.last_device_node
+        tree.inc_lock_ref(res.last_device_node)
+        req.prefix_indices = res.device_indices
+        req.cache_protected_len = len(res.device_indices)
+        return res.device_indices
+
+    @staticmethod
+    def allocated(req, total: int) -> None:
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+        req.kv = ReqKvInfo(kv_allocated_len=total, swa_evicted_seqlen=0)
+
+    @staticmethod
+    def extended(tree, req, start: int, end: int, last: bool, use_tree: bool) -> None:
+        req.kv_committed_len = end
+        req.set_extend_range(start, end)
+        if use_tree:
+            tree.cache_unfinished_req(req, chunked=not last)
+
+    @staticmethod
+    def decoded(req, length: int) -> None:
+        req.kv_committed_len = length
+
+    @staticmethod
+    def finish(tree, req) -> None:
+        tree.cache_finished_req(req, kv_len_to_handle=req.kv_committed_len)
+
+
+def scheduler():
+    """The installed release's request/tree steps (``_Scheduler0523`` / ``_Scheduler0517``)."""
+    return _Scheduler0517 if sglang_release() == "0.5.17" else _Scheduler0523
+
+
 def random_orthogonal(g: int, d: int, gen: torch.Generator) -> torch.Tensor:
     q, r = torch.linalg.qr(torch.randn(g, d, d, generator=gen, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
@@ -96,7 +207,7 @@ class Harness:
         ``share_from=(slot, n)`` maps the first ``n`` positions to another request's slots,
         exactly what a radix-cache hit does (``n`` page-aligned).
         """
-        slot = self.req_pool.alloc_rows(1)[0]
+        slot = scheduler().alloc_row(self.req_pool)
         n_shared = 0
         if share_from is not None:
             src, n_shared = share_from
@@ -195,6 +306,7 @@ class TreeFlow:
         # SGLang's default tree, or the older RadixCache (also hooked)
         self.tree = UnifiedRadixCache(params) if tree == "unified" else RadixCache(params)
         self.n = 0
+        self.s = scheduler()
 
     def admit(self, tokens, *, decode=0, use_tree=True):
         """A new request: SGLang's match (through the hooks), a request row, pages for its tokens."""
@@ -214,22 +326,19 @@ class TreeFlow:
             origin_input_ids=array("q", tokens),
             sampling_params=SamplingParams(temperature=0, max_new_tokens=decode + 1),
         )
-        req.refresh_fill_ids()
-        m = 0
+        self.s.refresh(req)
+        m, path = 0, None
         if use_tree:
             res = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
-            m = int(res.device_prefix_len)
-            req.last_node = res.last_device_node
-            req.lock = tree.lock(res.last_device_node)
-        req.kv.cache_protected_len = m
+            path = self.s.admit(tree, req, res)
+            m = len(path)
         slot = h.req_pool.alloc([req])[0]
         if m:
-            path = tree.path_device_indices(req.last_node)
             h.req_pool.req_to_token[slot, :m] = path[:m].to(torch.int32)
         total = len(tokens) + decode
         cap = -(-total // PAGE) * PAGE
         h.req_pool.req_to_token[slot, m:cap] = h.alloc.alloc(cap - m).to(torch.int32)
-        req.kv.kv_allocated_len = total
+        self.s.allocated(req, total)
         all_tokens = tokens + [1000 + i for i in range(decode + 1)]  # "greedy": same tokens every run
         q, k, v = token_qkv(all_tokens[:total])
         return SimpleNamespace(
@@ -260,11 +369,8 @@ class TreeFlow:
         for r, e in zip(reqs, ends, strict=True):
             r.outs.update({r.done + i: o[at + i] for i in range(e - r.done)})
             at += e - r.done
+            self.s.extended(self.tree, r.req, r.done, e, e == r.n, r.use_tree)
             r.done = e
-            r.req.kv.kv_committed_len = e
-            r.req.extend_end = e
-            if r.use_tree:
-                self.tree.checkpoint(r.req, up_to=e)
 
     def decode(self, reqs):
         """One decode step of every request that has tokens left."""
@@ -277,17 +383,16 @@ class TreeFlow:
             r.req.output_ids.append(r.tokens[p])
             r.outs[p] = o[i]
             r.done = p + 1
-            r.req.kv.kv_committed_len = p + 1
+            self.s.decoded(r.req, p + 1)
 
     def finish(self, r):
         """What ``release_kv_cache`` does for a finished request (``finish_req``), then the row."""
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-        from sglang.test.mem_cache_utils import finish_req
 
         r.req.output_ids.append(r.tokens[r.total])  # the last sampled token has no KV yet
         r.req.finished_reason = FINISH_LENGTH(length=r.total - r.n + 1)
         if r.use_tree:
-            finish_req(self.tree, r.req, up_to=r.req.owned_kv_len())
+            self.s.finish(self.tree, r.req)
         self.h.req_pool.free(r.req)
 
     def run(self, tokens, *, decode=0, chunks=(), use_tree=True, before_forward=None):

@@ -26,6 +26,9 @@ def model(tmp_path):
 
 @pytest.fixture
 def calls(monkeypatch):
+    # the command line is what these tests check: a supported SGLang is assumed here
+    # (test_launch_checks_the_sglang_release covers the check itself)
+    monkeypatch.setattr(launch_mod, "installed_sglang", lambda: "0.5.23")
     seen = []
 
     def fake_call(cmd, env=None):
@@ -48,8 +51,36 @@ def test_launch_runs_sglang_with_the_backend_and_rotations(tmp_path, model, call
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert cmd[cmd.index("--attention-backend") + 1] == "oscar"
     assert cmd[cmd.index("--oscar-rotations") + 1] == str(rot.resolve())
-    assert cmd[-4:] == ["--port", "8001", "--page-size", "64"] and "--disable-cuda-graph" in cmd
+    # CUDA graphs are SGLang's choice: --disable-cuda-graph is passed through, never added
+    assert cmd[-4:] == ["--port", "8001", "--page-size", "64"] and "--disable-cuda-graph" not in cmd
     assert env[ENV_ROTATIONS] == str(rot.resolve())
+    launch_mod.launch(str(model), str(rot), ["--disable-cuda-graph"])
+    assert calls[-1][0].count("--disable-cuda-graph") == 1
+
+
+def test_launch_checks_the_sglang_release(tmp_path, model, calls, monkeypatch):
+    from oscar_sglang.compat import SUPPORTED, release_of
+
+    rot = save_rotations(tmp_path / "rot.safetensors", identity_rotations("m", 30, 3, 64))
+    for version, found in (("0.5.30", "found SGLang 0.5.30"), (None, "found no SGLang installed")):
+        monkeypatch.setattr(launch_mod, "installed_sglang", lambda v=version: v)
+        with pytest.raises(OscarError, match=f"supports SGLang 0.5.17 and 0.5.23, {found}") as e:
+            launch_mod.launch(str(model), str(rot), [])
+        assert "\n" not in str(e.value) and not calls
+    monkeypatch.setattr(launch_mod, "installed_sglang", lambda: "0.5.17.post1")
+    assert launch_mod.launch(str(model), str(rot), []) == 0
+    assert set(SUPPORTED) == {"0.5.17", "0.5.23"}
+    assert [release_of(v) for v in ("0.5.23", "0.5.17+cu130", "0.5.18", "0.5.1", "0.5.170")] == [
+        "0.5.23",
+        "0.5.17",
+        None,
+        None,
+        None,
+    ]
+    monkeypatch.undo()  # the real metadata: the session's SGLang is a supported one
+    installed = launch_mod.installed_sglang()
+    if installed is not None:
+        assert release_of(installed) in SUPPORTED
 
 
 @pytest.mark.parametrize(

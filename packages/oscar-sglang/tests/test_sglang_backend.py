@@ -17,7 +17,20 @@ import torch
 
 pytest.importorskip("sglang.srt.plugins", reason="SGLang not installed (nox -s sglang installs 0.5.23)")
 
-from harness import H_KV, H_Q, PAGE, RECENT, SINK, D, Harness, make_artifact, qkv, rel  # noqa: E402
+from harness import (  # noqa: E402
+    H_KV,
+    H_Q,
+    PAGE,
+    RECENT,
+    SINK,
+    D,
+    Harness,
+    make_artifact,
+    qkv,
+    rel,
+    scheduler,
+    sglang_release,
+)
 
 from oscar_math import dequantize_int2, quantize_int2  # noqa: E402
 from oscar_math.errors import ArtifactError, OscarError  # noqa: E402
@@ -33,21 +46,35 @@ def plugins():
 
 @pytest.fixture
 def topology():
-    """Publish SGLang's runtime context (what the launcher does per process), as SGLang's own
-    ``sglang.test.test_utils.published_topology`` does; that module itself needs the datasets package."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    """Publish SGLang's runtime context (what the launcher does per process), as SGLang 0.5.23's own
+    ``sglang.test.test_utils.published_topology`` does (that module itself needs the datasets
+    package). SGLang 0.5.17's ``publish`` takes no ranks and reads the topology live from
+    ``parallel_state``: its test hook ``get_parallel().override`` sets the attention ranks instead."""
+    import contextlib
+
+    from sglang.srt.runtime_context import get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
+    stack = contextlib.ExitStack()
+
     def pub(tp_size: int = 1, world_rank: int = 0) -> None:
+        stack.close()
         reset_context()
-        publish(
-            ServerArgs(model_path="dummy", tp_size=tp_size),
-            role="test",
-            ranks=SpawnRanks(world_rank=world_rank, dp_rank=None),
-        )
+        args = ServerArgs(model_path="dummy", tp_size=tp_size, device="cpu")
+        if sglang_release() == "0.5.17":
+            publish(args, role="test")
+            rank = world_rank % tp_size
+            stack.enter_context(
+                get_parallel().override(attn_tp_size=tp_size, attn_tp_rank=rank, attn_dcp_size=1)
+            )
+        else:
+            from sglang.srt.runtime_context import SpawnRanks
+
+            publish(args, role="test", ranks=SpawnRanks(world_rank=world_rank, dp_rank=None))
 
     pub()
     yield pub
+    stack.close()
     reset_context()
 
 
@@ -93,16 +120,20 @@ def test_plugin_discovered_in_fresh_process():
     code = (
         "from sglang.srt.plugins import load_plugins; load_plugins()\n"
         "from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS\n"
-        "from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES\n"
+        "from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES\n"
         "from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator as C\n"
         "from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator as K\n"
+        "from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as T\n"
+        "from oscar_sglang.compat import adapter\n"
+        "publish = [m for m, _ in adapter().publish_hooks(print)]\n"
         "print('oscar' in ATTENTION_BACKENDS, 'oscar' in ATTENTION_BACKEND_CHOICES,\n"
         "      hasattr(C._compute_cell_size, '__wrapped__'),\n"
-        "      hasattr(K._build_token_to_kv_pool, '__wrapped__'))\n"
+        "      hasattr(K._build_token_to_kv_pool, '__wrapped__'),\n"
+        "      all(hasattr(getattr(T, m), '__wrapped__') for m in ['match_prefix', *publish]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-4:] == ["True"] * 4
+    assert out.stdout.split()[-5:] == ["True"] * 5
 
 
 def test_sglang_parser_accepts_oscar(tmp_path):
@@ -129,7 +160,17 @@ def test_server_args_route_rotations_to_env(tmp_path, monkeypatch):
     ServerArgs.add_cli_args(parser)
     missing = tmp_path / "nope.safetensors"
     ns = parser.parse_args(
-        ["--model-path", str(model), "--attention-backend", "oscar", "--oscar-rotations", str(missing)]
+        # --device: SGLang 0.5.17 finds no accelerator on a CPU-only machine otherwise
+        [
+            "--model-path",
+            str(model),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "oscar",
+            "--oscar-rotations",
+            str(missing),
+        ]
     )
     with pytest.raises(ArtifactError, match="rotations file not found") as e:
         ServerArgs.from_cli_args(ns)
@@ -148,7 +189,9 @@ def _configurator_ns(tmp_path, page=64):
     mc = ModelConfig(str(_model_dir(tmp_path)))
     return SimpleNamespace(
         model_config=mc,
-        server_args=SimpleNamespace(attention_backend="oscar", enable_hisparse=False),
+        server_args=SimpleNamespace(
+            attention_backend="oscar", enable_hisparse=False, enable_dsa_cache_layer_split=False
+        ),
         page_size=page,
         use_mla_backend=False,
         is_draft_worker=False,
@@ -171,6 +214,8 @@ def test_capacity_vs_bf16_pool_at_same_budget(tmp_path, monkeypatch, topology):
     art = tmp_path / "r128.safetensors"
     make_artifact(art, layers=3, kv_heads=2, d=128, granularity="layer")
     monkeypatch.setenv(core.ENV_ROTATIONS, str(art))
+    # the request slots' windows alone (test_sglang_radix.py counts the radix snapshots on top)
+    monkeypatch.setenv(core.ENV_RADIX, "off")
     kvc = _configurator_ns(tmp_path)
     conf = object.__new__(DefaultPoolConfigurator)  # only the two methods under test are used
     conf.kv_cache_dtype_str = None
@@ -328,7 +373,7 @@ def test_radix_hit_reads_no_stale_rows_and_equals_int2_prefix(artifact):
     other = h.new_request(16)
     qo, ko, vo = qkv(16, 99, scale=5.0)
     h.run(h.oscar, h.batch("extend", [other], [0], [16]), qo, ko, vo)
-    h.req_pool.free_rows([other])
+    scheduler().free_row(h.req_pool, other)
     hit = h.new_request(P + C, share_from=(donor, P))
     assert hit == other  # SGLang reuses the row (req_generation bumped)
     fb = h.batch("extend", [hit], [P], [C])
@@ -519,3 +564,46 @@ def test_mixed_batch_decode_token_plus_new_prompt(artifact):
     fb.forward_mode = ForwardMode.MIXED
     q, k, v = (torch.cat([x[5:6], y[:6]]) for x, y in ((qa, qb), (ka, kb), (va, vb)))
     assert rel(h.run(h.oscar, fb, q, k, v), h.run(h.native, fb, q, k, v)) < 1e-2
+
+
+# --------------------------------------------------------------------------- releases
+
+
+def test_release_adapter_and_cuda_graph_interface():
+    """The adapter matches the installed SGLang, and every method SGLang's CUDA-graph runners call
+    on an attention backend (the release's ``CUDA_GRAPH_CALLS``) is declared by SGLang's base class
+    and takes the runner's arguments on OscarAttnBackend. The legacy capture/replay pair exists in
+    neither release: a backend overriding it would never be called."""
+    import inspect
+
+    import sglang
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    from oscar_sglang import sglang_glue
+    from oscar_sglang.compat import adapter, release_of
+    from oscar_sglang.sglang_glue import OscarAttnBackend
+
+    ad = adapter()
+    assert sglang_glue.SGLANG_VERSION == ad.VERSION == release_of(sglang.__version__) == sglang_release()
+    for name, (args, kwargs) in ad.CUDA_GRAPH_CALLS.items():
+        assert callable(getattr(AttentionBackend, name)), name
+        inspect.signature(getattr(OscarAttnBackend, name)).bind(None, *args, **dict.fromkeys(kwargs))
+    for legacy in ("init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"):
+        assert not hasattr(AttentionBackend, legacy) and legacy not in vars(OscarAttnBackend)
+    with pytest.raises(OscarError, match="supports SGLang 0.5.17 and 0.5.23, found SGLang 0.6.0") as e:
+        adapter("0.6.0")
+    assert "\n" not in str(e.value)
+
+
+def test_row_generation_stays_monotonic_across_a_cache_flush():
+    """``flush_cache`` clears the request pool; the window bookkeeping reads an unchanged
+    ``req_generation`` as "the same request still owns this row", so a row handed out after the
+    flush must get a new generation (0.5.23 keeps it; on 0.5.17 the plugin's hook does)."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(size=2, max_context_len=8, device="cpu", enable_memory_saver=False)
+    s = scheduler()
+    row = s.alloc_row(pool)
+    before = int(pool.req_generation[row])
+    pool.clear()
+    assert s.alloc_row(pool) == row and int(pool.req_generation[row]) > before

@@ -127,6 +127,40 @@ def test_exact_hit_cut_back_to_a_snapshot(artifact, tree):
 
 
 @pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_exact_hit_cut_back_inside_the_tree(artifact, tree):
+    """SGLang matches 12 tokens, a page boundary with no snapshot, while the prefix's chunked
+    prefill snapshotted 8: the hit is cut back to 8 by SGLang's own match of the shorter key (the
+    tree splits its node there), and equals a miss."""
+    f = _flow(artifact, tree=tree)
+    _, _, base = f.run(range(1, 20), chunks=(9,))  # snapshots 8 (chunk 1) and 16 (prompt end)
+    tokens = base[:14] + [800 + i for i in range(6)]
+    outs, m, _ = f.run(tokens)
+    assert m == 8
+    _check_equal_to_miss(f, tokens, outs, m)
+    assert f.h.pool.inexact_hits == 0 and f.h.pool.exact_hits == 1
+
+
+@pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_hit_on_a_running_request(artifact, tree):
+    """The same prompt arriving while the first request still decodes hits the snapshot that
+    request's prefill published where the tree took its tokens (0.5.23: ``checkpoint``, 0.5.17:
+    ``cache_unfinished_req``), before it finishes."""
+    f = _flow(artifact, tree=tree)
+    prompt = list(range(60, 79))  # 19 tokens: snapshot 16 at the end of the prefill
+    a = f.admit(prompt, decode=3)
+    f.extend([a])
+    f.decode([a])
+    tokens = prompt + [950, 951]
+    outs, m, _ = f.run(tokens)
+    assert m == 16
+    _check_equal_to_miss(f, tokens, outs, m)
+    while a.done < a.total:
+        f.decode([a])
+    f.finish(a)
+    assert f.h.pool.inexact_hits == 0 and f.h.pool.exact_hits == 1
+
+
+@pytest.mark.parametrize("tree", ["unified", "radix"])
 def test_shared_system_prompt_second_request_plants_the_branch_snapshot(artifact, tree):
     """Requests that share only a system prompt: the first two recompute it (no snapshot where they
     branch), the second also snapshots the branch point SGLang's match reported, and from the
@@ -202,7 +236,9 @@ def test_off_mode_builds_the_tree_disabled_and_refuses_a_hit(artifact):
     _, _, toks = f.run(range(1, 20), decode=2)
     from array import array
 
-    assert f.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks)))).device_prefix_len == 0
+    from oscar_sglang.compat import adapter
+
+    assert adapter().prefix_len(f.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", toks))))) == 0
     # a hit that reaches the backend anyway (another tree class, a plugin): one clear error, not INT2
     h = f.h
     donor = h.new_request(8)
@@ -218,7 +254,7 @@ def test_off_mode_builds_the_tree_disabled_and_refuses_a_hit(artifact):
 # --------------------------------------------------------------------------- memory and settings
 
 
-def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology):
+def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology, caplog):
     """Exact mode's snapshot rows come out of the KV budget (SGLang's configurator methods) and are in
     the pool's reported bytes."""
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
@@ -236,7 +272,10 @@ def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology):
     per_slot = core.window_bytes_per_slot(conf._oscar_layout, 3)
 
     def tokens(mode, snaps=None):
-        monkeypatch.setenv(core.ENV_RADIX, mode)
+        if mode is None:  # the default
+            monkeypatch.delenv(core.ENV_RADIX, raising=False)
+        else:
+            monkeypatch.setenv(core.ENV_RADIX, mode)
         if snaps is None:
             monkeypatch.delenv(core.ENV_SNAPSHOTS, raising=False)
         else:
@@ -245,13 +284,22 @@ def test_snapshot_memory_is_counted(tmp_path, monkeypatch, topology):
         return DefaultPoolConfigurator.finalize_with_max_running_requests(conf, cfg).max_total_num_tokens
 
     off, exact, exact5 = tokens("off"), tokens("exact"), tokens("exact", 5)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="oscar_sglang.sglang_glue"):
+        default = tokens(None)
+    assert core.radix_mode() == "exact" and default == exact  # exact is the default
+    # the start-up line states the snapshot budget: 2 per request slot (9 slots), in MiB and tokens
+    line = next(r.getMessage() for r in caplog.records if "window snapshots" in r.getMessage())
+    mib = 18 * per_slot / 2**20
+    assert f"radix cache exact: 18 window snapshots (--oscar-window-snapshots) {mib:.1f} MiB" in line
+    assert f"together {budget // cell // 64 * 64 - exact} tokens taken" in line and "equals a miss" in line
     slots = reqs + 1
     assert off * cell + slots * per_slot <= budget
     assert exact * cell + 3 * slots * per_slot <= budget  # default: two snapshots per request slot
     assert off - exact >= 2 * slots * per_slot // cell - 64  # the snapshots cost what they weigh
     assert exact5 * cell + (slots + 5) * per_slot <= budget and exact < exact5 < off
 
-    monkeypatch.delenv(core.ENV_SNAPSHOTS)
+    monkeypatch.delenv(core.ENV_SNAPSHOTS, raising=False)
     req_pool = ReqToTokenPool(size=reqs, max_context_len=512, device="cpu", enable_memory_saver=False)
     pool = KVCacheConfigurator._build_token_to_kv_pool(
         kvc,

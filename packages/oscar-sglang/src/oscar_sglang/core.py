@@ -60,19 +60,21 @@ BACKEND_NAME = "oscar"
 ENV_RADIX = "OSCAR_SGLANG_RADIX_CACHE"
 #: window snapshots kept for exact radix hits (``--oscar-window-snapshots``)
 ENV_SNAPSHOTS = "OSCAR_SGLANG_WINDOW_SNAPSHOTS"
-RADIX_MODES = ("off", "exact", "int2")
+RADIX_MODES = ("off", "exact", "int2")  # radix_mode(): exact is the default
 
 
 def radix_mode() -> str:
     """The radix-cache policy under ``--attention-backend oscar`` (``$OSCAR_SGLANG_RADIX_CACHE``).
 
-    * ``off`` (default): SGLang's radix cache is built disabled, so there are no hits;
-    * ``exact``: hits are cut back to the longest page-aligned prefix whose BF16 window rows
-      were kept (a window snapshot), which are copied into the request: a hit == a miss;
+    * ``exact`` (default): hits are cut back to the longest page-aligned prefix whose BF16 window
+      rows were kept (a window snapshot), which are copied into the request: a hit reads exactly
+      the rows a miss computes for itself (bitwise on CPU; on a GPU up to what SGLang's own BF16
+      radix cache allows: K/V computed in another batch may differ in the last bits);
+    * ``off``: SGLang's radix cache is built disabled, so there are no hits;
     * ``int2``: any hit; the prefix's window rows are rebuilt from its INT2 pages
       (approximate: those tokens are read at INT2 where a miss reads BF16).
     """
-    mode = os.environ.get(ENV_RADIX, "").strip().lower() or "off"
+    mode = os.environ.get(ENV_RADIX, "").strip().lower() or "exact"
     if mode not in RADIX_MODES:
         raise OscarError(
             f"Invalid {ENV_RADIX} / --oscar-radix-cache: expected one of {', '.join(RADIX_MODES)}, "

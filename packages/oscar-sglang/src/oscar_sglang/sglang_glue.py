@@ -1,6 +1,8 @@
-"""Everything that touches SGLang internals (written against SGLang 0.5.23).
+"""Everything that touches SGLang internals (SGLang 0.5.17 and 0.5.23).
 
-This is the only module that imports SGLang. It provides:
+This is the only module that imports SGLang, together with the per-release adapters in
+:mod:`oscar_sglang.compat` (chosen by ``sglang.__version__``; this module uses only their
+small interface). It provides:
 
 * :func:`register`, the ``sglang.srt.plugins`` entry point, run by SGLang's
   ``load_plugins()`` in the launcher and in every scheduler subprocess: registers the
@@ -10,20 +12,22 @@ This is the only module that imports SGLang. It provides:
 * :class:`OscarTokenToKVPool`, the KV pool (INT2 pages + BF16 windows);
 * :class:`OscarAttnBackend`, the attention backend.
 
-Hook targets (dotted paths, all SGLang 0.5.23):
+Hook targets (dotted paths, the same in both releases unless noted):
 
 * ``ServerArgs.add_cli_args`` (after): adds ``--oscar-rotations FILE``;
 * ``ServerArgs.from_cli_args`` (around): copies it to ``$OSCAR_ROTATIONS`` (inherited by
   the scheduler subprocesses) and checks the file before anything starts;
 * ``DefaultPoolConfigurator._compute_cell_size`` (around): INT2 bytes per token;
 * ``DefaultPoolConfigurator.finalize_with_max_running_requests`` (around): takes the BF16
-  windows of every request slot out of the token budget;
+  windows of every request slot (and the window snapshots) out of the token budget;
 * ``KVCacheConfigurator._build_token_to_kv_pool`` (around): builds the OSCAR pool;
-* ``UnifiedRadixCache`` / ``RadixCache`` ``.__init__``, ``.match_prefix``, ``.checkpoint``
-  (around) and ``ReqToTokenPool.alloc`` (after): the radix-cache policy
-  (``--oscar-radix-cache``): the tree built disabled (``off``), or hits cut back to prefixes
-  with a BF16 window snapshot, snapshots published at checkpoints and planted at branch
-  points (``exact``). See docs/sglang.md, "Radix (prefix) cache".
+* ``UnifiedRadixCache`` / ``RadixCache`` ``.__init__``, ``.match_prefix`` and the release's
+  publish points (0.5.23: ``.checkpoint``; 0.5.17: ``.cache_unfinished_req`` and
+  ``.cache_finished_req``) (around), and ``ReqToTokenPool.alloc`` (after): the radix-cache
+  policy (``--oscar-radix-cache``): hits cut back to prefixes with a BF16 window snapshot,
+  snapshots published where the tree takes a request's tokens and planted at branch points
+  (``exact``, the default), or the tree built disabled (``off``). See docs/sglang.md,
+  "Radix (prefix) cache".
 """
 
 from __future__ import annotations
@@ -72,8 +76,12 @@ from .core import (
 
 logger = logging.getLogger(__name__)
 
-# SGLang imports (this module is imported only where SGLang is installed).
-from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices  # noqa: E402
+# SGLang imports (this module is imported only where SGLang is installed). The release's adapter
+# first: an unsupported SGLang fails here, in one line, before any of its internals are touched.
+from .compat import adapter  # noqa: E402
+
+_compat = adapter()
+
 from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
     ATTENTION_BACKENDS,
     register_attention_backend,
@@ -82,7 +90,12 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # no
 from sglang.srt.mem_cache.memory_pool import KVCache, MHATokenToKVPool, unwrap_write_loc  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
-SGLANG_VERSION = "0.5.23"
+# both releases export these from server_args (0.5.23 re-exports them from arg_groups.choices,
+# which 0.5.17 does not have)
+from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices  # noqa: E402
+
+#: the SGLang release whose adapter is in use
+SGLANG_VERSION: str = _compat.VERSION
 
 __all__ = ["register", "OscarTokenToKVPool", "OscarAttnBackend", "oscar_selected", "SGLANG_VERSION"]
 
@@ -643,9 +656,9 @@ def _add_cli_args(result: Any, parser: Any) -> None:
         "--oscar-radix-cache",
         choices=list(RADIX_MODES),
         default=None,
-        help=f"radix (prefix) cache under --attention-backend {BACKEND_NAME}: off (default; SGLang's tree is "
-        "built disabled), exact (hits only where the prefix's BF16 window rows were kept: a hit equals a "
-        "miss), int2 (any hit; the prefix's window tokens are read at INT2). Sets $" + ENV_RADIX,
+        help=f"radix (prefix) cache under --attention-backend {BACKEND_NAME}: exact (default; hits only "
+        "where the prefix's BF16 window rows were kept: a hit equals a miss), off (SGLang's tree is built "
+        "disabled), int2 (any hit; the prefix's window tokens are read at INT2). Sets $" + ENV_RADIX,
     )
     parser.add_argument(
         "--oscar-window-snapshots",
@@ -692,7 +705,9 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
     config = original(self, config)
     layout = getattr(self, "_oscar_layout", None)
     if layout is not None and config.max_running_requests is not None:
-        snaps = snapshot_count(radix_mode(), config.max_running_requests + 1)
+        mode = radix_mode()
+        slots = config.max_running_requests + 1
+        snaps = snapshot_count(mode, slots)
         left = tokens_after_windows(
             config.max_total_num_tokens, config.max_running_requests, layout, self._oscar_layers, snaps
         )
@@ -702,8 +717,31 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
                 "request "
                 "slots do not fit the KV budget; lower --max-running-requests or raise --mem-fraction-static"
             )
+        _log_windows(mode, slots, snaps, layout, self._oscar_layers, config.max_total_num_tokens - left)
         config.max_total_num_tokens = left
     return config
+
+
+def _log_windows(mode: str, slots: int, snaps: int, layout: Any, layers: int, tokens_taken: int) -> None:
+    """The start-up line that states what the windows and the radix mode cost and promise."""
+    per = window_bytes_per_slot(layout, layers)
+    promise = {
+        "exact": "hits read the BF16 window rows their prefix wrote (a hit equals a miss); a prefix without "
+        "a snapshot is recomputed",
+        "off": "SGLang's radix tree is built disabled (no prefix reuse)",
+        "int2": "any hit; a hit's sink/recent tokens are read at INT2, not BF16 (approximate)",
+    }[mode]
+    logger.info(
+        "OSCAR: BF16 windows %.1f MiB for %d request slots; radix cache %s: %d window snapshots "
+        "(--oscar-window-snapshots) %.1f MiB; together %d tokens taken from the INT2 budget; %s",
+        slots * per / 2**20,
+        slots,
+        mode,
+        snaps,
+        snaps * per / 2**20,
+        tokens_taken,
+        promise,
+    )
 
 
 def _build_pool(
@@ -760,21 +798,14 @@ def _tree_init(original: Any, self: Any, params: Any, *args: Any, **kwargs: Any)
     pool = alloc.get_kvcache() if alloc is not None and hasattr(alloc, "get_kvcache") else None
     if isinstance(pool, OscarTokenToKVPool) and pool.radix == "off" and not params.disable:
         logger.warning(
-            "OSCAR: radix (prefix) cache disabled under --attention-backend %s: a hit would read the "
-            "prefix's sink/recent window tokens at INT2 where a miss reads them in BF16. "
-            "--oscar-radix-cache exact keeps it on with exact hits (window snapshots, more memory); "
-            "--oscar-radix-cache int2 allows approximate hits",
+            "OSCAR: radix (prefix) cache off under --attention-backend %s (--oscar-radix-cache off): "
+            "SGLang's tree is built disabled. The default, --oscar-radix-cache exact, keeps it on with hits "
+            "equal to misses (window snapshots, more memory); --oscar-radix-cache int2 allows approximate "
+            "hits",
             BACKEND_NAME,
         )
         params.disable = True
     return original(self, params, *args, **kwargs)
-
-
-def _path_indices(tree: Any, node: Any, extra_key: Any) -> torch.Tensor:
-    core = getattr(tree, "tree_core", None)
-    if core is not None and hasattr(core, "collect_full_device_indices"):  # UnifiedRadixCache
-        return core.collect_full_device_indices(node, tree.root_node_handle(extra_key))
-    return tree.path_device_indices(node)
 
 
 def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -786,22 +817,21 @@ def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: A
     """
     result = original(self, params, *args, **kwargs)
     pool = _oscar_pool_of(self)
-    n = int(result.device_prefix_len)
+    n = _compat.prefix_len(result)
     req = getattr(params, "req", None)
-    # only a request's match (SGLang's match_kv_cache passes req) adopts a prefix; the tree's own
-    # lookups (RadixCache.checkpoint re-finds the path it just inserted) must see the whole tree
+    # only a request's match (the scheduler passes req) adopts a prefix; the tree's own lookups
+    # (re-finding the path it just inserted, in checkpoint / cache_unfinished_req) see it whole
     if pool is None or pool.radix != "exact" or n == 0 or req is None:
         if req is not None:
             req._oscar_want_snapshot = None
         return result
     from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
-    from sglang.srt.mem_cache.radix_cache import RadixKey
 
     key = params.key
     if getattr(key, "is_bigram", False):
         return zero_match_result(self, result, extra_key=key.extra_key)
     page = pool.page_size
-    digests = prefix_digests(key.token_ids, key.extra_key, key.cache_salt, page, n)
+    digests = prefix_digests(key.token_ids, key.extra_key, _compat.key_salt(key), page, n)
     m, found = 0, None
     for i in range(len(digests) - 1, -1, -1):
         found = pool.store.lookup(digests[i])
@@ -814,37 +844,32 @@ def _match_prefix(original: Any, self: Any, params: Any, *args: Any, **kwargs: A
     if m == 0:
         return zero_match_result(self, result, extra_key=key.extra_key)
     if m < n:
-        limit = m if key.limit is None else min(m, key.limit)
-        short = RadixKey(
-            key.token_ids, key.extra_key, is_bigram=False, limit=limit, cache_salt=key.cache_salt
-        )
+        short = _compat.short_key(key, m)
         result = original(self, dataclasses.replace(params, key=short), *args, **kwargs)
-        if int(result.device_prefix_len) != m:
+        if _compat.prefix_len(result) != m:
             return zero_match_result(self, result, extra_key=key.extra_key)
-    last = int(_path_indices(self, result.last_device_node, key.extra_key)[m - 1])
-    pool.note_hit(last, digests[m // page - 1], m)
+    pool.note_hit(_compat.prefix_slot(self, result, key.extra_key, m), digests[m // page - 1], m)
     return result
 
 
-def _checkpoint(original: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """Radix mode ``exact``: publish the window snapshot of the prefix the tree now holds."""
-    out = original(self, req, *args, **kwargs)
-    pool = _oscar_pool_of(self)
-    if pool is None or pool.store is None or getattr(self, "disable", False):
-        return out
-    k_len = int(req.kv.cache_protected_len)
-    slot = req.kv.req_pool_idx
-    if k_len <= 0 or slot is None:
-        return out
-    gen = int(self.req_to_token_pool.req_generation[slot])
+def _publish(tree: Any, req: Any, slot: Any, k_len: int, token_ids: Any) -> None:
+    """Radix mode ``exact``: the tree now owns the request's first ``k_len`` tokens: publish every
+    window snapshot the request captured up to there under its prefix's content digest.
+
+    Called by the release adapter's hooks on the tree's publish points (``compat``).
+    """
+    pool = _oscar_pool_of(tree)
+    if pool is None or pool.store is None or getattr(tree, "disable", False):
+        return
+    if k_len <= 0 or slot is None or len(token_ids) != k_len:
+        return
+    gen = int(tree.req_to_token_pool.req_generation[slot])
     lengths = [n for n in pool.store.candidates(int(slot), gen) if n <= k_len]
-    ids = req.full_untruncated_fill_ids[:k_len]
-    if lengths and len(ids) == k_len:
+    if lengths:
         page = pool.page_size
-        digests = prefix_digests(ids, req.extra_key, req.cache_salt, page, k_len)
+        digests = prefix_digests(token_ids, req.extra_key, _compat.req_salt(req), page, k_len)
         for n in lengths:  # the tree holds [0, k_len): every candidate up to there is a cached prefix
             pool.store.publish(int(slot), gen, n, digests[n // page - 1])
-    return out
 
 
 def _req_alloc(result: Any, self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -854,7 +879,7 @@ def _req_alloc(result: Any, self: Any, reqs: Any, *args: Any, **kwargs: Any) -> 
         return result
     for r in reqs:
         n = getattr(r, "_oscar_want_snapshot", None)
-        slot = r.kv.req_pool_idx
+        slot = _compat.req_slot(r)
         if n and slot is not None:
             pool.want[int(slot)] = (int(self.req_generation[slot]), int(n))
             r._oscar_want_snapshot = None
@@ -882,5 +907,8 @@ def register() -> None:
     for tree in _T_TREES:
         HookRegistry.register(f"{tree}.__init__", _tree_init, HookType.AROUND)
         HookRegistry.register(f"{tree}.match_prefix", _match_prefix, HookType.AROUND)
-        HookRegistry.register(f"{tree}.checkpoint", _checkpoint, HookType.AROUND)
+        for method, hook in _compat.publish_hooks(_publish):
+            HookRegistry.register(f"{tree}.{method}", hook, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", _req_alloc, HookType.AFTER)
+    for target, hook, kind in _compat.extra_hooks():
+        HookRegistry.register(target, hook, kind)
