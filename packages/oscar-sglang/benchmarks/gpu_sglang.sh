@@ -96,8 +96,9 @@ usage_run() {
     cat <<'EOF'
 run [options]   (device; after stash 1..N)
   --backend NAME        attention backend (default triton: SGLang's BF16 Triton kernels)
-  --oscar FILE          OSCAR case: --attention-backend oscar --oscar-rotations FILE, plugin loaded
-  --graph | --no-graph  CUDA graphs on (default) or --disable-cuda-graph (OSCAR forces off)
+  --oscar FILE|qwen     OSCAR case: --attention-backend oscar --oscar-rotations FILE, plugin loaded;
+                        "qwen": the Qwen3-8B-shape format-3 artifact of the vLLM benchmarks (made here)
+  --graph | --no-graph  CUDA graphs on (default) or --disable-cuda-graph
   --tf pinned|image     transformers 5.12.1 (SGLang's pin, default) or the image's 5.17.0
   --model DIR           model dir (default: Qwen3-8B shape from the vLLM benchmarks, dummy weights)
   --ctx N               --context-length (default 8192)
@@ -166,7 +167,14 @@ run() {  # device: diagnostics, then one SGLang server, a generate and the probe
         # non-greedy request; greedy needs none. The autotune only runs for FP8/FP4/MoE anyway.
         --sampling-backend pytorch --disable-flashinfer-autotune --attention-backend "$backend"
         --log-level info)
-    [[ "$backend" == oscar ]] && { args+=(--oscar-rotations "$rot"); graph=0; }
+    if [[ "$backend" == oscar && "$rot" == qwen ]]; then  # what gpu_engine.py serves vLLM with
+        rot=/tmp/qwen3-8b-shape.oscar.safetensors
+        [[ -f "$rot" ]] || python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
+from pathlib import Path; from oscar_math.artifact import save_rotations; \
+save_rotations(sys.argv[3], gpu_engine._qwen_artifact(Path(sys.argv[2])))" \
+            "$ROOT/packages/oscar-vllm/benchmarks" "$model/config.json" "$rot"
+    fi
+    [[ "$backend" == oscar ]] && args+=(--oscar-rotations "$rot" --page-size 64)
     ((graph)) || args+=(--disable-cuda-graph)
     args+=("${extra[@]}")
     echo "launch_server ${args[*]}" | tee "$out/$tag.server.log"
