@@ -775,6 +775,73 @@ def merge_splits_kernel(
         tl.store(out_ptr + r * HEAD_DIM + d, out)
 
 
+@triton.jit
+def merge_cols_kernel(
+    po_ptr, plse_ptr, out_ptr, NT,
+    HEAD_DIM: tl.constexpr, DC: tl.constexpr, CH: tl.constexpr,
+    PDL: tl.constexpr = False, DEPENDENTS: tl.constexpr = False,
+):  # fmt: skip
+    """Program ``(r, c)`` (one query head of one sequence, output columns ``[c·DC, (c+1)·DC)``):
+    LSE-merge of the row's ``NT`` partials on that column slice, ``CH`` partials a step (one
+    step for ``NT <= CH``: no serial chunk chain at the decode split counts), stored in
+    ``out``'s dtype (``[B·H_q, d]`` contiguous). The merge of ``merge_partials`` (``v2``): ``d /
+    DC`` programs a row instead of one, each reading ``NT × DC`` partials (one memory round trip)
+    instead of ``NT × d`` in ``NT / 64`` dependent steps; the un-rotation is
+    ``unrotate_rows_kernel``'s. Every column slice recomputes the row's max and denominator from
+    ``plse`` (``NT`` floats). ``PDL``: waits for the split kernel before reading the partials;
+    ``DEPENDENTS``: lets the un-rotation kernel launch at once (it waits for this one)."""
+    if DEPENDENTS:
+        gdc_launch_dependents()
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * DC + tl.arange(0, DC)
+    if PDL:
+        gdc_wait()
+    s = tl.arange(0, CH)
+    mx = tl.full([], float("-inf"), tl.float32)
+    l_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([DC], tl.float32)
+    for s0 in range(0, NT, CH):  # one step where NT <= CH
+        live = s0 + s < NT
+        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=live, other=float("-inf"))
+        prow = r * NT + s0 + s
+        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
+        mx_new = tl.maximum(mx, tl.max(lse, 0))
+        sub = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # the max subtracted (0 while all empty)
+        a = tl.exp2(mx - sub)  # rescales the steps before; 0 on the first non-empty one
+        w = tl.exp2(lse - sub)  # empty partials (lse = -inf) weigh 0
+        l_sum = l_sum * a + tl.sum(w, 0)
+        acc = acc * a + tl.sum(w[:, None] * o, 0)
+        mx = mx_new
+    _round_store(out_ptr + r * HEAD_DIM + cols, acc / tl.where(l_sum > 0, l_sum, 1.0))
+
+
+@triton.jit
+def unrotate_rows_kernel(
+    o_ptr, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, ROWS, HQ, GQA,
+    HEAD_DIM: tl.constexpr, BM: tl.constexpr, OC: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program ``(h, c, mb)``: ``out[r, cols] = o[r] @ R_h[cols, :]ᵀ`` for the query rows ``r`` of
+    KV head ``h`` (``ROWS = B·GQA`` of them, ``BM`` a program) and the output columns ``cols =
+    [c·OC, (c+1)·OC)``, in float32 FMAs (``tl.dot`` with IEEE fp32 inputs: no tensor-core
+    rounding), stored in ``out``'s dtype; ``o``, ``out``: ``[B·H_q, d]`` contiguous, ``R_h`` at
+    ``rot + h·stride_rh`` (``R[i, j]`` at ``i·stride_ri + j·stride_rj``). A ``[OC, d]`` slice of
+    ``R_h`` serves ``BM`` rows of the KV head's GQA group and batch: ``R_V`` is read ``B·GQA / BM``
+    times a layer instead of ``B·H_q`` times (16 MB at batch 8, d 128). ``PDL``: launched as a
+    programmatic dependent of ``merge_cols_kernel``; loads its slice of ``R`` before it waits."""
+    h = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * OC + tl.arange(0, OC)
+    j = tl.arange(0, HEAD_DIM)
+    rt = tl.load(rot_ptr + h * stride_rh + cols[None, :] * stride_ri + j[:, None] * stride_rj)  # [d, OC]
+    if PDL:
+        gdc_wait()
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
+    rm = m < ROWS
+    row = (m // GQA).to(tl.int64) * HQ + h * GQA + m % GQA
+    o = tl.load(o_ptr + row[:, None] * HEAD_DIM + j[None, :], mask=rm[:, None], other=0.0)
+    y = tl.dot(o, rt, input_precision="ieee")
+    _round_store_masked(out_ptr + row[:, None] * HEAD_DIM + cols[None, :], y, rm[:, None])
+
+
 # a run-time count: one compile serves every split count; the per-sequence tensors are views at a
 # step's row offset (any address): one compile for every offset (scalar and gathered loads only)
 @triton.jit(
