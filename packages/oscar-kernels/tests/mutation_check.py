@@ -224,8 +224,8 @@ MUTATIONS = (
     Mutation(
         "merge-v2-unrotation-transposed",
         "src/oscar_kernels/kernels/attention.py",
-        "cols[None, :] * stride_ri + j[:, None] * stride_rj",
-        "cols[None, :] * stride_rj + j[:, None] * stride_ri",
+        "cols[None, :] * stride_ri + (k0 + k)[:, None] * stride_rj",
+        "cols[None, :] * stride_rj + (k0 + k)[:, None] * stride_ri",
         ("tests/test_decode_attention.py", "-k", "merge_matches_torch and v2 and layer"),
     ),
     Mutation(

@@ -97,12 +97,15 @@ class DecodeTuning:
             per KV head and row block, issue #38) or ``"v1"`` (``merge_splits_kernel``: one program
             per query row, partials in 64-partial steps, the row's own ``[d, d]`` ``R_V`` read).
         merge_block_d: v2: output columns per merge program (a power of two dividing ``d``).
-        merge_chunk: v2: partials per merge step (one compile for every split count; the decode
-            split counts, at most ``max_splits`` + the window programs, take one step at 256).
+        merge_chunk: v2: partials per merge step (one compile for every split count). 128: the
+            ``[128, 32]`` float32 tile is 64 registers a thread at 4 warps (sm_90 ptxas), 8 programs
+            per SM, one wave for the 1024 programs of batch 8 x 32 query heads; 256 (one step for
+            every decode split count, ``max_splits`` + windows) is 117 registers, 4 per SM, two
+            waves at batch 8, but one step instead of two at 1 x 130k (208 partials).
         merge_num_warps: v2: warps per merge program and per un-rotation program.
         merge_rotate_rows: v2: query rows (of one KV head's GQA group x batch) per un-rotation
-            program (a power of two >= 16: ``tl.dot``'s least M).
-        merge_rotate_cols: v2: output columns per un-rotation program (a power of two >= 16).
+            program (a power of two).
+        merge_rotate_cols: v2: output columns per un-rotation program (a power of two).
     """
 
     max_splits: int = 256
@@ -119,7 +122,7 @@ class DecodeTuning:
     long_split_tokens: int = 1024
     merge_impl: str = "v2"
     merge_block_d: int = 32
-    merge_chunk: int = 256
+    merge_chunk: int = 128
     merge_num_warps: int = 4
     merge_rotate_rows: int = 16
     merge_rotate_cols: int = 16
@@ -749,7 +752,8 @@ def merge_partials(
         rot = unrotate
         launch(unrotate_rows_kernel, (hkv, d // oc, _cdiv(bsz * gqa, bm)),
             merged, rot, rot.stride(0), rot.stride(1), rot.stride(2), out, bsz * gqa, hq, gqa,
-            HEAD_DIM=d, BM=bm, OC=oc, PDL=chain, **({"launch_pdl": True} if chain else {}), **opts,
+            HEAD_DIM=d, BM=bm, OC=oc, KC=min(32, d), PDL=chain,
+            **({"launch_pdl": True} if chain else {}), **opts,
         )  # fmt: skip
     return out
 
