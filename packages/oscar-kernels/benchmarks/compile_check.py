@@ -263,11 +263,13 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="gluon: no register double buffering")
     ap.add_argument("--group", type=int, default=None, help="quantisation group (default d; tl only)")
     ap.add_argument("--merge", choices=("v1", "v2"), default=None, help="compile the decode merge instead")
+    ap.add_argument("--merge-kc", type=int, default=None, help="v2 un-rotation: d terms per FMA dot step")
     a = ap.parse_args()
     if a.merge:
         for w in a.warps or [None]:
             kw = {} if w is None else {"warps": w}
-            kw.update(kc=int(os.environ["KC"])) if "KC" in os.environ else None
+            if a.merge_kc:
+                kw["kc"] = a.merge_kc
             for name, r in compile_merge(a.merge, d=a.d, **kw).items():
                 print(f"merge={a.merge} d={a.d} {kw} {name}: {r}", flush=True)
         return
