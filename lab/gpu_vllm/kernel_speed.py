@@ -8,8 +8,17 @@ PyTorch SDPA BF16 in the same run. Per decode shape (1 x 2k, 1 x 130k, 8 x 32k):
 * ``kernels_pdl`` / ``kernels_nopdl``: per-kernel device µs of the same graph (torch.profiler).
   With PDL the merge grid starts while the split kernel drains and waits in ``griddepcontrol``:
   its profiled duration includes that wait (what the engine profile called 25 µs a layer);
-* ``merge_alone_us``: ``merge_partials`` alone on partials of the op's own shape (graph, no PDL):
-  the merge's own cost, to compare with FA3's combine (4 µs a layer);
+* ``merge_alone_us``: ``merge_partials`` alone on partials of the op's own shape (graph, no PDL,
+  L2 flushed by ``do_bench`` between replays): the merge's own cost, to compare with FA3's combine
+  (4 µs a layer);
+* merge v1 vs v2 (issue #38; ``DecodeTuning.merge_impl``, v2 the default): every ``op_*`` /
+  ``merge_alone_*`` / ``kernels_*`` key without a suffix is v2 (the default), ``*_v1`` the old
+  ``merge_splits_kernel``; ``merge_alone_v2_chunk256_us``: v2 with 256-partial steps;
+  ``merge_profile_{v1,v2}``: the merge alone's kernels profiled (L2-hot replays, device µs per
+  kernel) and ``merge_kernel_us_{v1,v2}`` their sum, the number to hold against FA3's ~4 µs
+  combine; ``merge_kernel_us_op_nopdl_{v1,v2}``: the same sum inside the op's graph without PDL;
+  ``merge_v2_vs_v1``: the two merges' bf16 outputs on the same partials (max |diff|, fraction
+  bitwise equal) and ``op_v2_vs_v1_max_abs`` the op's;
 * bytes: the split kernel's INT2 + window bytes and the merge's partial bytes; TB/s and % of
   3.35 TB/s (the H100 SXM's) for the op and for the split kernel's profiled time.
 
@@ -85,6 +94,12 @@ def profile_kernels(fn, replays: int = 20) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
 
 
+def _is_merge(kernel: str) -> bool:
+    """A profiled kernel name of the merge: v1 ``merge_splits_kernel``, v2 ``merge_cols_kernel`` +
+    ``unrotate_rows_kernel``."""
+    return kernel.startswith(("merge_splits_kernel", "merge_cols_kernel", "unrotate_rows_kernel"))
+
+
 def sdpa_us(bsz: int, ctx: int) -> float:
     k = torch.randn(bsz, 8, ctx, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -112,12 +127,37 @@ def decode_shape(ctx: int, bsz: int) -> dict:
     b, hq, nt, d = seen["po"]
     r = {"ctx": ctx, "batch": bsz, "partials": nt, "int2_window_bytes": s["nbytes"]}
     r["merge_bytes"] = b * hq * nt * (d + 1) * 4 + b * hq * d * 2  # partials + lse read, bf16 out
+    v1 = replace(dec.DEFAULT_TUNING, merge_impl="v1")
+    nopdl_v1 = replace(nopdl, merge_impl="v1")
+    r["merge_impl_default"] = dec.DEFAULT_TUNING.merge_impl
     r["op_us"] = us(lambda: ok.decode_attention(*args))
+    r["op_v1_us"] = us(lambda: ok.decode_attention(*args, tuning=v1))
     r["op_nopdl_us"] = us(lambda: ok.decode_attention(*args, tuning=nopdl))
+    r["op_nopdl_v1_us"] = us(lambda: ok.decode_attention(*args, tuning=nopdl_v1))
+    r["op_v2_vs_v1_max_abs"] = float(
+        (ok.decode_attention(*args).float() - ok.decode_attention(*args, tuning=v1).float()).abs().max()
+    )
     po = torch.randn(b, hq, nt, d, device="cuda")
-    plse = torch.randn(b, hq, nt, device="cuda")
+    plse = torch.randn(b, hq, nt, device="cuda") * 4
     g, vrot = s["g"], s["ep"].v_rotation
-    r["merge_alone_us"] = us(lambda: real_merge(po, plse, g, vrot, torch.bfloat16))
+    c256 = replace(dec.DEFAULT_TUNING, merge_chunk=256)
+    merges = {
+        "v2": lambda: real_merge(po, plse, g, vrot, torch.bfloat16),
+        "v1": lambda: real_merge(po, plse, g, vrot, torch.bfloat16, tuning=v1),
+    }
+    r["merge_alone_us"] = us(merges["v2"])
+    r["merge_alone_v1_us"] = us(merges["v1"])
+    r["merge_alone_v2_chunk256_us"] = us(lambda: real_merge(po, plse, g, vrot, torch.bfloat16, tuning=c256))
+    a2, a1 = merges["v2"]().float(), merges["v1"]().float()
+    diff = {"max_abs": float((a2 - a1).abs().max()), "equal_frac": float((a2 == a1).float().mean())}
+    r["merge_v2_vs_v1"] = diff
+    for name, fn in merges.items():
+        try:
+            prof = profile_kernels(fn)
+            r[f"merge_profile_{name}"] = prof
+            r[f"merge_kernel_us_{name}"] = round(sum(v for k, v in prof.items() if _is_merge(k)), 2)
+        except Exception as e:  # noqa: BLE001 - the timings above stand without the profile
+            r[f"merge_profile_{name}_error"] = f"{type(e).__name__}: {e}"
     r["sdpa_bf16_us"] = sdpa_us(bsz, ctx)
     r["bf16_bytes"] = bsz * 8 * ctx * 128 * 2 * 2
     for key in ("op_us", "op_nopdl_us"):
@@ -129,6 +169,11 @@ def decode_shape(ctx: int, bsz: int) -> dict:
     try:
         r["kernels_pdl"] = profile_kernels(lambda: ok.decode_attention(*args))
         r["kernels_nopdl"] = profile_kernels(lambda: ok.decode_attention(*args, tuning=nopdl))
+        r["kernels_pdl_v1"] = profile_kernels(lambda: ok.decode_attention(*args, tuning=v1))
+        r["kernels_nopdl_v1"] = profile_kernels(lambda: ok.decode_attention(*args, tuning=nopdl_v1))
+        for name, key in (("v2", "kernels_nopdl"), ("v1", "kernels_nopdl_v1")):
+            merge_us = sum(v for k, v in r[key].items() if _is_merge(k))
+            r[f"merge_kernel_us_op_nopdl_{name}"] = round(merge_us, 2)
         split = next((v for k, v in r["kernels_nopdl"].items() if k.startswith("decode_split")), None)
         if split:
             r["split_kernel_tb_s"] = round(s["nbytes"] / (split * 1e-6) / 1e12, 3)
@@ -224,7 +269,10 @@ def main() -> int:
             res[kind].append(r)
             brief = {k: v for k, v in r.items() if not isinstance(v, dict)}
             print(kind, json.dumps(brief), flush=True)
-            for k in ("kernels_pdl", "kernels_nopdl"):
+            for k in (
+                "kernels_pdl", "kernels_nopdl", "kernels_pdl_v1", "kernels_nopdl_v1",
+                "merge_profile_v2", "merge_profile_v1", "merge_v2_vs_v1",
+            ):  # fmt: skip
                 if k in r:
                     print("   ", k, json.dumps(r[k]), flush=True)
         except Exception as e:  # noqa: BLE001 - the other cases still run

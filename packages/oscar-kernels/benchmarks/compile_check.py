@@ -148,6 +148,49 @@ def compile_bf16_baseline(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
     return _compile(fn, consts, ptr, arch, num_warps)
 
 
+def compile_merge(impl: str = "v2", arch: int = 90, d: int = 128, pdl: bool = True, **kw) -> dict:
+    """The decode merge's kernels for ``sm_<arch>`` (ptxas reports by kernel): ``v2``
+    (``merge_cols_kernel`` + ``unrotate_rows_kernel``, :class:`DecodeTuning`'s ``merge_*``
+    defaults unless ``kw`` names them: ``block_d``, ``chunk``, ``warps``, ``rows``, ``cols``) or
+    ``v1`` (``merge_splits_kernel`` with its ``[d, d]`` rotation preloaded, 8 warps). Scalars are
+    compiled unspecialised (the split count ``NT`` takes any value); pointers 16-byte aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from oscar_kernels.kernels import attention as A
+
+    def build(fn, consts: dict, ptr: dict, num_warps: int) -> dict:
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = ptr.get(name, "*fp32")
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[name] = "i32"
+        src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        return ptxas_report(k.asm["ptx"], arch) | {"fma.rn.f32": k.asm["ptx"].count("fma.rn.f32")}
+
+    out_ptr = {"out_ptr": "*bf16"}
+    if impl == "v1":
+        c = dict(HEAD_DIM=d, CH=64, ROTATE=True, RC=32, PDL=pdl, PRELOAD=True)
+        return {"merge_splits_kernel": build(A.merge_splits_kernel, c, out_ptr, 8)}
+    from oscar_kernels.decode_attention import DEFAULT_TUNING as T
+
+    warps = kw.get("warps", T.merge_num_warps)
+    c1 = dict(HEAD_DIM=d, DC=kw.get("block_d", T.merge_block_d), CH=kw.get("chunk", T.merge_chunk), PDL=pdl)
+    c1["DEPENDENTS"] = pdl
+    c2 = dict(HEAD_DIM=d, BM=kw.get("rows", T.merge_rotate_rows), OC=kw.get("cols", T.merge_rotate_cols))
+    c2.update(KC=kw.get("kc", min(32, d)), PDL=pdl)
+    return {
+        "merge_cols_kernel": build(A.merge_cols_kernel, c1, {}, warps),
+        "unrotate_rows_kernel": build(A.unrotate_rows_kernel, c2, out_ptr, warps),
+    }
+
+
 def compile_decode(
     impl: str,
     block_n: int,
@@ -219,7 +262,17 @@ def main() -> None:
     ap.add_argument("--no-windows", action="store_true", help="the INT2 tile loop alone")
     ap.add_argument("--no-prefetch", action="store_true", help="gluon: no register double buffering")
     ap.add_argument("--group", type=int, default=None, help="quantisation group (default d; tl only)")
+    ap.add_argument("--merge", choices=("v1", "v2"), default=None, help="compile the decode merge instead")
+    ap.add_argument("--merge-kc", type=int, default=None, help="v2 un-rotation: d terms per FMA dot step")
     a = ap.parse_args()
+    if a.merge:
+        for w in a.warps or [None]:
+            kw = {} if w is None else {"warps": w}
+            if a.merge_kc:
+                kw["kc"] = a.merge_kc
+            for name, r in compile_merge(a.merge, d=a.d, **kw).items():
+                print(f"merge={a.merge} d={a.d} {kw} {name}: {r}", flush=True)
+        return
     warps = a.warps or [1 if a.impl == "gluon" else 4]
     for g in a.gqa:
         for bn in a.block_n:

@@ -452,6 +452,111 @@ def test_merge_of_many_partials_in_chunks():
     assert torch.allclose(out.double().cpu(), want, rtol=1e-5, atol=1e-6)
 
 
+def _merge_want(po, plse, g, rot):
+    """The LSE merge of ``po [B, H_q, NT, d]`` / ``plse`` (log2 units) and ``o @ R_Vᵀ`` in float64:
+    query head ``h`` uses ``rot[h // g]``; a row with no partial is 0."""
+    lse = plse.double()
+    w = torch.exp2(lse - lse.amax(-1, keepdim=True).clamp_min(-1e300))
+    o = (w[..., None] * po.double()).sum(-2) / w.sum(-1, keepdim=True).clamp_min(1e-300)
+    if rot is None:
+        return o
+    return torch.einsum("bhj,hij->bhi", o, rot.double().repeat_interleave(g, 0))
+
+
+def _merge_inputs(bsz, hkv, g, nt, d, rot, seed):
+    """Random partials (``lse`` ±4σ, one sequence's rows shifted by +200 and one query head by -150
+    in log2 units: a merge that skips its max subtraction overflows; empty partials: ``lse =
+    -inf``, ``o = 0``; a row with none at all) and a random ``R_V`` per layer or per KV head."""
+    gen = torch.Generator().manual_seed(seed)
+    hq = hkv * g
+    plse = torch.randn(bsz, hq, nt, generator=gen) * 4
+    plse[0] += 200.0
+    plse[:, -1] -= 150.0
+    if nt > 2:
+        plse[-1, 0, ::3] = float("-inf")
+    plse[-1, -1] = float("-inf")  # nothing at all: output 0
+    po = torch.randn(bsz, hq, nt, d, generator=gen)
+    po[torch.isinf(plse)] = 0.0
+    r = None
+    if rot == "layer":  # one [d, d], stride 0 over the KV heads
+        r = torch.linalg.qr(torch.randn(d, d, generator=gen))[0].expand(hkv, d, d)
+    elif rot == "head":
+        r = torch.linalg.qr(torch.randn(hkv, d, d, generator=gen))[0]
+    return po, plse, r
+
+
+@needs_triton
+@pytest.mark.parametrize("impl", ["v2", "v1"])
+@pytest.mark.parametrize("rot", ["none", "layer", "head"])
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("nt", [1, 3, 17, 97, 208])
+def test_merge_matches_torch(impl, rot, g, nt):
+    """``merge_partials`` (v2: ``merge_cols_kernel`` + ``unrotate_rows_kernel``; v1:
+    ``merge_splits_kernel``) against the float64 LSE merge and un-rotation: odd split counts,
+    GQA 1/4/8, ``R_V`` per layer (stride 0) or per KV head or none, large and empty ``lse``; float32
+    output to 1e-5 and bf16 output within one bf16 rounding of the float64 value."""
+    import importlib
+
+    dec = importlib.import_module("oscar_kernels.decode_attention")
+    tuning = replace(dec.DEFAULT_TUNING, merge_impl=impl)
+    bsz, hkv, d = 2, 8 // g if g < 8 else 1, 64
+    po, plse, r = _merge_inputs(bsz, hkv, g, nt, d, None if rot == "none" else rot, nt + 7 * g)
+    want = _merge_want(po, plse, g, r)
+    args = (po.to(DEVICE), plse.to(DEVICE), g, None if r is None else r.to(DEVICE))
+    out = dec.merge_partials(*args, torch.float32, tuning=tuning)
+    assert out.shape == (bsz, hkv * g, d) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    assert (out[-1, -1] == 0).all()
+    if r is not None:  # the decode op's bf16 output: rounded once from the float32 result
+        ob = dec.merge_partials(*args, torch.bfloat16, tuning=tuning).double().cpu()
+        assert torch.allclose(ob, want, rtol=2**-8, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("nt, chunk", [(150, 64), (300, None), (208, 16)])
+def test_merge_v2_in_steps_matches_v1(nt, chunk):
+    """The v2 merge over several steps of partials (extend's ``chunk=64``; more partials than the
+    default 256-partial step; 16-partial steps) with empty first steps and large ``lse``, against
+    the float64 merge and against v1 (bf16 outputs: within one bf16 rounding of each other)."""
+    import importlib
+
+    dec = importlib.import_module("oscar_kernels.decode_attention")
+    po, plse, r = _merge_inputs(2, 2, 4, nt, 64, "head", nt)
+    plse[1, 0, : nt // 2 + 5] = float("-inf")  # the first steps of a row empty
+    po[torch.isinf(plse)] = 0.0
+    want = _merge_want(po, plse, 4, r)
+    args = (po.to(DEVICE), plse.to(DEVICE), 4, r.to(DEVICE))
+    out = dec.merge_partials(*args, torch.float32, chunk=chunk)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    v1 = replace(dec.DEFAULT_TUNING, merge_impl="v1")
+    b2 = dec.merge_partials(*args, torch.bfloat16, chunk=chunk).float().cpu()
+    b1 = dec.merge_partials(*args, torch.bfloat16, tuning=v1, chunk=chunk).float().cpu()
+    assert torch.allclose(b2, b1, rtol=2**-7, atol=1e-5)
+
+
+@needs_triton
+def test_merge_v2_into_out_with_row_blocks():
+    """v2 writes the caller's ``out`` (bf16) and un-rotates more query rows of a KV head than one
+    program holds (batch 5 x GQA 8 = 40 rows: 16-row programs, the last one partial) with 32- and
+    16-column programs; ``merge_impl`` other than v1/v2 is refused."""
+    import importlib
+
+    dec = importlib.import_module("oscar_kernels.decode_attention")
+    po, plse, r = _merge_inputs(5, 2, 8, 9, 64, "head", 3)
+    want = _merge_want(po, plse, 8, r)
+    for cols in (16, 32):
+        tuning = replace(dec.DEFAULT_TUNING, merge_rotate_cols=cols, merge_block_d=16)
+        out = torch.full((5, 16, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        got = dec.merge_partials(
+            po.to(DEVICE), plse.to(DEVICE), 8, r.to(DEVICE), torch.bfloat16, out, tuning=tuning
+        )
+        assert got is out
+        assert torch.allclose(out.double().cpu(), want, rtol=2**-8, atol=1e-5)
+    with pytest.raises(OscarError):
+        dec.merge_partials(po, plse, 8, r, tuning=replace(dec.DEFAULT_TUNING, merge_impl="v3"))
+
+
 def test_every_tuning_read_names_a_field_of_decode_tuning():
     """The launch rules are one frozen config: every ``tuning.<name>`` the decode module reads is a
     field of :class:`DecodeTuning` (a misspelt one in a GPU-only branch would otherwise fail only

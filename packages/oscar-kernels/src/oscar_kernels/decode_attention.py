@@ -92,6 +92,20 @@ class DecodeTuning:
         long_split_tokens: 64-token Gluon tiles (``block_n`` left to the op) where the 16-byte ring
             is used and the 32-token launch's splits are at least this long (128k x 8: 257 vs 278
             µs split + merge).
+        merge_impl: the split merge of :func:`merge_partials`: ``"v2"`` (``merge_cols_kernel``, ``d /
+            merge_block_d`` programs per query row, then ``unrotate_rows_kernel`` with ``R_V`` read
+            per KV head and row block, issue #38) or ``"v1"`` (``merge_splits_kernel``: one program
+            per query row, partials in 64-partial steps, the row's own ``[d, d]`` ``R_V`` read).
+        merge_block_d: v2: output columns per merge program (a power of two dividing ``d``).
+        merge_chunk: v2: partials per merge step (one compile for every split count). 128: the
+            ``[128, 32]`` float32 tile is 64 registers a thread at 4 warps (sm_90 ptxas), 8 programs
+            per SM, one wave for the 1024 programs of batch 8 x 32 query heads; 256 (one step for
+            every decode split count, ``max_splits`` + windows) is 117 registers, 4 per SM, two
+            waves at batch 8, but one step instead of two at 1 x 130k (208 partials).
+        merge_num_warps: v2: warps per merge program and per un-rotation program.
+        merge_rotate_rows: v2: query rows (of one KV head's GQA group x batch) per un-rotation
+            program (a power of two).
+        merge_rotate_cols: v2: output columns per un-rotation program (a power of two).
     """
 
     max_splits: int = 256
@@ -106,6 +120,12 @@ class DecodeTuning:
     rope_addition_max_elements: int = 1024
     rope_addition_min_block_n: int = 64
     long_split_tokens: int = 1024
+    merge_impl: str = "v2"
+    merge_block_d: int = 32
+    merge_chunk: int = 128
+    merge_num_warps: int = 4
+    merge_rotate_rows: int = 16
+    merge_rotate_cols: int = 16
 
 
 #: the launch rules the product runs (what ``tuning=None`` means, looked up at call time)
@@ -694,14 +714,59 @@ def merge_partials(
     tuning: DecodeTuning | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]``
-    (``merge_splits_kernel``); with ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ`` in
-    ``out_dtype``, else float32. ``pdl``: launched as a programmatic dependent of the split kernel.
-    ``chunk``: partials per step (a power of two; default ``NT``'s, at most 64)."""
+    """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]``; with
+    ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ`` in ``out_dtype``, else float32. ``pdl``:
+    launched as a programmatic dependent of the split kernel. ``chunk``: partials per step (a
+    power of two; default: v2 ``tuning.merge_chunk``, v1 ``NT``'s, at most 64).
+
+    ``tuning.merge_impl`` ``"v2"`` (issue #38): ``merge_cols_kernel`` on ``(B·H_q, d / block_d)``
+    programs (into float32 scratch where an un-rotation follows), then ``unrotate_rows_kernel``
+    on ``(H_kv, d / cols, ⌈B·GQA / rows⌉)`` programs (a programmatic dependent of the merge where
+    PDL is available): both kernels' grids fill the SMs at batch 1 and ``R_V`` is read per KV
+    head and row block, not per query row. ``"v1"``: ``merge_splits_kernel``, one program per
+    query row (merge and un-rotation in one launch)."""
+    tuning = _tuning(tuning)
+    check(tuning.merge_impl in ("v1", "v2"), "merge_impl", "'v1' or 'v2'", tuning.merge_impl)
+    if tuning.merge_impl == "v1":
+        return _merge_partials_v1(po, plse, gqa, unrotate, out_dtype, out, pdl, tuning, chunk)
+    from ._backend import interpreting
+    from .kernels.attention import merge_cols_kernel, unrotate_rows_kernel
+
+    bsz, hq, nt, d = po.shape
+    rows = bsz * hq
+    bd, oc, bm = min(tuning.merge_block_d, d), min(tuning.merge_rotate_cols, d), tuning.merge_rotate_rows
+    check(d % bd == 0 and d % oc == 0, "merge head dim", f"a multiple of {bd} and {oc}", d)
+    if out is None:
+        out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=po.device)
+    opts = {} if interpreting() else {"num_warps": tuning.merge_num_warps}
+    # the un-rotation chained by PDL where the device has it (also where the merge itself is not a
+    # dependent of a split kernel: extend)
+    chain = unrotate is not None and pdl_available(po.device, tuning)
+    merged = out if unrotate is None else _empty(bsz, hq, d, dtype=torch.float32, device=po.device)
+    launch(merge_cols_kernel, (rows, d // bd),
+        po, plse, merged, nt, HEAD_DIM=d, DC=bd, CH=chunk or tuning.merge_chunk, PDL=pdl, DEPENDENTS=chain,
+        **({"launch_pdl": True} if pdl else {}), **opts,
+    )  # fmt: skip
+    if unrotate is not None:
+        hkv = hq // gqa
+        rot = unrotate
+        launch(unrotate_rows_kernel, (hkv, d // oc, _cdiv(bsz * gqa, bm)),
+            merged, rot, rot.stride(0), rot.stride(1), rot.stride(2), out, bsz * gqa, hq, gqa,
+            HEAD_DIM=d, BM=bm, OC=oc, KC=min(32, d), PDL=chain,
+            **({"launch_pdl": True} if chain else {}), **opts,
+        )  # fmt: skip
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _merge_partials_v1(po, plse, gqa, unrotate, out_dtype, out, pdl, tuning, chunk) -> torch.Tensor:
+    """:func:`merge_partials` with ``merge_impl="v1"`` (``merge_splits_kernel``): the A/B baseline."""
     from ._backend import interpreting
     from .kernels.attention import merge_splits_kernel
 
-    tuning = _tuning(tuning)
     bsz, hq, nt, d = po.shape
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))

@@ -102,7 +102,7 @@ def extend_attention(
             and upper bounds of ``prefix + chunk`` (else read back: one host synchronisation).
         dense_min_query: the shortest chunk that goes through ``dense``.
         num_splits: splits of each query block's INT2 keys over extra programs, merged after
-            (``merge_splits_kernel``); ``"auto"``: :func:`choose_extend_splits` (more than one only
+            (:func:`merge_partials`); ``"auto"``: :func:`choose_extend_splits` (more than one only
             where the grid would leave SMs idle: a short chunk over a long prefix, e.g. a prefix
             hit's tail). GPU and interpreter only; the torch path ignores it.
     Returns:

@@ -775,6 +775,82 @@ def merge_splits_kernel(
         tl.store(out_ptr + r * HEAD_DIM + d, out)
 
 
+@triton.jit
+def merge_cols_kernel(
+    po_ptr, plse_ptr, out_ptr, NT,
+    HEAD_DIM: tl.constexpr, DC: tl.constexpr, CH: tl.constexpr,
+    PDL: tl.constexpr = False, DEPENDENTS: tl.constexpr = False,
+):  # fmt: skip
+    """Program ``(r, c)`` (one query head of one sequence, output columns ``[c·DC, (c+1)·DC)``):
+    LSE-merge of the row's ``NT`` partials on that column slice, ``CH`` partials a step (one
+    step for ``NT <= CH``: every decode split count but batch 1's at long contexts), stored in
+    ``out``'s dtype (``[B·H_q, d]`` contiguous). The merge of ``merge_partials`` (``v2``): ``d /
+    DC`` programs a row instead of one, each reading ``NT × DC`` partials (one memory round trip)
+    instead of ``NT × d`` in ``NT / 64`` dependent steps; the un-rotation is
+    ``unrotate_rows_kernel``'s. Every column slice recomputes the row's max and denominator from
+    ``plse`` (``NT`` floats). ``PDL``: waits for the split kernel before reading the partials;
+    ``DEPENDENTS``: lets the un-rotation kernel launch at once (it waits for this one)."""
+    if DEPENDENTS:
+        gdc_launch_dependents()
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * DC + tl.arange(0, DC)
+    if PDL:
+        gdc_wait()
+    s = tl.arange(0, CH)
+    mx = tl.full([], float("-inf"), tl.float32)
+    l_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([DC], tl.float32)
+    for s0 in range(0, NT, CH):  # one step where NT <= CH
+        live = s0 + s < NT
+        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=live, other=float("-inf"))
+        prow = r * NT + s0 + s
+        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
+        mx_new = tl.maximum(mx, tl.max(lse, 0))
+        sub = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # the max subtracted (0 while all empty)
+        a = tl.exp2(mx - sub)  # rescales the steps before; 0 on the first non-empty one
+        w = tl.exp2(lse - sub)  # empty partials (lse = -inf) weigh 0
+        l_sum = l_sum * a + tl.sum(w, 0)
+        acc = acc * a + tl.sum(w[:, None] * o, 0)
+        mx = mx_new
+    _round_store(out_ptr + r * HEAD_DIM + cols, acc / tl.where(l_sum > 0, l_sum, 1.0))
+
+
+@triton.jit
+def unrotate_rows_kernel(
+    o_ptr, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, ROWS, HQ, GQA,
+    HEAD_DIM: tl.constexpr, BM: tl.constexpr, OC: tl.constexpr, KC: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Program ``(h, c, mb)``: ``out[r, cols] = o[r] @ R_h[cols, :]ᵀ`` for the query rows ``r`` of
+    KV head ``h`` (``ROWS = B·GQA`` of them, ``BM`` a program) and the output columns ``cols =
+    [c·OC, (c+1)·OC)``, stored in ``out``'s dtype; ``o``, ``out``: ``[B·H_q, d]`` contiguous,
+    ``R_h`` at ``rot + h·stride_rh`` (``R[i, j]`` at ``i·stride_ri + j·stride_rj``). A ``[OC, d]``
+    slice of ``R_h`` serves ``BM`` rows of the KV head's GQA group and batch: ``R_V`` is read
+    ``⌈B·GQA / BM⌉`` times a layer instead of ``B·H_q`` times (16 MB at batch 8, d 128).
+
+    Float32 FMAs: ``tl.dot`` with IEEE float32 inputs (no tensor-core tf32 rounding), ``KC`` of the
+    ``d`` terms a step (one ``[BM, d] x [d, OC]`` FMA dot holds whole operand rows per thread: 255
+    registers and spills at 16 x 16 x 128 for sm_90; ``KC`` 32: 43, no spills). All loads are
+    issued after the ``PDL`` wait (a programmatic dependent of ``merge_cols_kernel``): ``R`` and
+    ``o`` arrive in one round trip (``R``'s slice is 8 KB; loading it before the wait would hold
+    it across the wait for no gain in latency)."""
+    if PDL:
+        gdc_wait()
+    h = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * OC + tl.arange(0, OC)
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
+    rm = m < ROWS
+    row = (m // GQA).to(tl.int64) * HQ + h * GQA + m % GQA
+    k = tl.arange(0, KC)
+    acc = tl.zeros([BM, OC], tl.float32)
+    for k0 in tl.static_range(0, HEAD_DIM, KC):
+        o = tl.load(
+            o_ptr + row[:, None] * HEAD_DIM + k0 + k[None, :], mask=rm[:, None], other=0.0
+        )  # [BM, KC]
+        rt = rot_ptr + h * stride_rh + cols[None, :] * stride_ri + (k0 + k)[:, None] * stride_rj
+        acc = tl.dot(o, tl.load(rt), acc, input_precision="ieee")  # [KC, OC]: R[cols, k]ᵀ
+    _round_store_masked(out_ptr + row[:, None] * HEAD_DIM + cols[None, :], acc, rm[:, None])
+
+
 # a run-time count: one compile serves every split count; the per-sequence tensors are views at a
 # step's row offset (any address): one compile for every offset (scalar and gathered loads only)
 @triton.jit(
