@@ -42,12 +42,14 @@ import torch
 
 from oscar_kernels import PagedKVCache, cache_from_page_buffer, page_bytes, paged_write
 from oscar_kernels.serving import (
+    WINDOW_MEMORY_SHARE,
     CaptureChunk,
     CopyWindows,
     RebuildWindows,
     StepBuffers,
     StepPlan,
     copy_windows,
+    default_max_seqs,
     plan_step,
     run_layer,
 )
@@ -691,6 +693,8 @@ def _compute_cell_size(original: Any, self: Any, kvc: Any, num_layers: int) -> i
     rq = _rank_quant(kvc, [], "cpu")
     self._oscar_layout = rq.layout
     self._oscar_layers = num_layers
+    # no --max-running-requests: OSCAR's slot default (each slot's BF16 windows are allocated up front)
+    self._oscar_default_slots = getattr(kvc.server_args, "max_running_requests", None) is None
     cell = int2_bytes_per_token(rq.layout, num_layers)
     logger.info(
         "OSCAR: %d bytes/token for %d layers (INT2 pages), windows %d bytes per request slot",
@@ -705,6 +709,19 @@ def _finalize(original: Any, self: Any, config: Any) -> Any:
     config = original(self, config)
     layout = getattr(self, "_oscar_layout", None)
     if layout is not None and config.max_running_requests is not None:
+        if getattr(self, "_oscar_default_slots", False) and torch.cuda.is_available():
+            per_slot = window_bytes_per_slot(layout, self._oscar_layers)
+            device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            slots = default_max_seqs(config.max_running_requests, device, per_slot)
+            if slots < config.max_running_requests:
+                logger.info(
+                    "OSCAR: max_running_requests %d (the request slots whose BF16 windows fit %d%% of the "
+                    "device; SGLang's default was %d): pass --max-running-requests to choose",
+                    slots,
+                    round(100 * WINDOW_MEMORY_SHARE),
+                    config.max_running_requests,
+                )
+                config.max_running_requests = slots
         mode = radix_mode()
         slots = config.max_running_requests + 1
         snaps = snapshot_count(mode, slots)

@@ -36,7 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from oscar_kernels.serving import load_for_serving
+from oscar_kernels.serving import default_max_seqs, load_for_serving
 from oscar_kernels.serving.settings import ServingSettings, WindowRecords
 from oscar_math.artifact import Rotations
 from oscar_math.errors import OscarError
@@ -82,25 +82,10 @@ def check_excluded(exclude_layers: tuple[int, ...], num_layers: int) -> None:
         raise OscarError(f"{_EXCLUDE} {bad}: not layers of this model (it has layers 0..{num_layers - 1})")
 
 
-#: share of the device's memory that OSCAR's default ``max_num_seqs`` lets the BF16 windows take
-WINDOW_MEMORY_SHARE = 0.04
-#: OSCAR's default never goes below this many sequences (or the engine's own default)
-MIN_DEFAULT_SEQS = 16
-
-
 def default_max_num_seqs(engine_default: int, device_bytes: int, slot_bytes: int) -> int:
-    """OSCAR's default ``max_num_seqs`` when the user set none.
-
-    Every sequence slot owns BF16 windows allocated up front (45 MiB at Qwen3-8B's shape), so
-    vLLM's own GPU default (1024 slots on an H100/H200) would hand a third of the memory to
-    windows that long requests never fill. The default is the number of slots whose windows
-    take at most :data:`WINDOW_MEMORY_SHARE` of the device, within
-    ``[min(MIN_DEFAULT_SEQS, engine_default), engine_default]``.
-    """
-    if device_bytes <= 0 or slot_bytes <= 0:
-        return engine_default
-    fit = int(WINDOW_MEMORY_SHARE * device_bytes) // slot_bytes
-    return max(min(engine_default, fit), min(engine_default, MIN_DEFAULT_SEQS))
+    """OSCAR's default ``max_num_seqs`` when the user set none (the engines' shared rule,
+    :func:`oscar_kernels.serving.default_max_seqs`)."""
+    return default_max_seqs(engine_default, device_bytes, slot_bytes)
 
 
 def load_checked(settings: ServingSettings, num_layers: int, num_kv_heads: int, head_dim: int) -> Rotations:

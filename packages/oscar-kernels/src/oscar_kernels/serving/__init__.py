@@ -16,8 +16,10 @@ first layer of each configuration validates and plans the launches, the others o
 from .loading import (
     PER_HEAD_FIELDS,
     SHARED_FIELDS,
+    WINDOW_MEMORY_SHARE,
     cell_bytes,
     check_head_dim,
+    default_max_seqs,
     kv_heads_of_rank,
     load_for_serving,
     rank_layout,
@@ -92,7 +94,9 @@ __all__ = [
     "shard_params",
     "rank_layout",
     "cell_bytes",
+    "default_max_seqs",
     "window_bytes_per_slot",
     "PER_HEAD_FIELDS",
+    "WINDOW_MEMORY_SHARE",
     "SHARED_FIELDS",
 ]

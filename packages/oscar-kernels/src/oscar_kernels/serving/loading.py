@@ -36,6 +36,8 @@ __all__ = [
     "rank_layout",
     "cell_bytes",
     "window_bytes_per_slot",
+    "default_max_seqs",
+    "WINDOW_MEMORY_SHARE",
     "PER_HEAD_FIELDS",
     "SHARED_FIELDS",
 ]
@@ -158,3 +160,26 @@ def cell_bytes(head_dim: int, group: int) -> int:
 def window_bytes_per_slot(int2_layers: int, kv_heads: int, head_dim: int, sink: int, recent: int) -> int:
     """Bytes of one sequence slot's BF16 windows (K and V, sink + recent rows, every INT2 layer)."""
     return int2_layers * kv_heads * (sink + recent) * 2 * head_dim * 2
+
+
+#: share of the device's memory that OSCAR's default request-slot count lets the BF16 windows take
+WINDOW_MEMORY_SHARE = 0.04
+#: OSCAR's default never goes below this many slots (or the engine's own default)
+MIN_DEFAULT_SEQS = 16
+
+
+def default_max_seqs(engine_default: int, device_bytes: int, slot_bytes: int) -> int:
+    """OSCAR's default number of request slots (vLLM's ``max_num_seqs``, SGLang's
+    ``max_running_requests``) when the user set none.
+
+    Every slot owns BF16 windows allocated up front (45 MiB at Qwen3-8B's shape), so an engine's
+    own GPU default (vLLM 1024 slots, SGLang up to 4096) would hand most of the memory to windows
+    that long requests never fill. The default is the number of slots whose windows take at most
+    :data:`WINDOW_MEMORY_SHARE` of the device, within
+    ``[min(MIN_DEFAULT_SEQS, engine_default), engine_default]``; ``device_bytes <= 0`` (no GPU):
+    the engine's default.
+    """
+    if device_bytes <= 0 or slot_bytes <= 0:
+        return engine_default
+    fit = int(WINDOW_MEMORY_SHARE * device_bytes) // slot_bytes
+    return max(min(engine_default, fit), min(engine_default, MIN_DEFAULT_SEQS))
