@@ -177,3 +177,42 @@ def test_record_launches_keys_what_triton_compiles_per_and_a_dry_run_launches_no
         assert len(dry) == 1 and dry <= outer
         assert x[:17].tolist() == [41.0] * 17 and x[48:].tolist() == [0.0] * 16  # nothing ran
     assert not L._RECORDERS and not L._DRY
+
+
+def test_a_launch_sequence_replays_the_first_pass_kernels_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's further layers re-use the compiled kernels of the layer before, position by position,
+    without keying; a different kernel at a position is keyed and recorded again."""
+
+    class _Rt:
+        launch_enter_hook = launch_exit_hook = None
+
+    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 7))
+    monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+    a, b = _FakeKernel(_kernel()), _FakeKernel(_kernel())
+    L.clear_launch_cache()
+    x, y, o = torch.randn(64), torch.randn(64), torch.randn(64)
+    keyed = []
+    real_bind = L._bind
+    monkeypatch.setattr(L, "_bind", lambda *z: keyed.append(1) or real_bind(*z))
+
+    def layer(alpha: float) -> None:
+        L.launch(a, (1,), x, y, o, 37, 2, alpha, BLOCK=32)
+        L.launch(b, (2,), x, y, o, 37, 2, alpha, BLOCK=64)
+
+    seq = L.LaunchSequence()
+    with seq:
+        layer(0.5)  # first pass: keyed, compiled through "Triton", recorded
+    assert keyed and [k for k, _, _ in seq.kernels] == [a, b]
+    keyed.clear()
+    for alpha in (1.5, 2.5):
+        with seq:
+            layer(alpha)
+    assert keyed == []  # replayed: no key
+    ca, cb = seq.kernels[0][2], seq.kernels[1][2]
+    assert [c[-3] for c in ca.calls] == [1.5, 2.5] and [c[-3] for c in cb.calls] == [1.5, 2.5]
+    assert [c[0] for c in cb.calls] == [2, 2]  # each call's own grid
+    with seq:  # another order: position 0 is keyed and the rest recorded again
+        L.launch(b, (2,), x, y, o, 37, 2, 3.5, BLOCK=64)
+        L.launch(a, (1,), x, y, o, 37, 2, 3.5, BLOCK=32)
+    assert len(keyed) == 2 and [k for k, _, _ in seq.kernels] == [b, a]
+    assert L._SEQUENCE == []  # the sequence is left when its block ends

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["launch", "clear_launch_cache", "fast_launch_available", "record_launches", "compile_key"]
+__all__ = [
+    "launch",
+    "clear_launch_cache",
+    "fast_launch_available",
+    "record_launches",
+    "compile_key",
+    "LaunchSequence",
+]
 
 
 class _Slow(Exception):
@@ -151,6 +158,36 @@ def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
     return vals, key, opts
 
 
+class LaunchSequence:
+    """The compiled kernels of one layer's launches, in order, for the other layers of its step.
+
+    An engine step runs the same launches in every layer of one configuration, with arguments of
+    the same dtypes, sizes, strides and alignment (the layers' tensors are allocated alike, and
+    views into them sit at the same offsets), so Triton would pick the same specialisations. Inside
+    ``with seq:`` the first pass records each launch's compiled kernel; later passes re-use them
+    in order without computing a specialisation key (:func:`launch`'s key costs more host time
+    than the launch). A different kernel at a position ends the replay there: that position and
+    the rest are keyed and recorded again.
+    """
+
+    __slots__ = ("kernels", "pos")
+
+    def __init__(self) -> None:
+        self.kernels: list[tuple[Any, _Site, Any]] = []  # (jit function, its site, compiled kernel)
+        self.pos = 0
+
+    def __enter__(self) -> LaunchSequence:
+        self.pos = 0
+        _SEQUENCE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _SEQUENCE.pop()
+
+
+_SEQUENCE: list[LaunchSequence] = []
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)``, re-using the compiled kernel of a seen specialisation.
 
@@ -172,20 +209,37 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     if rt is None or not fast_launch_available():
         return kernel[grid](*args, **kwargs)
     knobs_rt, current_device, current_stream = rt
-    try:
-        site = _site(kernel)
-        vals, key, opts = _bind(site, args, kwargs)
-        dev = current_device()
-        full = (dev, opts, *key)
-        compiled = site.compiled.get(full)
-    except (_Slow, TypeError, AttributeError):  # unhashable value; not a plain jit function (autotuner)
-        return kernel[grid](*args, **kwargs)
-    if compiled is None:
-        compiled = kernel[grid](*args, **kwargs)
-        if hasattr(compiled, "result"):  # an asynchronous compile's future
-            compiled = compiled.result()
-        site.compiled[full] = compiled
-        return compiled
+    seq = _SEQUENCE[-1] if _SEQUENCE else None
+    dev = current_device()
+    if seq is not None and seq.pos < len(seq.kernels) and seq.kernels[seq.pos][0] is kernel:
+        _, site, compiled = seq.kernels[seq.pos]  # a later layer of the step: no key
+        seq.pos += 1
+        try:
+            vals = _values(site, args, kwargs)
+        except _Slow:
+            return kernel[grid](*args, **kwargs)
+    else:
+        try:
+            site = _site(kernel)
+            vals, key, opts = _bind(site, args, kwargs)
+            full = (dev, opts, *key)
+            compiled = site.compiled.get(full)
+        except (_Slow, TypeError, AttributeError):  # unhashable value; not a plain jit function (autotuner)
+            return kernel[grid](*args, **kwargs)
+        if compiled is None:
+            compiled = kernel[grid](*args, **kwargs)
+            if hasattr(compiled, "result"):  # an asynchronous compile's future
+                compiled = compiled.result()
+            site.compiled[full] = compiled
+            if seq is not None:  # launched by Triton itself; later layers re-use the kernel
+                del seq.kernels[seq.pos :]
+                seq.kernels.append((kernel, site, compiled))
+                seq.pos += 1
+            return compiled
+        if seq is not None:
+            del seq.kernels[seq.pos :]
+            seq.kernels.append((kernel, site, compiled))
+            seq.pos += 1
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     compiled.run(

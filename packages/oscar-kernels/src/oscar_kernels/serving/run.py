@@ -18,6 +18,7 @@ import torch
 from ..decode_attention import DecodePlan, decode_attention, plan_decode, run_decode
 from ..extend_attention import extend_attention, run_extend
 from ..extend_dense import DenseAttention
+from ..launch import LaunchSequence
 from ..layout import PagedKVCache
 from ..paged_write import WritePlan, paged_write, plan_write, run_write
 from ..params import ExpandedParams, LayerQuantParams, as_expanded
@@ -136,6 +137,25 @@ def run_layer(
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     key = _config(cache, ep, q, scale, backend)
     first = (key, "decode" if plan.all_decode else "extend") not in plan.launches
+    if first:
+        return _run_layer(
+            plan, key, True, cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored
+        )
+    # the step's further layers of this configuration: the launches of the one before, in order
+    seq = plan.launches.get((key, "sequence"))
+    if seq is None:
+        seq = plan.launches[(key, "sequence")] = LaunchSequence()
+    with seq:
+        return _run_layer(
+            plan, key, False, cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored
+        )
+
+
+def _run_layer(
+    plan: StepPlan, key: tuple, first: bool, cache: PagedKVCache, ep: ExpandedParams, q: torch.Tensor,
+    k: torch.Tensor | None, v: torch.Tensor | None, scale: float, backend: str, dense: DenseAttention | None,
+    out: torch.Tensor | None, extend_splits: int | str, stored: bool,
+) -> torch.Tensor:  # fmt: skip
     for op in plan.before:
         op(cache, ep, k, v)
     has_kv = k is not None and v is not None
