@@ -273,7 +273,12 @@ def test_a_run_at_any_row_offset_compiles_nothing_new(monkeypatch, splits):
         by_offset.append(seen)
     names = {key[0] for key in by_offset[0]}
     want = {"far_rows_kernel", "extend_kernel", "rotate_tiles_kernel"}
-    merge = {"merge_cols_kernel", "unrotate_rows_kernel"}  # merge_partials' v2 (the default)
+    from oscar_kernels.decode_attention import DEFAULT_TUNING
+
+    merge = {  # merge_partials' default
+        "v1": {"merge_splits_kernel"},
+        "v2": {"merge_cols_kernel", "unrotate_rows_kernel"},
+    }[DEFAULT_TUNING.merge_impl]
     assert want | (merge if splits > 1 else set()) <= names
     for a, seen in enumerate(by_offset[1:], 1):
         new = sorted({key[0] for key in seen - by_offset[0]})

@@ -120,7 +120,10 @@ class DecodeTuning:
     rope_addition_max_elements: int = 1024
     rope_addition_min_block_n: int = 64
     long_split_tokens: int = 1024
-    merge_impl: str = "v2"
+    # v1: H100 2026-12-06 (lab/results/kernels/h100_2026-12-06/kernel_speed_merge_v2.json), the decode
+    # op with v2 took 18.6 / 61.6 / 111.7 us at 1x2k / 1x130k / 8x32k against v1's 15.7 / 60.3 / 95.5:
+    # v2's merge kernel is fast (2.5-3.4 us) but its separate un-rotation kernel costs 6-33 us
+    merge_impl: str = "v1"
     merge_block_d: int = 32
     merge_chunk: int = 128
     merge_num_warps: int = 4
