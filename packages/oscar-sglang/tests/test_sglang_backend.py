@@ -607,3 +607,53 @@ def test_row_generation_stays_monotonic_across_a_cache_flush():
     before = int(pool.req_generation[row])
     pool.clear()
     assert s.alloc_row(pool) == row and int(pool.req_generation[row]) > before
+
+
+def test_cuda_graph_decode_path_equals_eager_and_padding_writes_nothing(artifact):
+    """The decode graph path (init_cuda_graph_state + init_forward_metadata_out_graph, as SGLang's
+    runner calls them, padded to a captured batch size) gives the eager step's outputs for the real
+    rows, keeps the plan in the fixed buffers across steps, and its padding row writes nothing: the
+    slot it points at (a live request's) keeps its pages and windows."""
+    import copy
+    from types import SimpleNamespace
+
+    h = Harness(artifact)
+    a, b = h.new_request(40), h.new_request(40)
+    for s, seed in ((a, 61), (b, 62)):  # prefill 20 tokens each
+        q, k, v = qkv(20, seed)
+        h.run(h.oscar, h.batch("extend", [s], [0], [20]), q, k, v)
+    graph = h.oscar
+    graph.init_cuda_graph_state(4, 4)
+    assert graph.get_cuda_graph_seq_len_fill_value() == 1
+    held = None
+    for step in range(3):
+        pos = 20 + step
+        q, k, v = qkv(2, 70 + step)
+        fb = h.batch("decode", [a, b], [pos, pos], [1, 1])
+        snap = copy.deepcopy(h.pool.caches[0])
+        want = h.run(graph, fb, q, k, v)  # eager
+        eager_cache = h.pool.caches[0]
+        h.pool.caches[0] = snap  # the same step again through the graph path, padded to 3 rows
+        h.oscar.pool.caches[0] = snap
+        pad = SimpleNamespace(
+            batch_size=3,
+            forward_mode=fb.forward_mode,
+            req_pool_indices=torch.cat([fb.req_pool_indices, fb.req_pool_indices[:1]]),  # pads point at a
+            seq_lens=torch.cat([fb.seq_lens, torch.ones(1, dtype=fb.seq_lens.dtype)]),
+            seq_lens_cpu=torch.cat([fb.seq_lens_cpu, torch.ones(1, dtype=fb.seq_lens_cpu.dtype)]),
+            out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(1, dtype=fb.out_cache_loc.dtype)]),
+            num_padding=1,
+        )
+        graph.init_forward_metadata_out_graph(pad)
+        if held is None:
+            held = graph.plan.seq_lens.data_ptr()
+        assert graph.plan.seq_lens.data_ptr() == held  # the fixed buffers a replay reads
+        assert graph.plan.slot_mapping[2].item() == -1  # the padding row writes nothing
+        qp = torch.cat([q, q[:1]])
+        kp, vp = torch.cat([k, k[:1]]), torch.cat([v, v[:1]])
+        got = graph.forward_decode(qp.reshape(3, -1), kp, vp, h.layer, pad).reshape(qp.shape)
+        assert torch.equal(got[:2], want)
+        for f in ("k_codes", "v_codes", "k_scale", "v_scale", "k_sink", "v_sink", "k_recent", "v_recent"):
+            assert torch.equal(getattr(snap, f), getattr(eager_cache, f)), f
+        h.pool.caches[0] = eager_cache
+        h.oscar.pool.caches[0] = eager_cache
