@@ -115,8 +115,11 @@ stash() {  # device: keep this call's part; the last one unpacks
 stash_gguf() {  # device: keep this GGUF half; with both present, join and check the whole file
     local k="$1" got want
     mkdir -p "$GGUF_DIR" && cp "$G/c$k"/* "$GGUF_DIR/"
-    (cd "$GGUF_DIR" && grep -E " ($GGUF_NAME\.a[ab]|gguf-.*\.whl)\$" GGUF.SHA256 | while read -r _ f; do
-        [[ -f "$f" ]] && grep " $f\$" GGUF.SHA256 | sha256sum -c --quiet - && echo "ok $f"; done)
+    (cd "$GGUF_DIR" && for f in "$GGUF_NAME.aa" "$GGUF_NAME.ab" gguf-*.whl; do
+        [[ -f "$f" ]] || continue  # the other half arrives with the other call
+        grep " $f\$" GGUF.SHA256 | sha256sum -c --quiet - || { echo "$f: sha256 mismatch" >&2; exit 4; }
+        echo "ok $f"
+    done)
     if [[ -f "$GGUF_DIR/$GGUF_NAME.aa" && -f "$GGUF_DIR/$GGUF_NAME.ab" ]]; then
         cat "$GGUF_DIR/$GGUF_NAME.aa" "$GGUF_DIR/$GGUF_NAME.ab" >"$GGUF_DIR/$GGUF_NAME"
         want=$(awk -v n="$GGUF_NAME" '$2 == n {print $1}' "$GGUF_DIR/GGUF.SHA256")
