@@ -113,16 +113,21 @@ def workload(url: str, batch: int, length: int, gen: int, seed: int, timeout: fl
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's group, SIGKILL after 30 s; returns once no process of the group is left
+    (the next server must find the GPU memory free)."""
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 15)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait:
+            proc.poll()
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
 
 
 def run_case(name: str, a: argparse.Namespace, deadline: float) -> dict:

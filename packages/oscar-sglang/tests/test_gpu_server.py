@@ -132,6 +132,18 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    _wait_group_gone(proc.pid)
+
+
+def _wait_group_gone(pgid: int, limit: float = 30) -> None:
+    """Until no process of the group is left: the next server must find the GPU memory free."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
 
 
 def _tail(log: Path, n: int = 60) -> str:
