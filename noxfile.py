@@ -210,7 +210,8 @@ def gpu(session: nox.Session) -> None:
     End to end first (SmolLM2 served through the paged INT2 kernels: perplexity vs the
     emulation at 2k/8k, greedy tokens vs OscarCache, calibration GPU vs CPU, tokens/s;
     ``packages/oscar-calib/benchmarks/gpu_e2e.py``, JSON to ``$OSCAR_GPU_OUT``), then the
-    kernel unit tests and the serving loop's tests on CUDA. Needs the SmolLM2 GGUF
+    kernel unit tests and the serving loop's tests on CUDA, then (where vLLM / SGLang import) their
+    GPU server tests over HTTP. Needs the SmolLM2 GGUF
     (``$OSCAR_SMOLLM2_GGUF``): ``packages/oscar-calib/benchmarks/gpu_e2e.sh`` brings it.
     """
     session.run(
@@ -237,6 +238,17 @@ def gpu(session: nox.Session) -> None:
         session.run(
             "python3", "-m", "pytest", "-q", "packages/oscar-vllm/tests/test_dense_prefill_gpu.py",
             "packages/oscar-vllm/tests/test_http_server.py", env=env,
+        )  # fmt: skip
+    # the SGLang part wherever SGLang imports here (on the GPU machine gpu_sglang.sh stages 0.5.17; its
+    # `test` action runs the same file with the converted SmolLM2 and its artifact): SGLang's own server
+    # with OSCAR over HTTP (oscar serve, launch_server, BF16 triton agreement)
+    if importlib.util.find_spec("sglang") is None:
+        session.log("SGLang is not importable here: its GPU tests are not run (gpu_sglang.sh stages it)")
+    else:
+        session.run("python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "-e", "packages/oscar-sglang")  # fmt: skip
+        session.run(
+            "python3", "-m", "pytest", "-q", "-rs", "packages/oscar-sglang/tests/test_gpu_server.py", env=env,
         )  # fmt: skip
     if (Path(out) / "gpu_e2e.json").exists():
         import json

