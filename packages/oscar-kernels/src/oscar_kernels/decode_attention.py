@@ -441,6 +441,7 @@ class DecodePlan(NamedTuple):
     scale: float
     gqa: int
     tuning: DecodeTuning
+    pdl: bool = False  # the kernels launch as programmatic dependents (pdl_available, once)
 
 
 def plan_decode(
@@ -492,7 +493,8 @@ def plan_decode(
         num_splits = choose_num_splits(
             batch, lo.num_kv_heads, max_len, cache.device, block_n, programs_per_sm, tuning
         )
-    return DecodePlan(True, impl, SplitLaunch(num_splits, block_n, num_warps, num_stages), scale, g, tuning)
+    split = SplitLaunch(num_splits, block_n, num_warps, num_stages)
+    return DecodePlan(True, impl, split, scale, g, tuning, pdl_available(cache.device, tuning))
 
 
 def run_decode(
@@ -510,7 +512,7 @@ def run_decode(
     if not plan.use_triton:
         res = decode_attention_ref(q, cache, params, block_table, seq_lens, window_slots, plan.scale)
         return res if out is None else out.copy_(res)
-    q_rot, rope = _rotate_queries_triton(q, params, plan.impl, plan.tuning)
+    q_rot, rope = _rotate_queries_triton(q, params, plan.impl, plan.tuning, plan.pdl)
     return _launch_decode(
         q_rot,
         cache,
@@ -526,6 +528,7 @@ def run_decode(
         rope=rope,
         tuning=plan.tuning,
         out=out,
+        pdl=plan.pdl,
     )
 
 
@@ -537,7 +540,11 @@ def rope_slots(pairs: int, impl: str = "tl") -> int:
 
 
 def _rotate_queries_triton(
-    q: torch.Tensor, ep: ExpandedParams, impl: str = "tl", tuning: DecodeTuning | None = None
+    q: torch.Tensor,
+    ep: ExpandedParams,
+    impl: str = "tl",
+    tuning: DecodeTuning | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
     """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
     pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
@@ -565,7 +572,8 @@ def _rotate_queries_triton(
         rope = (rc, ep.k_rope_theta.contiguous(), nr, npad)
     launch(rotate_rows_kernel, (bsz * hq, d // rows if rows else 1),
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
-        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d), PDL=pdl_available(q.device, tuning), ROWS=rows,
+        hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d),
+        PDL=pdl_available(q.device, tuning) if pdl is None else pdl, ROWS=rows,
         **extra,
     )  # fmt: skip
     return out, rope
@@ -596,8 +604,10 @@ def _launch_decode(
     rope=None,
     tuning: DecodeTuning | None = None,
     out=None,
+    pdl: bool | None = None,
 ):
-    """Split kernel + merge (launched as ``split`` says); ``unrotate`` (``[H_kv, d, d]`` ``R_V``):
+    """Split kernel + merge (launched as ``split`` says); ``pdl``: as a programmatic dependent
+    (``None``: :func:`pdl_available`); ``unrotate`` (``[H_kv, d, d]`` ``R_V``):
     the merge also returns ``o @ R_Vᵀ`` in ``out_dtype`` (else the rotated float32 output).
     ``rope``: the pre-RoPE mean's ``(C, θ, R, P)`` (:func:`_rotate_queries_triton`; ``None``: no
     score term)."""
@@ -611,7 +621,7 @@ def _launch_decode(
 
     lo = cache.layout
     bsz, hq, d = q_rot.shape
-    pdl = pdl_available(q_rot.device, tuning)
+    pdl = pdl_available(q_rot.device, tuning) if pdl is None else pdl
     if impl == "gluon":
         from .kernels.attention_gluon import WINDOW_TOKENS_PER_PROGRAM, window_programs
 

@@ -206,12 +206,14 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
         if _DRY:
             return None
     rt = _runtime()
-    if rt is None or not fast_launch_available():
+    seq = _SEQUENCE[-1] if _SEQUENCE else None
+    replay = seq is not None and seq.pos < len(seq.kernels) and seq.kernels[seq.pos][0] is kernel
+    # a replayed position was fast-launched before (so no interpreter); only hooks can appear since
+    if rt is None or not (_hooks_quiet(rt[0]) if replay else fast_launch_available()):
         return kernel[grid](*args, **kwargs)
     knobs_rt, current_device, current_stream = rt
-    seq = _SEQUENCE[-1] if _SEQUENCE else None
     dev = current_device()
-    if seq is not None and seq.pos < len(seq.kernels) and seq.kernels[seq.pos][0] is kernel:
+    if replay:
         _, site, compiled = seq.kernels[seq.pos]  # a later layer of the step: no key
         seq.pos += 1
         try:
