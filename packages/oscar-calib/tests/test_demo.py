@@ -19,7 +19,7 @@ def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "[demo] total" in out and "KV MiB" in out and "passkey" not in out
+    assert "[demo] total" in out and "KV MiB" in out and "passkey retrieval" not in out
     for name in ("bf16", "int2", "kivi2", "hadamard2", "oscar2"):
         assert f"\n{name} " in out
     assert f"oscar eval smollm2 --rotations {tmp_path}/rotations.safetensors" in out
