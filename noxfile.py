@@ -78,8 +78,9 @@ def _install(
     names: list[str],
     extras: dict[str, str] | None = None,
     pip_args: tuple[str, ...] = (),
+    silent: bool | None = None,
 ) -> None:
-    session.install(*pip_args, TORCH_CPU)
+    session.install(*pip_args, TORCH_CPU, silent=silent)
     args: list[str] = []
     for name in names:
         extra = (EXTRAS if extras is None else extras).get(name, "test")
@@ -87,7 +88,7 @@ def _install(
     # Wheels only: no session may compile C/C++ from a source distribution (a fresh
     # clone must not need a toolchain). The repo's own packages still build: they are
     # local folders, which --only-binary does not cover.
-    session.install(*pip_args, "--only-binary=:all:", *args)
+    session.install(*pip_args, "--only-binary=:all:", *args, silent=silent)
 
 
 def _pytest(
@@ -177,7 +178,14 @@ def demo(session: nox.Session) -> None:
     """The main job: calibrate SmolLM2-135M on built-in text and compare the main schemes."""
     # No test extras; --no-compile: pip byte-compiles every module of torch and transformers
     # at install (~30 s of a fresh clone's run on 2 cores), Python compiles the few it imports.
-    _install(session, ["math", "calib"], extras={"math": "", "calib": "smollm2"}, pip_args=("--no-compile",))
+    # pip's own lines are shown (not nox's silence): on a fresh clone the installs take ~30 s.
+    _install(
+        session,
+        ["math", "calib"],
+        extras={"math": "", "calib": "smollm2"},
+        pip_args=("--no-compile",),
+        silent=False,
+    )
     # Idle OpenMP threads sleep instead of spinning: on the 2-core machine with other jobs
     # running, two spinning threads burnt 344 CPU-s (426 s wall) on an evaluation that takes
     # 86 CPU-s on one thread (2026-12-06); sleeping costs a wake-up per parallel op. A user's
