@@ -147,3 +147,20 @@ def test_progress_lines_time_left_and_memory_column(capsys):
     table = format_table(res)
     assert "KV MiB" in table and "logit err" not in table  # no per-layer errors were captured
     assert f"{block['oscar2']['kv_mib']:.1f}" in table.split("context 96")[1]
+
+
+def test_plan_keys_separate_the_sequences_with_error_capture():
+    # the time-left estimate reuses a step's last time only for the same key: a pass that
+    # captures per-layer errors (~2x slower) must not stand in for one that does not
+    from types import SimpleNamespace
+
+    from oscar_calib.evaluate import _plan
+
+    cfg = EvalConfig(contexts=(64,), schemes=("bf16", "int2"), num_sequences=2, error_sequences=1)
+    schemes = {"bf16": SimpleNamespace(quantized=False), "int2": SimpleNamespace(quantized=True)}
+    plan = _plan(cfg, schemes, {64: 2}, [])
+    assert [(s.kind, s.key) for s in plan] == [
+        ("forward", "reference"), ("forward", ("int2", True)), ("metrics", 2),
+        ("forward", "reference"), ("forward", ("int2", False)), ("metrics", 2),
+    ]  # fmt: skip
+    assert plan[2].size == 64 * 2 and plan[2].like == "forward"
