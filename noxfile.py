@@ -186,10 +186,10 @@ def demo(session: nox.Session) -> None:
         pip_args=("--no-compile",),
         silent=False,
     )
-    # Idle OpenMP threads sleep instead of spinning: on the 2-core machine with other jobs
-    # running, two spinning threads burnt 344 CPU-s (426 s wall) on an evaluation that takes
-    # 86 CPU-s on one thread (2026-12-06); sleeping costs a wake-up per parallel op. A user's
-    # own setting wins.
+    # Idle OpenMP threads sleep instead of spinning. The demo's evaluation of two sequences on
+    # the 2-core machine (2026-12-06): nearly idle (load ~2), 2 threads 44 s passive, 49 s
+    # spinning, 1 thread 61 s; with other jobs running, two spinning threads burnt 344 CPU-s
+    # (426 s wall) on work that takes 86 CPU-s on one thread. A user's own setting wins.
     env = {**ENV["calib"], "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     session.run("oscar", "demo", *session.posargs, env=env)
 
