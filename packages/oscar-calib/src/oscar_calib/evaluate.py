@@ -186,7 +186,8 @@ def run_eval(
         model, tokenizer: a causal LM (float32 on CPU is the tested path) and its tokenizer.
         rotations: :class:`oscar_math.artifact.Rotations` (None: only uncalibrated schemes).
         config: :class:`EvalConfig`.
-        progress: print one line per step on stderr.
+        progress: print one line per step on stderr (reference pass, each scheme's pass, the
+            metrics of each sequence, each passkey scheme) with its time and the time left.
         model_name: stored in the result.
         heldout_text: evaluation text (default: the held-out part of ``config.text``).
     Returns:
@@ -225,8 +226,10 @@ def run_eval(
     device = next(model.parameters()).device
 
     def step(what: str, t_step: float) -> None:
-        clock.finish(time.perf_counter() - t_step)
-        _log(progress, f"oscar eval: {what}: {time.perf_counter() - t_step:.1f} s [{clock.status()}]")
+        """Close the plan's next step (started at ``t_step``) and print it with the time left."""
+        took = time.perf_counter() - t_step
+        clock.finish(took)
+        _log(progress, f"oscar eval: {what}: {took:.1f} s [{clock.status()}]")
 
     for context in config.contexts:
         t0 = time.perf_counter()
