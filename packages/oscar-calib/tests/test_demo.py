@@ -13,23 +13,22 @@ def test_demo_smollm2_small(tmp_path, monkeypatch, capsys):
     from oscar_calib.commands import demo
 
     monkeypatch.setattr(demo, "DEMO_CALIBRATION", {"tokens": 512, "seq_len": 512, "granularity": "kv_head"})
-    monkeypatch.setattr(
-        demo,
-        "DEMO_EVAL",
-        {
-            "schemes": ("bf16", "int2", "kivi2", "hadamard2", "oscar2"),
-            "contexts": (400,),
-            "num_sequences": 1,
-            "sink": 16,
-            "recent": 64,
-            "needle_contexts": (300,),
-            "needle_depths": (0.5,),
-            "needle_schemes": ("bf16", "oscar2"),
-        },
-    )
-    assert main(["demo", "--out", str(tmp_path), "--quiet"]) == 0
-    out = capsys.readouterr().out
-    assert "[demo] total" in out and "oscar2" in out and "passkey" in out
+    # the demo's own settings, shrunk in length only: the same schemes, no passkey table
+    small = {**demo.DEMO_EVAL, "contexts": (400,), "num_sequences": 1, "sink": 16, "recent": 64}
+    monkeypatch.setattr(demo, "DEMO_EVAL", small)
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "[demo] total" in out and "KV MiB" in out and "passkey retrieval" not in out
+    for name in ("bf16", "int2", "kivi2", "hadamard2", "oscar2"):
+        assert f"\n{name} " in out
+    assert f"oscar eval smollm2 --rotations {tmp_path}/rotations.safetensors" in out
+    # progress: one line per scheme and sequence with the time left (reference, 4 schemes, metrics)
+    steps = [ln for ln in captured.err.splitlines() if ln.startswith("oscar eval: context 400, sequence 1/1")]
+    assert [ln.split(": ")[1].split(",")[-1].strip() for ln in steps[:6]] == [
+        "reference", "int2", "kivi2", "hadamard2", "oscar2", "metrics"
+    ]  # fmt: skip
+    assert steps[5].endswith("[step 6/6, ~0 s left]")
     result = json.loads((tmp_path / "results.json").read_text())
     block = result["contexts"]["400"]
     assert block["bf16"]["kl"]["mean"] == 0

@@ -117,3 +117,50 @@ def test_cli_eval_rejects_mismatched_rotations(tmp_path, monkeypatch, capsys):
     rot = save_rotations(tmp_path / "rot.safetensors", _rot(layers=5))
     assert main(["eval", "tiny", "--rotations", str(rot), "--quiet"]) == 2
     assert "num_layers" in capsys.readouterr().err
+
+
+def test_progress_lines_time_left_and_memory_column(capsys):
+    model, tok = tiny_random_model("llama", seed=3)  # 2 layers, 2 KV heads, d = 32
+    cfg = EvalConfig(
+        contexts=(64, 96),
+        schemes=("bf16", "int2", "oscar2"),
+        num_sequences=2,
+        sink=4,
+        recent=8,
+        error_sequences=0,
+        needle_contexts=(260,),
+        needle_depths=(0.5,),
+        needle_schemes=("bf16", "oscar2"),
+    )
+    res = run_eval(model, tok, _rot(), cfg, progress=True, model_name="tiny", heldout_text=TEXT)
+    steps = [ln for ln in capsys.readouterr().err.splitlines() if "[step " in ln]
+    # per context and sequence: reference, int2, oscar2, metrics; then one passkey step per scheme
+    total = 2 * 2 * 4 + 2
+    assert [ln.split("[step ")[1].split("/")[0] for ln in steps] == [str(i) for i in range(1, total + 1)]
+    assert all(f"/{total}," in ln for ln in steps)
+    assert "context 96, sequence 2/2, oscar2:" in steps[14] and "passkey oscar2: " in steps[-1]
+    # known from the first step on: metrics and passkey steps stand in with the forward rate
+    assert all(" left]" in ln for ln in steps) and steps[-1].endswith("~0 s left]")
+    block = res.to_dict()["contexts"]["96"]
+    for name in ("bf16", "int2", "oscar2"):  # K and V, 2 layers x 2 KV heads x 32 x 96 tokens
+        assert block[name]["kv_mib"] == block[name]["bits_per_element"] * 2 * 2 * 2 * 32 * 96 / 8 / 2**20
+    table = format_table(res)
+    assert "KV MiB" in table and "logit err" not in table  # no per-layer errors were captured
+    assert f"{block['oscar2']['kv_mib']:.1f}" in table.split("context 96")[1]
+
+
+def test_plan_keys_separate_the_sequences_with_error_capture():
+    # the time-left estimate reuses a step's last time only for the same key: a pass that
+    # captures per-layer errors (~2x slower) must not stand in for one that does not
+    from types import SimpleNamespace
+
+    from oscar_calib.evaluate import _plan
+
+    cfg = EvalConfig(contexts=(64,), schemes=("bf16", "int2"), num_sequences=2, error_sequences=1)
+    schemes = {"bf16": SimpleNamespace(quantized=False), "int2": SimpleNamespace(quantized=True)}
+    plan = _plan(cfg, schemes, {64: 2}, [])
+    assert [(s.kind, s.key) for s in plan] == [
+        ("forward", "reference"), ("forward", ("int2", True)), ("metrics", 2),
+        ("forward", "reference"), ("forward", ("int2", False)), ("metrics", 2),
+    ]  # fmt: skip
+    assert plan[2].size == 64 * 2 and plan[2].like == "forward"

@@ -59,3 +59,17 @@ def test_sequence_metrics_chunking_and_reference():
     assert ref.nll == pytest.approx(float(-lp.gather(-1, ids[1:, None]).mean()), rel=1e-5)
     other = sequence_metrics(m, h, h + 0.5 * torch.randn(23, 4).to(torch.bfloat16), ids, chunk=7)
     assert other.kl > 0 and 0 <= other.top1 < 1 and other.perplexity == pytest.approx(math.exp(other.nll))
+
+
+def test_compare_logits_matches_the_explicit_formulas():
+    # the KL/NLL are computed from logsumexp and Σ p·x; check them against log-softmax written out
+    g = torch.Generator().manual_seed(4)
+    ref, cur = 6 * torch.randn(19, 3001, generator=g), 6 * torch.randn(19, 3001, generator=g)
+    cur[:4] = ref[:4] + 0.01 * torch.randn(4, 3001, generator=g)  # small KLs too, where cancellation bites
+    targets = torch.randint(0, 3001, (19,), generator=g)
+    lp_ref, lp = torch.log_softmax(ref.double(), -1), torch.log_softmax(cur.double(), -1)
+    nll, kl, agree = compare_logits(ref, cur, targets)
+    torch.testing.assert_close(nll, -lp.gather(-1, targets[:, None]).squeeze(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kl, (lp_ref.exp() * (lp_ref - lp)).sum(-1), rtol=1e-9, atol=1e-12)
+    assert (kl[:4] < 1e-3).all() and (kl[4:] > 1).all()
+    assert agree.tolist() == (ref.argmax(-1) == cur.argmax(-1)).tolist()

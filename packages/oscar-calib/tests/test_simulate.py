@@ -45,6 +45,8 @@ def test_mixed_attention_matches_brute_force(t, s, sink, recent, block):
     ref = _brute(q, k, v, kh, vh, 0.35, sink, recent)
     fused = mixed_attention(q, k, v, kh, vh, 0.35, Windows(sink, recent))
     torch.testing.assert_close(fused.double(), ref, atol=1e-5, rtol=1e-5)
+    fused = mixed_attention(q, k, v, kh, vh, 0.35, Windows(sink, recent), block=block)  # row blocks
+    torch.testing.assert_close(fused.double(), ref, atol=1e-5, rtol=1e-5)
     errs = LayerErrors()  # capturing errors takes the blocked path
     blocked = mixed_attention(q, k, v, kh, vh, 0.35, Windows(sink, recent), block=block, errors=errs)
     torch.testing.assert_close(blocked.double(), ref, atol=1e-5, rtol=1e-5)
@@ -99,3 +101,23 @@ def test_strided_error_capture_keeps_output_and_estimates_errors():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert 0 < strided.rows < full.rows
     assert abs(strided.logit_rel - full.logit_rel) < 0.25 * full.logit_rel
+
+
+@pytest.mark.parametrize("t,s,chunk,additive", [(29, 29, 4, False), (9, 30, 1, True), (26, 26, 5, True)])
+def test_fused_row_blocks_match_the_materialised_path(t, s, chunk, additive):
+    # The fused path (SDPA per block of query rows, keys cut at the block's causal end and at
+    # the last key it reads quantised) against the materialised logits of the error path,
+    # with chunked windows and a user mask; blocks of 4 rows split chunks and windows.
+    g = torch.Generator().manual_seed(t + s + chunk)
+    q = torch.randn(1, 4, t, 8, generator=g)
+    k, v = torch.randn(1, 2, s, 8, generator=g), torch.randn(1, 2, s, 8, generator=g)
+    kh, vh = k + 0.4 * torch.randn_like(k), v + 0.4 * torch.randn_like(v)
+    mask = torch.ones(1, 1, t, s, dtype=torch.bool)
+    mask[..., 5] = False  # a quantisable key hidden by the caller
+    mask[..., 1, 0] = False
+    user = torch.zeros(1, 1, t, s).masked_fill(~mask, float("-inf")) if additive else mask
+    w = Windows(3, 5, chunk)
+    ref = mixed_attention(q, k, v, kh, vh, 0.3, w, user, block=4, errors=LayerErrors())
+    out = mixed_attention(q, k, v, kh, vh, 0.3, w, user, block=4)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, mixed_attention(q, k, v, k, v, 0.3, w, user, block=4), atol=1e-3)

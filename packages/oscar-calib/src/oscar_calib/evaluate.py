@@ -25,6 +25,7 @@ import torch
 from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, check
 
 from .metrics import Summary, final_hidden, sequences_metrics, summarize
+from .progress import Step, StepClock
 from .schemes import DEFAULT_SCHEMES, KVScheme, SchemeContext, build_scheme, scheme_names
 from .simulate import LayerErrors, Windows, simulate
 
@@ -105,7 +106,8 @@ class EvalResult:
         config: the :class:`EvalConfig` as a dict.
         schemes: ``{name: description}``.
         contexts: ``{context: {scheme: metrics}}`` where metrics holds ``bits_per_element``,
-            ``perplexity`` / ``delta_ppl`` / ``kl`` / ``top1`` summaries (mean, std,
+            ``kv_mib`` (the K/V cache of one sequence of that length, MiB), ``perplexity`` /
+            ``delta_ppl`` / ``kl`` / ``top1`` summaries (mean, std,
             ci_low, ci_high, n), per-sequence values, and ``logit_error`` / ``output_error``
             per layer (lists) with their means.
         needle: ``{scheme: {"accuracy": float, "correct": int, "total": int, "by_context": {...}}}``.
@@ -184,7 +186,8 @@ def run_eval(
         model, tokenizer: a causal LM (float32 on CPU is the tested path) and its tokenizer.
         rotations: :class:`oscar_math.artifact.Rotations` (None: only uncalibrated schemes).
         config: :class:`EvalConfig`.
-        progress: print one line per step on stderr.
+        progress: print one line per step on stderr (reference pass, each scheme's pass, the
+            metrics of each sequence, each passkey scheme) with its time and the time left.
         model_name: stored in the result.
         heldout_text: evaluation text (default: the held-out part of ``config.text``).
     Returns:
@@ -208,21 +211,43 @@ def run_eval(
         dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
     )
     windows = config.windows
+    seqs_by_context = {
+        c: token_chunks(tokenizer, text, c, c * config.num_sequences, config.seed) for c in config.contexts
+    }
+    needle_names = config.needle_schemes if config.needle_schemes is not None else config.schemes
+    cases = (
+        build_needle_cases(
+            tokenizer, text, config.needle_contexts, config.needle_depths, config.needle_trials, config.seed
+        )
+        if config.needle_contexts
+        else []
+    )
+    clock = StepClock(_plan(config, schemes, {c: len(v) for c, v in seqs_by_context.items()}, cases))
+    device = next(model.parameters()).device
+
+    def step(what: str, t_step: float) -> None:
+        """Close the plan's next step (started at ``t_step``) and print it with the time left."""
+        took = time.perf_counter() - t_step
+        clock.finish(took)
+        _log(progress, f"oscar eval: {what}: {took:.1f} s [{clock.status()}]")
+
     for context in config.contexts:
         t0 = time.perf_counter()
-        seqs = token_chunks(tokenizer, text, context, context * config.num_sequences, config.seed)
+        seqs = seqs_by_context[context]
         if len(seqs) < config.num_sequences:
             _log(progress, f"oscar eval: only {len(seqs)} held-out sequences of {context} tokens available")
         per: dict[str, dict[str, list[float]]] = {n: {"nll": [], "kl": [], "top1": []} for n in schemes}
         errors: dict[str, dict[int, LayerErrors]] = {n: {} for n in schemes}
-        device = next(model.parameters()).device
         for i, seq in enumerate(seqs):
+            where = f"context {context}, sequence {i + 1}/{len(seqs)}"
             seq = seq.to(device)
             ids = seq[None]
-            ts = time.perf_counter()
+            ts = t_step = time.perf_counter()
             ref = final_hidden(model, ids)[0]
+            step(f"{where}, reference", t_step)
             hiddens = {}
             for name, scheme in schemes.items():
+                t_step = time.perf_counter()
                 if getattr(scheme, "paged", False):  # served through the real kernels (oscar2-kernels)
                     hiddens[name] = scheme.final_hidden(model, seq, windows)
                 elif scheme.quantized:
@@ -232,21 +257,27 @@ def run_eval(
                     _merge(errors[name], sim.errors)
                 else:
                     hiddens[name] = ref
+                    continue
+                step(f"{where}, {name}", t_step)
+            t_step = time.perf_counter()
             for name, m in sequences_metrics(model, ref, hiddens, seq).items():
                 per[name]["nll"].append(m.nll)
                 per[name]["kl"].append(m.kl)
                 per[name]["top1"].append(m.top1)
+            step(f"{where}, metrics", t_step)
             _log(
                 progress,
-                f"oscar eval: context {context}, sequence {i + 1}/{len(seqs)}: "
-                f"{len(schemes)} schemes in {time.perf_counter() - ts:.1f}s",
+                f"oscar eval: {where}: {len(schemes)} schemes in {time.perf_counter() - ts:.1f} s",
             )
         ref_name = next((n for n, s in schemes.items() if not s.quantized), None)
         block: dict[str, Any] = {}
         for name, scheme in schemes.items():
             ppl = [float(torch.tensor(x).exp()) for x in per[name]["nll"]]
+            bits = scheme.bits_per_element(context, head_dim, config.sink, config.recent)
             entry: dict[str, Any] = {
-                "bits_per_element": scheme.bits_per_element(context, head_dim, config.sink, config.recent),
+                "bits_per_element": bits,
+                # K and V of every layer and KV head for one sequence of this length
+                "kv_mib": bits * 2 * num_layers * num_kv_heads * head_dim * context / 8 / 2**20,
                 "sequences": len(seqs),
                 "perplexity": summarize(ppl, config.seed).to_dict(),
                 "kl": summarize(per[name]["kl"], config.seed).to_dict(),
@@ -269,13 +300,10 @@ def run_eval(
         result.contexts[str(context)] = block
         result.timings[f"context_{context}"] = time.perf_counter() - t0
         _log(progress, f"oscar eval: context {context} done in {time.perf_counter() - t0:.1f}s")
-    if config.needle_contexts:
+    if cases:
         t0 = time.perf_counter()
-        cases = build_needle_cases(
-            tokenizer, text, config.needle_contexts, config.needle_depths, config.needle_trials, config.seed
-        )
-        names = config.needle_schemes if config.needle_schemes is not None else config.schemes
-        for name in names:
+        for name in needle_names:
+            t_step = time.perf_counter()
             scheme = schemes[name]
             correct: dict[str, list[int]] = {}
             answers = []
@@ -295,10 +323,30 @@ def run_eval(
                 "by_context": {c: sum(v) / len(v) for c, v in correct.items()},
                 "answers": answers,
             }
-            _log(progress, f"oscar eval: passkey {name}: {sum(flat)}/{len(flat)}")
+            step(f"passkey {name}: {sum(flat)}/{len(flat)}", t_step)
         result.timings["needle"] = time.perf_counter() - t0
     result.timings["total"] = time.perf_counter() - t_start
     return result
+
+
+def _plan(
+    config: EvalConfig, schemes: dict[str, KVScheme], num_seqs: dict[int, int], cases: Sequence[Any]
+) -> list[Step]:
+    """The steps of :func:`run_eval` in the order it runs them (for the time-left estimate)."""
+    plan = []
+    for context in config.contexts:
+        for i in range(num_seqs[context]):
+            plan.append(Step("forward", "reference", context))
+            capture = i < config.error_sequences
+            plan += [Step("forward", (n, capture), context) for n, s in schemes.items() if s.quantized]
+            # the LM head and the log-softmaxes over every scheme's hidden states: until one has
+            # been timed, estimated as one forward pass per scheme (SmolLM2 at 2k: 0.7-0.9 of that)
+            plan.append(Step("metrics", len(schemes), context * len(schemes), like="forward"))
+    if cases:
+        size = sum(case.context for case in cases)
+        names = config.needle_schemes if config.needle_schemes is not None else config.schemes
+        plan += [Step("passkey", name, size, like="forward") for name in names]
+    return plan
 
 
 def _nanmean(xs: Sequence[float]) -> float:
@@ -325,19 +373,27 @@ def format_table(result: EvalResult | dict[str, Any]) -> str:
         f"model {r['model']} ({r.get('dtype', '?')}); windows: sink {cfg['sink']}, "
         f"recent {cfg['recent']} tokens kept unquantised"
     ]
-    header = (
-        f"{'scheme':<18}{'bits/el':>8}  {'perplexity':>17}  {'Δppl vs bf16':>17}  "
-        f"{'KL (nats)':>17}  {'top-1 agree':>17}  {'logit err':>9}  {'out err':>8}"
-    )
     for context, block in r["contexts"].items():
         n = next(iter(block.values()))["sequences"]
+        # the per-layer error columns only where some scheme has them (error_sequences > 0)
+        layer_errors = any("logit_error_mean" in e for e in block.values())
+        header = (
+            f"{'scheme':<18}{'bits/el':>8}{'KV MiB':>8}  {'perplexity':>17}  {'Δppl vs bf16':>17}  "
+            f"{'KL (nats)':>17}  {'top-1 agree':>17}"
+        ) + (f"  {'logit err':>9}  {'out err':>8}" if layer_errors else "")
         lines += ["", f"context {context} tokens, {n} held-out sequences (mean ± std)", header]
         for name, e in block.items():
+            mib = e.get("kv_mib")
             lines.append(
-                f"{name:<18}{e['bits_per_element']:>8.3f}  {_fmt(e['perplexity'], 3):>17}  "
+                f"{name:<18}{e['bits_per_element']:>8.3f}{'-' if mib is None else f'{mib:.1f}':>8}  "
+                f"{_fmt(e['perplexity'], 3):>17}  "
                 f"{_fmt(e.get('delta_ppl'), 2, pct=True):>17}  {_fmt(e['kl'], 4):>17}  "
-                f"{_fmt(e['top1'], 2, pct=True):>17}  "
-                f"{_err(e.get('logit_error_mean')):>9}  {_err(e.get('output_error_mean')):>8}"
+                f"{_fmt(e['top1'], 2, pct=True):>17}"
+                + (
+                    f"  {_err(e.get('logit_error_mean')):>9}  {_err(e.get('output_error_mean')):>8}"
+                    if layer_errors
+                    else ""
+                )
             )
     if r["needle"]:
         ctxs = ", ".join(str(c) for c in cfg["needle_contexts"])

@@ -114,11 +114,43 @@ def compare_logits(
         ``(nll [N], kl [N], agree [N] bool)`` float64 / bool.
     """
     check(ref_logits.shape == logits.shape, "logits.shape", tuple(ref_logits.shape), tuple(logits.shape))
-    lp_ref = torch.log_softmax(ref_logits.double(), -1)
-    lp = torch.log_softmax(logits.double(), -1)
-    nll = -lp.gather(-1, targets.long()[:, None]).squeeze(-1)
-    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp_min(0.0)
-    agree = ref_logits.argmax(-1) == logits.argmax(-1)
+    return _compare(_Reference.of(ref_logits), logits, targets)
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """What every comparison with one chunk of reference logits ``[N, V]`` needs, computed
+    once per chunk instead of once per scheme: probabilities ``p`` and ``Σ p·log p`` (float64),
+    and the argmax."""
+
+    p: torch.Tensor
+    p_log_p: torch.Tensor
+    argmax: torch.Tensor
+
+    @staticmethod
+    def of(ref_logits: torch.Tensor) -> _Reference:
+        lp = torch.log_softmax(ref_logits.double(), -1)
+        p = lp.exp()
+        return _Reference(p, _rowdot(p, lp), ref_logits.argmax(-1))
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` for ``[N, V]`` rows as a batched matmul: no ``[N, V]`` temporary."""
+    return torch.bmm(a[:, None, :], b[:, :, None]).reshape(-1)
+
+
+def _compare(
+    ref: _Reference, logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compare_logits` against a precomputed reference. With ``lse = logsumexp(x)``,
+    ``log q = x − lse`` and ``Σ p = 1``: ``NLL = lse − x[target]`` and
+    ``KL = Σ p log p − Σ p·x + lse``; one float64 pass over the logits instead of a full
+    log-softmax and three more ``[N, V]`` passes."""
+    x = logits.double()
+    lse = torch.logsumexp(x, -1)
+    nll = lse - x.gather(-1, targets.long()[:, None]).squeeze(-1)
+    kl = (ref.p_log_p - _rowdot(ref.p, x) + lse).clamp_min(0.0)
+    agree = ref.argmax == logits.argmax(-1)
     return nll, kl, agree
 
 
@@ -173,9 +205,13 @@ def sequences_metrics(
         for a in range(0, t - 1, chunk):
             b = min(t - 1, a + chunk)
             ref = head(ref_hidden[a:b])
+            stats = _Reference.of(ref)
             for name, hidden in hiddens.items():
-                cur = ref if hidden is ref_hidden else head(hidden[a:b])
-                nll, kl, agree = compare_logits(ref, cur, input_ids[a + 1 : b + 1])
+                if hidden is ref_hidden:  # the reference itself: KL 0 and agreement 1 exactly
+                    nll, _, agree = _compare(stats, ref, input_ids[a + 1 : b + 1])
+                    kl = torch.zeros_like(nll)
+                else:
+                    nll, kl, agree = _compare(stats, head(hidden[a:b]), input_ids[a + 1 : b + 1])
                 acc = sums[name]
                 acc[0] += float(nll.sum())
                 acc[1] += float(kl.sum())

@@ -9,12 +9,13 @@ __all__ = ["plot_result"]
 
 
 def plot_result(result: Any, path: str | Path, context: str | int | None = None) -> Path:
-    """Write a PNG with four panels for one context length (default: the largest).
+    """Write a PNG with four panels (two without per-layer errors) for one context length
+    (default: the largest).
 
-    Top: relative attention-logit error and output error per layer, one line per
-    scheme. Bottom: the paired perplexity increase over BF16 (or the perplexity when
-    there is no BF16 reference) and KL(BF16 ‖ scheme) per scheme, bars with the std over
-    sequences as error bars.
+    Top, when the result holds per-layer errors: relative attention-logit error and output
+    error per layer, one line per scheme. Bottom: the paired perplexity increase over BF16
+    (or the perplexity when there is no BF16 reference) and KL(BF16 ‖ scheme) per scheme,
+    bars with the std over sequences as error bars.
 
     Args:
         result: :class:`oscar_calib.evaluate.EvalResult` or its dict.
@@ -33,20 +34,24 @@ def plot_result(result: Any, path: str | Path, context: str | int | None = None)
     key = str(context) if context is not None else max(ctxs, key=int)
     block = r["contexts"][key]
     names = list(block)
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    for ax, metric, title in (
-        (axes[0, 0], "logit_error", "attention-logit error (rel., per-query offset removed)"),
-        (axes[0, 1], "output_error", "attention-output error (rel.)"),
-    ):
-        for name in names:
-            ys = block[name].get(metric)
-            if ys:
-                ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name)
-        ax.set_xlabel("layer")
-        ax.set_title(title, fontsize=10)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8, ncol=2)
+    # the per-layer panels only when errors were captured (``oscar demo`` captures none)
+    layer_panels = any(block[n].get("logit_error") for n in names)
+    rows = 2 if layer_panels else 1
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 4.25 * rows), squeeze=False)
+    if layer_panels:
+        for ax, metric, title in (
+            (axes[0, 0], "logit_error", "attention-logit error (rel., per-query offset removed)"),
+            (axes[0, 1], "output_error", "attention-output error (rel.)"),
+        ):
+            for name in names:
+                ys = block[name].get(metric)
+                if ys:
+                    ax.plot(range(len(ys)), ys, marker="o", ms=3, label=name)
+            ax.set_xlabel("layer")
+            ax.set_title(title, fontsize=10)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[0, 0].legend(fontsize=8, ncol=2)
     quant = [n for n in names if block[n]["bits_per_element"] < 16]
     ref = [n for n in names if block[n]["bits_per_element"] >= 16]
     paired = all("delta_ppl" in block[n] for n in quant)
@@ -55,8 +60,8 @@ def plot_result(result: Any, path: str | Path, context: str | int | None = None)
         "perplexity increase over BF16, % (paired, mean ± std)" if paired else "perplexity (mean ± std)"
     )
     for ax, metric, title in (
-        (axes[1, 0], ppl_metric, ppl_title),
-        (axes[1, 1], "kl", "KL(BF16 ‖ scheme), nats/token (mean ± std)"),
+        (axes[rows - 1, 0], ppl_metric, ppl_title),
+        (axes[rows - 1, 1], "kl", "KL(BF16 ‖ scheme), nats/token (mean ± std)"),
     ):
         scale = 100.0 if metric == "delta_ppl" else 1.0
         means = [block[n][metric]["mean"] * scale for n in quant]

@@ -38,6 +38,9 @@ from oscar_math import DEFAULT_RECENT, DEFAULT_SINK, check, int2_mask
 
 from .schemes import KVScheme
 
+# SDPA reads grouped KV heads itself from torch 2.5 on (``enable_gqa``)
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 __all__ = [
     "Windows",
     "LayerErrors",
@@ -199,7 +202,7 @@ def mixed_attention(
     check(s >= t, "key length", f">= query length {t}", s)
     check(error_row_stride >= 1, "error_row_stride", "an integer >= 1", error_row_stride)
     if errors is None or error_row_stride > 1:
-        out = _mixed_sdpa(query, key, value, key_hat, value_hat, scaling, windows, attention_mask)
+        out = _mixed_sdpa(query, key, value, key_hat, value_hat, scaling, windows, attention_mask, block)
         if errors is None:
             return out
     else:
@@ -253,34 +256,57 @@ def _mixed_sdpa(
     scaling: float,
     windows: Windows,
     attention_mask: torch.Tensor | None,
+    block: int = 256,
 ) -> torch.Tensor:
-    """Fused form of :func:`mixed_attention`: one SDPA call over ``[K ; K_hat[lo:hi]]``.
+    """Fused form of :func:`mixed_attention`: per block of query rows, one SDPA call over
+    ``[K[:end] ; K_hat[lo:hi]]``.
 
     Each quantisable key appears twice, exact and quantised; a boolean mask lets
     query ``t`` see exactly one copy (the quantised one iff ``sink <= s <= t - recent``).
-    About 5x faster on CPU than materialising both logit matrices.
+    About 5x faster on CPU than materialising both logit matrices. Blocks of query rows
+    keep only the keys the block can read (``end``: causal; ``hi``: the last key any of
+    its rows reads quantised): with an explicit mask CPU SDPA computes every masked
+    logit, so one call over all rows did twice the work of the causal triangle.
     """
-    hq, t, s = query.shape[1], query.shape[2], key.shape[2]
+    b, hq, t, d = query.shape
+    s = key.shape[2]
     dev = query.device
-    q_pos = torch.arange(s - t, s, device=dev)
-    k_pos = torch.arange(s, device=dev)
-    lo, hi = windows.sink, max(windows.sink, s - windows.recent)
-    causal = k_pos[None, :] <= q_pos[:, None]
-    quant = quantized_region(q_pos, k_pos[lo:hi], windows.sink, windows.recent, windows.prefill_chunk, s)
-    exact = causal.clone()
-    exact[:, lo:hi] &= ~quant
-    mask = torch.cat([exact, quant], 1)  # [T, S + (hi - lo)]
+    lo = windows.sink
+    user_all = None
     if attention_mask is not None and attention_mask.dim() == 4:
-        user = attention_mask[..., :t, :s]
-        user = user if user.dtype == torch.bool else user == 0
-        mask = mask & torch.cat([user, user[..., lo:hi]], -1)
+        user_all = attention_mask[..., :t, :s]
+        user_all = user_all if user_all.dtype == torch.bool else user_all == 0
     # float32: CPU SDPA with an explicit mask is slow in bf16, and the quantised K/V are
     # float32 already (serving kernels also dequantise and accumulate in fp32)
-    k2 = _expand_kv(torch.cat([key.float(), key_hat[:, :, lo:hi].float()], 2), hq)
-    v2 = _expand_kv(torch.cat([value.float(), value_hat[:, :, lo:hi].float()], 2), hq)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), k2, v2, attn_mask=mask, scale=scaling
-    )
+    qf, kf, vf = query.float(), key.float(), value.float()
+    khf, vhf = key_hat.float(), value_hat.float()
+    out = torch.empty(b, hq, t, d, dtype=torch.float32, device=dev)
+    k_pos_all = torch.arange(s, device=dev)
+    for r0 in range(0, t, block):
+        r1 = min(t, r0 + block)
+        q_pos = torch.arange(s - t + r0, s - t + r1, device=dev)
+        end = s - t + r1  # causal: no row of the block reads a later key
+        k_pos = k_pos_all[:end]
+        causal = k_pos[None, :] <= q_pos[:, None]
+        quant = quantized_region(q_pos, k_pos[lo:], windows.sink, windows.recent, windows.prefill_chunk, s)
+        cols = quant.any(0).nonzero()
+        hi = lo + (int(cols[-1]) + 1 if cols.numel() else 0)
+        quant = quant[:, : hi - lo]
+        exact = causal.clone()
+        exact[:, lo:hi] &= ~quant
+        mask = torch.cat([exact, quant], 1)  # [tb, end + (hi - lo)]
+        if user_all is not None:
+            user = user_all[..., r0:r1, :end] if user_all.shape[-2] > 1 else user_all[..., :end]
+            mask = mask & torch.cat([user, user[..., lo:hi]], -1)
+        k2 = torch.cat([kf[:, :, :end], khf[:, :, lo:hi]], 2)
+        v2 = torch.cat([vf[:, :, :end], vhf[:, :, lo:hi]], 2)
+        if _SDPA_GQA:  # KV heads are read in place; copying them per query head cost ~20%
+            gqa = {"enable_gqa": True}
+        else:
+            k2, v2, gqa = _expand_kv(k2, hq), _expand_kv(v2, hq), {}
+        out[:, :, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+            qf[:, :, r0:r1], k2, v2, attn_mask=mask, scale=scaling, **gqa
+        )
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
