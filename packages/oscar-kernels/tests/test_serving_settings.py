@@ -36,7 +36,7 @@ def test_section_wins_over_environment_and_environment_fills_in():
     [
         ({}, {}, "needs a rotations artifact"),
         ({"rotations": "r", "radix": "exact"}, {}, r"unknown keys \['radix'\]"),
-        ({"rotations": "r", "radix_cache": "sometimes"}, {}, r"cfg\['radix_cache'\].*exact, int2, off"),
+        ({"rotations": "r", "radix_cache": "sometimes"}, {}, r"cfg\['radix_cache'\].*off, exact, int2"),
         ({"rotations": "r"}, {ENV["radix_cache"]: "maybe"}, r"\$OSCAR_SGLANG_RADIX_CACHE"),
         ({"rotations": "r", "window_records": "always"}, {}, "window_records"),
         ({"rotations": "r"}, {ENV["warmup"]: "yes"}, r"\$OSCAR_VLLM_WARMUP: expected true/false"),

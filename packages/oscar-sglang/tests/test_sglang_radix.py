@@ -341,6 +341,7 @@ def test_radix_settings_from_the_command_line(tmp_path, monkeypatch):
     with pytest.raises(OscarError, match="expected one of off, exact, int2") as e:
         core.radix_mode()
     assert "\n" not in str(e.value)
+    monkeypatch.setenv(core.ENV_RADIX, "exact")  # one settings object: every bad value fails it
     monkeypatch.setenv(core.ENV_SNAPSHOTS, "0")
     with pytest.raises(OscarError, match="integer >= 1"):
         core.snapshot_count("exact", 9)

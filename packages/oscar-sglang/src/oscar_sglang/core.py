@@ -27,6 +27,7 @@ from oscar_kernels.serving import (
     shard_params,
 )
 from oscar_kernels.serving import window_bytes_per_slot as _slot_bytes
+from oscar_kernels.serving.settings import RadixCache, ServingSettings
 from oscar_math.errors import OscarError
 
 __all__ = [
@@ -60,11 +61,18 @@ BACKEND_NAME = "oscar"
 ENV_RADIX = "OSCAR_SGLANG_RADIX_CACHE"
 #: window snapshots kept for exact radix hits (``--oscar-window-snapshots``)
 ENV_SNAPSHOTS = "OSCAR_SGLANG_WINDOW_SNAPSHOTS"
-RADIX_MODES = ("off", "exact", "int2")  # radix_mode(): exact is the default
+RADIX_MODES = tuple(m.value for m in RadixCache)  # radix_mode(): exact is the default
+
+
+def _settings() -> ServingSettings:
+    """OSCAR's options in this SGLang process: the launcher copies the ``--oscar-*`` arguments into
+    the environment its scheduler subprocesses inherit (the one way across SGLang's process
+    boundary); every process parses them here, through the engines' one settings object."""
+    return ServingSettings.parse(None, os.environ, "OSCAR settings", require_rotations=False)
 
 
 def radix_mode() -> str:
-    """The radix-cache policy under ``--attention-backend oscar`` (``$OSCAR_SGLANG_RADIX_CACHE``).
+    """The radix-cache policy under ``--attention-backend oscar`` (``--oscar-radix-cache``).
 
     * ``exact`` (default): hits are cut back to the longest page-aligned prefix whose BF16 window
       rows were kept (a window snapshot), which are copied into the request: a hit reads exactly
@@ -74,17 +82,12 @@ def radix_mode() -> str:
     * ``int2``: any hit; the prefix's window rows are rebuilt from its INT2 pages
       (approximate: those tokens are read at INT2 where a miss reads BF16).
     """
-    mode = os.environ.get(ENV_RADIX, "").strip().lower() or "exact"
-    if mode not in RADIX_MODES:
-        raise OscarError(
-            f"Invalid {ENV_RADIX} / --oscar-radix-cache: expected one of {', '.join(RADIX_MODES)}, "
-            f"got {mode!r}"
-        )
-    return mode
+    return _settings().radix_cache.value
 
 
 def snapshot_count(mode: str, request_slots: int) -> int:
-    """Window snapshot rows to allocate: 0 unless ``mode == "exact"``; default two per request slot.
+    """Window snapshot rows to allocate: 0 unless ``mode == "exact"``; default two per request slot
+    (``--oscar-window-snapshots`` sets the count).
 
     Each request slot may hold up to three not-yet-published snapshots (see
     :class:`SnapshotStore`), rarely more than two at once; the rest hold published prefixes,
@@ -92,27 +95,13 @@ def snapshot_count(mode: str, request_slots: int) -> int:
     """
     if mode != "exact":
         return 0
-    raw = os.environ.get(ENV_SNAPSHOTS, "").strip()
-    if not raw:
-        return 2 * request_slots
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 1:
-        raise OscarError(
-            f"Invalid {ENV_SNAPSHOTS} / --oscar-window-snapshots: expected an integer >= 1, got {raw!r}"
-        )
-    return n
+    n = _settings().window_snapshots
+    return 2 * request_slots if n is None else n
 
 
 def rotations_path() -> str:
-    """The artifact path given by ``--oscar-rotations`` / ``$OSCAR_ROTATIONS``.
-
-    ``--oscar-rotations`` is copied into the environment by the launcher process, so the
-    scheduler subprocesses (which inherit the environment) read the same value here.
-    """
-    path = os.environ.get(ENV_ROTATIONS, "").strip()
+    """The artifact path given by ``--oscar-rotations`` / ``$OSCAR_ROTATIONS``."""
+    path = _settings().rotations
     if not path:
         raise OscarError(
             f"--attention-backend {BACKEND_NAME} needs a rotations artifact: pass --oscar-rotations FILE "

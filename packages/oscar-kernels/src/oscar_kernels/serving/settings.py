@@ -44,9 +44,9 @@ class WindowRecords(str, Enum):
 class RadixCache(str, Enum):
     """What SGLang's radix (prefix) cache does under OSCAR (docs/sglang.md)."""
 
+    OFF = "off"  # the tree is built disabled
     EXACT = "exact"  # hits cut back to prefixes with a window snapshot: a hit equals a miss
     INT2 = "int2"  # any hit; the prefix's window rows rebuilt from INT2 (approximate)
-    OFF = "off"  # the tree is built disabled
 
 
 #: the environment variable of each key that has one
