@@ -27,6 +27,7 @@ from .loading import (
     window_bytes_per_slot,
 )
 from .plan import StepBuffers, StepPlan, plan_step, step_record, to_device
+from .record_stamps import RecordStamps
 from .run import WindowOp, attend_step, run_layer, write_step
 from .settings import RadixCache, ServingSettings, WindowRecords
 from .slots import FreshRows, RequestSlots, SlotTracker, WindowSlots, WindowTracker, plan_slots
@@ -40,7 +41,6 @@ from .snapshots import (
     rebuild_windows,
 )
 from .window_pages import (
-    RecordStamps,
     WindowPages,
     WindowPlan,
     gather_columns,

@@ -17,7 +17,7 @@ from oscar_math.errors import OscarError
 from .slots import WindowSlots
 
 if TYPE_CHECKING:
-    from .window_pages import RecordStamps
+    from .record_stamps import RecordStamps
 
 __all__ = ["StepPlan", "plan_step", "StepBuffers", "step_record", "to_device"]
 
