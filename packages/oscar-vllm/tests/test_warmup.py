@@ -196,7 +196,7 @@ def test_the_warm_up_follows_vllms_jit_warm_up_unless_told(monkeypatch):
     from types import SimpleNamespace as NS
 
     from oscar_math.errors import OscarError
-    from oscar_vllm.backend import warmup_wanted
+    from oscar_vllm.warmup import warmup_wanted
 
     graphs = NS(kernel_config=NS(enable_jit_warmup=True), model_config=NS(enforce_eager=False))
     eager = NS(kernel_config=NS(enable_jit_warmup=False), model_config=NS(enforce_eager=True))

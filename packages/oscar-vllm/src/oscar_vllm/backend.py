@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
 from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
-from oscar_kernels.extend_attention import DENSE_MIN_QUERY
 from oscar_kernels.serving import (
     FreshRows,
     RecordStamps,
@@ -70,7 +68,7 @@ from oscar_math.errors import OscarError
 
 from . import compat, startup
 from .settings import load_checked, settings_from
-from .warmup import WARMUP_ENV, run_warmup, warmup_steps
+from .warmup import warm_up_engine
 
 _attn = compat.attention_api()  # vLLM's attention interface
 AttentionBackend, AttentionImpl, AttentionMetadataBuilder = (
@@ -352,6 +350,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
 class OscarAttentionImpl(AttentionImpl):
     """One decoder layer: quantising writes and attention through oscar-kernels."""
 
+    #: what the engine warm-up (:mod:`oscar_vllm.warmup`) looks for among the model's layers
+    oscar_layer = True
+
     def __init__(
         self,
         num_heads: int,
@@ -631,94 +632,6 @@ class OscarAttentionImpl(AttentionImpl):
         if out is not o:
             o.copy_(out)
         return output
-
-
-def _signature(params: object) -> tuple:
-    """What of a layer's parameters its kernels compile per: each tensor's shape, strides, dtype."""
-    return tuple(
-        (f.name, (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v)
-        for f in fields(params)  # type: ignore[arg-type]
-        for v in [getattr(params, f.name)]
-    )
-
-
-def warm_up_engine(worker: Any) -> None:
-    """Compile the OSCAR kernels of every distinct layer configuration of ``worker``'s model
-    (:mod:`oscar_vllm.warmup`), after vLLM's own warm-up and before it starts its JIT monitor.
-
-    On where vLLM warms its own kernels (:func:`compat.jit_warmup_enabled`: by default, not with
-    ``enforce_eager``); ``OSCAR_VLLM_WARMUP=1`` / ``0`` turns it on / off regardless. A failure
-    is logged, never raised: without the warm-up the kernels compile at first use."""
-    if not warmup_wanted(worker.vllm_config):
-        return
-    try:
-        _warm_up(worker)
-    except Exception as e:  # noqa: BLE001 - an optimisation: serving must not depend on it
-        log.warning(
-            "OSCAR: the kernel warm-up failed (%s: %s); kernels compile at first use", type(e).__name__, e
-        )
-
-
-def warmup_wanted(vllm_config: Any) -> bool:
-    """The warm-up's switch: the ``warmup`` setting where set, else vLLM's own JIT warm-up setting."""
-    on = settings_from(getattr(vllm_config, "additional_config", None), require_rotations=False).warmup
-    return compat.jit_warmup_enabled(vllm_config) if on is None else on
-
-
-def _warm_up(worker: Any) -> None:
-    cfg = worker.vllm_config
-    widths = compat.block_table_widths(worker.model_runner)
-    sc, max_len = cfg.scheduler_config, int(cfg.model_config.max_model_len)
-    t0, seen, steps_run = time.perf_counter(), set(), 0
-    done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
-    for name, layer in cfg.compilation_config.static_forward_context.items():
-        impl, kv = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
-        kv = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
-        if not isinstance(impl, OscarAttentionImpl) or not isinstance(kv, torch.Tensor) or kv.numel() == 0:
-            continue
-        cache, params = impl._layer_state(layer, kv)
-        lo = cache.layout
-        width = widths.get(name) or -(-max_len // lo.page_size)
-        w_width = 0
-        if impl._plan is not None and impl.window_names:
-            w_width = widths.get(impl.window_names[0]) or -(-max_len // impl._plan.block_size)
-        key = (lo, impl._plan, width, w_width, impl.num_heads, impl._dense is not None, _signature(params))
-        if key in seen:
-            continue
-        seen.add(key)
-        steps = warmup_steps(
-            lo.page_size,
-            lo.recent_tokens,
-            int(sc.max_num_batched_tokens),
-            impl.max_seqs,
-            width * lo.page_size,
-            DENSE_MIN_QUERY if impl._dense is not None else None,
-            split_tails=impl._splits != 1,
-        )
-        steps_run += run_warmup(
-            cache,
-            params,
-            impl.num_heads,
-            impl.scale,
-            steps,
-            width,
-            impl._plan,
-            w_width,
-            impl._dense,
-            done=done,
-            extend_splits=impl._splits,
-        )
-    if seen:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        log.info(
-            "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)) in %.1f s, so requests "
-            "compile nothing (%s=0 skips it)",
-            steps_run,
-            len(seen),
-            time.perf_counter() - t0,
-            WARMUP_ENV,
-        )
 
 
 def _windows(layout: CacheLayout, max_seqs: int, device: torch.device) -> tuple[torch.Tensor, ...]:
