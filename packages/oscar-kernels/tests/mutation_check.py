@@ -233,14 +233,14 @@ MUTATIONS = (
         "src/oscar_kernels/decode_attention.py",
         "merged, rot, rot.stride(0), rot.stride(1), rot.stride(2), out,",
         "merged, rot, 0, rot.stride(1), rot.stride(2), out,",
-        ("tests/test_oracle.py", "-k", "decode and triton"),
+        ("tests/test_decode_attention.py", "-k", "merge_matches_torch and v2 and head"),
     ),
     Mutation(
         "merge-v2-unrotation-transposed-in-launcher",
         "src/oscar_kernels/decode_attention.py",
         "merged, rot, rot.stride(0), rot.stride(1), rot.stride(2), out,",
         "merged, rot, rot.stride(0), rot.stride(2), rot.stride(1), out,",
-        ("tests/test_oracle.py", "-k", "decode and triton"),
+        ("tests/test_decode_attention.py", "-k", "merge_matches_torch and v2 and head"),
     ),
     Mutation(
         "write-ring-pass-skips-blocks-with-one-ring-row",

@@ -527,10 +527,11 @@ def test_merge_v2_in_steps_matches_v1(nt, chunk):
     po[torch.isinf(plse)] = 0.0
     want = _merge_want(po, plse, 4, r)
     args = (po.to(DEVICE), plse.to(DEVICE), 4, r.to(DEVICE))
-    out = dec.merge_partials(*args, torch.float32, chunk=chunk)
+    v2 = replace(dec.DEFAULT_TUNING, merge_impl="v2")
+    out = dec.merge_partials(*args, torch.float32, tuning=v2, chunk=chunk)
     torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
     v1 = replace(dec.DEFAULT_TUNING, merge_impl="v1")
-    b2 = dec.merge_partials(*args, torch.bfloat16, chunk=chunk).float().cpu()
+    b2 = dec.merge_partials(*args, torch.bfloat16, tuning=v2, chunk=chunk).float().cpu()
     b1 = dec.merge_partials(*args, torch.bfloat16, tuning=v1, chunk=chunk).float().cpu()
     assert torch.allclose(b2, b1, rtol=2**-7, atol=1e-5)
 
@@ -546,7 +547,7 @@ def test_merge_v2_into_out_with_row_blocks():
     po, plse, r = _merge_inputs(5, 2, 8, 9, 64, "head", 3)
     want = _merge_want(po, plse, 8, r)
     for cols in (16, 32):
-        tuning = replace(dec.DEFAULT_TUNING, merge_rotate_cols=cols, merge_block_d=16)
+        tuning = replace(dec.DEFAULT_TUNING, merge_impl="v2", merge_rotate_cols=cols, merge_block_d=16)
         out = torch.full((5, 16, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         got = dec.merge_partials(
             po.to(DEVICE), plse.to(DEVICE), 8, r.to(DEVICE), torch.bfloat16, out, tuning=tuning
