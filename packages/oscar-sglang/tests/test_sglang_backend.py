@@ -657,3 +657,39 @@ def test_cuda_graph_decode_path_equals_eager_and_padding_writes_nothing(artifact
             assert torch.equal(getattr(snap, f), getattr(eager_cache, f)), f
         h.pool.caches[0] = eager_cache
         h.oscar.pool.caches[0] = eager_cache
+
+
+def test_default_slot_count_when_the_user_gives_none(tmp_path, monkeypatch, topology):
+    """Without --max-running-requests, SGLang's own default (up to 4096 slots) gives way to OSCAR's:
+    the slots whose BF16 windows fit 4 % of the device (on the H100 SGLang's default made start-up
+    fail: the windows did not fit the budget). A user's --max-running-requests is kept."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator, MemoryPoolConfig
+
+    from oscar_kernels.serving import WINDOW_MEMORY_SHARE
+
+    art = tmp_path / "r128.safetensors"
+    make_artifact(art, layers=3, kv_heads=2, d=128, granularity="layer")
+    monkeypatch.setenv(core.ENV_ROTATIONS, str(art))
+    monkeypatch.setenv(core.ENV_RADIX, "off")
+    device = 1 << 30  # this tiny model's windows: ~1,165 slots in 4 % of it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=device))
+
+    def slots(user: int | None) -> tuple[int, int]:
+        kvc = _configurator_ns(tmp_path)
+        kvc.server_args.max_running_requests = user
+        conf = object.__new__(DefaultPoolConfigurator)
+        conf.kv_cache_dtype_str = None
+        DefaultPoolConfigurator._compute_cell_size(conf, kvc, 3)
+        cfg = MemoryPoolConfig(
+            max_total_num_tokens=1 << 22, max_running_requests=4096 if user is None else user
+        )
+        cfg = DefaultPoolConfigurator.finalize_with_max_running_requests(conf, cfg)
+        return cfg.max_running_requests, core.window_bytes_per_slot(conf._oscar_layout, 3)
+
+    got, per_slot = slots(None)
+    assert got == int(WINDOW_MEMORY_SHARE * device) // per_slot < 4096
+    assert slots(3000)[0] == 3000  # the user's choice stands
