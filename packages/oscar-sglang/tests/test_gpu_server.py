@@ -364,11 +364,6 @@ def test_sglang_launcher_on_a_corrupt_artifact_exits_non_zero_naming_it(corrupt_
     assert str(corrupt) in lines[-1], "\n".join(lines[-30:])  # the cause is the last thing said
 
 
-@pytest.mark.xfail(
-    reason="oscar-sglang has no exit report yet (vLLM's oscar_vllm/exit_report.py prints 'OSCAR: <message>' "
-    "last): SGLang's launcher ends with the OscarError traceback",
-    strict=False,
-)
 def test_sglang_launcher_on_a_corrupt_artifact_ends_with_one_oscar_line(corrupt_launch, corrupt):
     rc, lines, _ = corrupt_launch
     assert rc != 0

@@ -693,3 +693,27 @@ def test_default_slot_count_when_the_user_gives_none(tmp_path, monkeypatch, topo
     got, per_slot = slots(None)
     assert got == int(WINDOW_MEMORY_SHARE * device) // per_slot < 4096
     assert slots(3000)[0] == 3000  # the user's choice stands
+
+
+def test_sglang_launcher_on_a_corrupt_artifact_ends_with_one_oscar_line(tmp_path):
+    """SGLang's own launcher (a real process, the plugin loaded from its entry point) stops on a
+    corrupt artifact while it parses its arguments; the last line it prints is ``OSCAR: <file>: …``
+    (oscar_kernels.serving.exit_report), after SGLang's traceback, and the exit status is not 0."""
+    import json
+    import subprocess
+    import sys
+
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
+           "--attention-backend", "oscar", "--oscar-rotations", str(bad)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+    assert run.returncode != 0
+    oscar = [line for line in lines if line.startswith("OSCAR: ")]
+    assert len(oscar) == 1 and lines[-1] == oscar[0] and str(bad) in oscar[0], lines[-10:]

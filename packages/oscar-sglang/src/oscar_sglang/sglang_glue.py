@@ -50,6 +50,7 @@ from oscar_kernels.serving import (
     StepPlan,
     copy_windows,
     default_max_seqs,
+    exit_report,
     plan_step,
     run_layer,
 )
@@ -909,6 +910,7 @@ _REGISTERED = False
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: idempotent (SGLang calls it in every process)."""
     global _REGISTERED
+    exit_report.install()  # an OscarError that stops SGLang ends its output with one "OSCAR: ..." line
     if BACKEND_NAME not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND_NAME)(create_backend)
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
