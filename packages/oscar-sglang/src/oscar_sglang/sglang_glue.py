@@ -383,16 +383,13 @@ class OscarAttnBackend(AttentionBackend):
         P = pool.page_size
         if mode.name not in ("EXTEND", "MIXED"):  # speculative / dLLM / split-prefill modes
             raise OscarError(f"--attention-backend {BACKEND_NAME}: forward mode {mode.name} is not supported")
-        ext = fb.extend_seq_lens.to(torch.int64)
-        prefix = fb.extend_prefix_lens.to(torch.int32)
-        bsz = ext.shape[0]
-        cu = torch.zeros(bsz + 1, dtype=torch.int32, device=ext.device)
-        cu[1:] = torch.cumsum(ext, 0)
-        seq_index = torch.repeat_interleave(torch.arange(bsz, device=ext.device), ext)
-        n = int(cu[-1]) if fb.extend_num_tokens is None else int(fb.extend_num_tokens)
-        positions = prefix.long()[seq_index] + torch.arange(n, device=ext.device) - cu.long()[seq_index]
-        ext_cpu = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else ext.tolist()
-        pre_cpu = fb.extend_prefix_lens_cpu if fb.extend_prefix_lens_cpu is not None else prefix.tolist()
+        ext_cpu = fb.extend_seq_lens_cpu
+        ext_cpu = list(ext_cpu) if ext_cpu is not None else fb.extend_seq_lens.tolist()
+        pre_cpu = fb.extend_prefix_lens_cpu
+        pre_cpu = list(pre_cpu) if pre_cpu is not None else fb.extend_prefix_lens.tolist()
+        # the plan derives positions, sequence index and offsets once (plan_step); the window
+        # bookkeeping below reads them
+        plan = self._plan(fb, bt, slots, torch.as_tensor(ext_cpu, dtype=torch.int64), None, pre_cpu)
         rebuild, res_src, res_dst = [], [], []
         slot_list = fb.req_pool_indices.tolist()
         for b, slot in enumerate(slot_list):
@@ -435,14 +432,13 @@ class OscarAttnBackend(AttentionBackend):
                 cum += c
         cap_meta = None
         if cap_tok:
-            dev = ext.device
+            dev = plan.positions.device
             idx = torch.cat([torch.arange(lo, hi, device=dev) for lo, hi, _, _ in cap_tok])
             sidx = torch.cat(
                 [torch.full((hi - lo,), j, dtype=torch.int64, device=dev) for lo, hi, j, _ in cap_tok]
             )
             lens = torch.tensor([k for _, _, _, k in cap_tok], dtype=torch.int32, device=dev)
-            cap_meta = (idx, positions[idx], sidx, lens, torch.tensor(cap_dst, dtype=torch.int32, device=dev))
-        plan = self._plan(fb, bt, slots, torch.as_tensor(ext_cpu, dtype=torch.int64), None, pre_cpu)
+            cap_meta = (idx, plan.positions[idx].long(), sidx, lens)
         before: list = []
         restore = self._pair(res_dst, res_src)
         if restore is not None:  # exact radix hits: the prefix's BF16 windows, as a miss wrote them
@@ -455,7 +451,7 @@ class OscarAttnBackend(AttentionBackend):
             # match asked for): the windows before this chunk's ring write (sink already written),
             # plus the chunk's tokens [p, K) written into the snapshot's ring
             src, dst = self._pair(cap_src, cap_dst)
-            idx, pos, sidx, lens, _ = cap_meta
+            idx, pos, sidx, lens = cap_meta
             plan.after_attend = (CaptureChunk(src, dst, idx, pos, sidx, lens, plan.slot_mapping[idx]),)
         pool.step = self.plan = plan
 
