@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -73,6 +74,7 @@ PAGE = 64
 LONG_PROMPT_TOKENS = 300  # + 64 new tokens: past SINK + RECENT, so decode reads INT2 pages
 NEW_TOKENS = 64
 RADIX_PROMPT_TOKENS = 1000
+PPL_LEN = 1024  # held-out tokens scored through each server and by `oscar eval` (as vLLM's engine test)
 START_TIMEOUT_S = float(os.environ.get("OSCAR_SGL_TEST_START_TIMEOUT", "420"))
 REQUEST_TIMEOUT_S = 120
 FAIL_TIMEOUT_S = 240  # SGLang's launcher on a corrupt artifact must exit by itself within this
@@ -227,6 +229,27 @@ def _generate(c: httpx.Client, text: str, max_new_tokens: int) -> dict:
     return r.json()
 
 
+def _prompt_nll(c: httpx.Client, ids: list[int]) -> list[float]:
+    """Negative log-likelihood of each token of ``ids`` after the first, from the server's prompt
+    logprobs (``/generate`` with ``return_logprob`` from position 0; one new token)."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    r = c.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()["meta_info"]["input_token_logprobs"]  # [logprob, token id, text] per prompt position
+    assert [int(e[1]) for e in got] == ids, "prompt logprobs are not aligned with the prompt"
+    assert got[0][0] is None and all(e[0] is not None for e in got[1:]), got[:3]
+    return [-float(e[0]) for e in got[1:]]
+
+
+def _perplexity(nll: list[float]) -> float:
+    return math.exp(sum(nll) / len(nll))
+
+
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (the shorter length if one is a prefix), None if equal."""
     i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -293,15 +316,17 @@ def prompts(model_dir) -> dict:
     """Held-out text cut at token counts of the served model's own tokenizer."""
     from transformers import AutoTokenizer
 
-    from oscar_calib.text import load_text, split_text
+    from oscar_calib.text import load_text, split_text, token_chunks
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = tok(split_text(load_text(None))[1], add_special_tokens=False)["input_ids"]
+    held = split_text(load_text(None))[1]
+    ids = tok(held, add_special_tokens=False)["input_ids"]
 
     def cut(start: int, n: int) -> str:
         return tok.decode(ids[start : start + n])
 
     return {
+        "ppl": token_chunks(tok, held, PPL_LEN, PPL_LEN, seed=0)[0].tolist(),  # vLLM's engine test's text
         "long": cut(2_000, LONG_PROMPT_TOKENS),
         "stream": cut(6_000, 200),
         "radix": cut(10_000, RADIX_PROMPT_TOKENS),
@@ -479,6 +504,12 @@ class TestOscarServe:
         assert again["output_ids"] == first["output_ids"]
         assert again["text"] == first["text"]
 
+    def test_prompt_perplexity_is_scored(self, server, prompts):
+        with server.client() as c:
+            nll = _prompt_nll(c, prompts["ppl"])
+        assert len(nll) == PPL_LEN - 1 and all(math.isfinite(x) and x >= 0 for x in nll)
+        RESULTS.setdefault("perplexity", {})["sglang_oscar"] = round(_perplexity(nll), 4)
+
     def test_start_up_log_has_the_oscar_capacity_lines_and_decode_graphs(self, server, model_dir):
         log = server.text()
         layers, kv_heads, d = _geometry(model_dir)
@@ -545,6 +576,9 @@ def test_bf16_triton_agreement_is_reported(model_dir, prompts, tmp_path_factory)
             out = _generate(c, prompts["long"], NEW_TOKENS)
         bf16 = out["output_ids"]
         assert len(bf16) == NEW_TOKENS
+        with server.client() as c:
+            nll = _prompt_nll(c, prompts["ppl"])
+        RESULTS.setdefault("perplexity", {})["sglang_bf16"] = round(_perplexity(nll), 4)
         assert "OSCAR" not in server.text()  # the plugin stayed out
         ref = RESULTS.get("oscar_greedy")
         entry: dict = {"bf16_text": out["text"], "bf16_output_ids": bf16}
@@ -562,3 +596,40 @@ def test_bf16_triton_agreement_is_reported(model_dir, prompts, tmp_path_factory)
         RESULTS["bf16_vs_oscar"] = entry
     finally:
         gen.close()
+
+
+def test_sglang_perplexity_matches_the_harness(model_dir, artifact, prompts):
+    """The same 1,024 held-out tokens through ``oscar eval``'s harness (BF16 and OSCAR INT2, the
+    artifact the servers load) beside both SGLang servers' prompt perplexity. Runs after every
+    server has stopped (the GPU is free)."""
+    ppl = RESULTS.get("perplexity", {})
+    if "sglang_oscar" not in ppl or "sglang_bf16" not in ppl:
+        pytest.fail(f"a server's perplexity is missing (its test failed first): {ppl}")
+    import torch
+
+    from oscar_calib.evaluate import EvalConfig, run_eval
+    from oscar_calib.models import load_model
+    from oscar_math.artifact import load_rotations
+
+    model, tok = load_model(model_dir, dtype=torch.bfloat16, device="cuda")
+    cfg = EvalConfig(contexts=(PPL_LEN,), schemes=("bf16", "oscar2"), num_sequences=1, error_sequences=0,
+                     needle_contexts=())  # fmt: skip
+    text = tok.decode(prompts["ppl"])
+    res = run_eval(model, tok, load_rotations(artifact), cfg, progress=False, heldout_text=text)
+    del model
+    torch.cuda.empty_cache()
+    ctx = res.contexts[str(PPL_LEN)] if str(PPL_LEN) in res.contexts else res.contexts[PPL_LEN]
+    h_bf16, h_oscar = ctx["bf16"]["perplexity"]["mean"], ctx["oscar2"]["perplexity"]["mean"]
+    s_bf16, s_oscar = ppl["sglang_bf16"], ppl["sglang_oscar"]
+    s_gap, h_gap = s_oscar / s_bf16 - 1, h_oscar / h_bf16 - 1
+    ppl.update(harness_bf16=round(h_bf16, 4), harness_oscar2=round(h_oscar, 4),
+               sglang_gap_pct=round(100 * s_gap, 2), harness_gap_pct=round(100 * h_gap, 2))  # fmt: skip
+    print(
+        f"\nperplexity of {PPL_LEN} held-out tokens: SGLang BF16 {s_bf16:.3f}, SGLang OSCAR {s_oscar:.3f} "
+        f"({100 * s_gap:+.2f}%); oscar eval bf16 {h_bf16:.3f}, oscar2 {h_oscar:.3f} ({100 * h_gap:+.2f}%)"
+    )
+    assert abs(s_bf16 / h_bf16 - 1) < 0.05  # same model, same text: only kernel numerics differ
+    # OSCAR costs perplexity, no more than the harness measures plus a margin: the extend kernel
+    # applies the per-token windows inside a prefill chunk, as the harness does
+    assert s_oscar > s_bf16 * 0.995
+    assert s_gap < h_gap + 0.05
