@@ -87,6 +87,27 @@ MUTATIONS = (
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
+        "dense-check-ignores-output",
+        "src/oscar_kernels/dense_kernels.py",
+        "if not err <= OUT_TOL:",
+        "if False:",
+        ("tests/test_dense_kernels.py",),
+    ),
+    Mutation(
+        "dense-check-accepts-any-empty-row-lse",
+        "src/oscar_kernels/dense_kernels.py",
+        " or not bool((lse[~finite] > 0).all())",
+        "",
+        ("tests/test_dense_kernels.py",),
+    ),
+    Mutation(
+        "dense-check-probes-no-window",
+        "src/oscar_kernels/dense_kernels.py",
+        "for window in (-1, 3):",
+        "for window in (-1,):",
+        ("tests/test_dense_kernels.py",),
+    ),
+    Mutation(
         "dense-runs-short-chunks-dense",
         "src/oscar_kernels/extend_attention.py",
         "dense = m >= min_query if m else",

@@ -17,6 +17,7 @@ def test_defaults_and_types():
     assert s == ServingSettings("r.st")
     assert s.radix_cache is RadixCache.EXACT and s.window_records is WindowRecords.AUTO
     assert s.split_extend is True and s.identity_restores is True and s.warmup is None
+    assert s.dense_prefill is True
     assert s.window_snapshots is None and s.step_log is None and s.exclude_layers == ()
 
 
@@ -41,6 +42,7 @@ def test_section_wins_over_environment_and_environment_fills_in():
         ({"rotations": "r", "window_records": "always"}, {}, "window_records"),
         ({"rotations": "r"}, {ENV["warmup"]: "yes"}, r"\$OSCAR_VLLM_WARMUP: expected true/false"),
         ({"rotations": "r", "split_extend": 2}, {}, "split_extend"),
+        ({"rotations": "r"}, {"OSCAR_DENSE_PREFILL": "yes"}, "OSCAR_DENSE_PREFILL"),
         ({"rotations": "r", "window_snapshots": 0}, {}, "window_snapshots.*>= 1"),
         ({"rotations": "r"}, {ENV["window_snapshots"]: "many"}, "OSCAR_SGLANG_WINDOW_SNAPSHOTS"),
         ({"rotations": "r", "exclude_layers": [1, True]}, {}, r"list of layer indices \(ints\)"),

@@ -361,6 +361,39 @@ def test_chunked_extend_and_decode_int2_within_bound(artifact):
     assert max(rel(o, n) for o, n in zip(outs[1:], nat[1:], strict=True)) > 2e-2  # INT2 is really in play
 
 
+def test_long_prefill_chunks_through_a_dense_kernel_equal_the_triton_path(artifact):
+    """A chunk of >= 128 tokens (oscar_kernels.DENSE_MIN_QUERY) runs through the dense kernel the
+    backend picked at start-up (on a GPU sgl_kernel's FA3 or torch's FA2, each checked first; here
+    the kernel's torch reference stands in): the same outputs as without it, and the oracle's."""
+    pytest.importorskip("triton", reason="the Triton path runs under its interpreter here (conftest.py)")
+    from oscar_kernels import dense_attention_ref
+
+    calls = []
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls.append(args[0].shape[0])
+        return dense_attention_ref(*args)
+
+    L = 200
+    q, k, v = qkv(L, 23)
+    outs = {}
+    for name, dense in (("triton", None), ("dense", counted)):
+        h = Harness(artifact, num_tokens=512, max_context=256)
+        assert h.oscar.dense is None  # a CPU backend picks no dense kernel
+        h.oscar.dense = dense
+        h.oscar.kernel_backend = "triton"  # the dense split lives in the Triton path
+        slot = h.new_request(L)
+        outs[name] = []
+        for a, b in ((0, 140), (140, L)):  # the second chunk (60 tokens) stays on the extend kernel
+            fb = h.batch("extend", [slot], [a], [b - a])
+            outs[name].append(h.run(h.oscar, fb, q[a:b], k[a:b], v[a:b]))
+    assert calls and set(calls) == {140}, calls  # the long chunk only, each layer call twice (far, near)
+    oracle = _oracle(h, q[:140], k, v, list(range(140)))
+    assert rel(outs["dense"][0], oracle) < 2e-2
+    assert rel(outs["dense"][0], outs["triton"][0]) < 1e-2
+    assert torch.equal(outs["dense"][1], outs["triton"][1])  # same cache contents after the dense chunk
+
+
 def test_radix_hit_reads_no_stale_rows_and_equals_int2_prefix(artifact):
     """A prefix from the radix cache (pages shared with another request) in a reused request slot,
     mode int2 (approximate hits: the prefix's window rows rebuilt from its INT2 pages)."""

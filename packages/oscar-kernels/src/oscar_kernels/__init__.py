@@ -14,6 +14,7 @@ from .decode_attention import (
     plan_decode,
     run_decode,
 )
+from .dense_kernels import check_dense_attention, pick_dense_attention, torch_flash_attention
 from .extend_attention import extend_attention, extend_block_m, run_extend
 from .extend_dense import DenseAttention, dense_attention_ref, extend_attention_dense
 from .layout import (
@@ -64,6 +65,9 @@ __all__ = [
     "extend_attention_dense",
     "dense_attention_ref",
     "DenseAttention",
+    "check_dense_attention",
+    "pick_dense_attention",
+    "torch_flash_attention",
     "decode_attention_op",
     "extend_attention_op",
     "paged_write_op",

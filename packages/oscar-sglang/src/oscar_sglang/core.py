@@ -85,6 +85,14 @@ def radix_mode() -> str:
     return _settings().radix_cache.value
 
 
+def prefill_options() -> tuple[bool, bool]:
+    """``(dense_prefill, split_extend)``: long prefill chunks through a checked dense FlashAttention
+    kernel (``$OSCAR_DENSE_PREFILL``, on by default), and short chunks over long prefixes split over
+    more programs (``$OSCAR_VLLM_SPLIT_EXTEND``, the one switch both engines share; on by default)."""
+    s = _settings()
+    return s.dense_prefill, s.split_extend
+
+
 def snapshot_count(mode: str, request_slots: int) -> int:
     """Window snapshot rows to allocate: 0 unless ``mode == "exact"``; default two per request slot
     (``--oscar-window-snapshots`` sets the count).

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from oscar_kernels import PagedKVCache, cache_from_page_buffer, page_bytes, paged_write
+from oscar_kernels import PagedKVCache, cache_from_page_buffer, page_bytes, paged_write, torch_flash_attention
 from oscar_kernels.serving import (
     WINDOW_MEMORY_SHARE,
     CaptureChunk,
@@ -52,6 +52,7 @@ from oscar_kernels.serving import (
     default_max_seqs,
     exit_report,
     plan_step,
+    prefill_kernel,
     run_layer,
 )
 from oscar_math.artifact import load_rotations
@@ -69,6 +70,7 @@ from .core import (
     block_table,
     int2_bytes_per_token,
     load_rank_quant,
+    prefill_options,
     prefix_digests,
     radix_mode,
     rotations_path,
@@ -344,6 +346,22 @@ class OscarTokenToKVPool(MHATokenToKVPool):
 # --------------------------------------------------------------------------- backend
 
 
+def sgl_flash_attention() -> Any:
+    """``sgl_kernel``'s FlashAttention-3 varlen forward (what SGLang's ``fa3`` backend runs on
+    Hopper) as an ``oscar_kernels.DenseAttention``; ImportError where sgl_kernel has no FA3 build."""
+    from sgl_kernel.flash_attn import flash_attn_varlen_func
+
+    def attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):  # noqa: ANN001, ANN202
+        window = (int(window_left), 0) if int(window_left) >= 0 else (-1, -1)
+        out, lse, *_ = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_seqlen_q=max(int(max_q), 1), max_seqlen_k=max(int(max_k), 1),
+            softmax_scale=float(scale), causal=True, window_size=window, return_softmax_lse=True,
+        )  # fmt: skip
+        return out, lse
+
+    return attn
+
+
 class OscarAttnBackend(AttentionBackend):
     """``--attention-backend oscar``: extend/decode through oscar-kernels on the OSCAR pool.
 
@@ -365,6 +383,25 @@ class OscarAttnBackend(AttentionBackend):
         self.device = model_runner.device
         #: this step's plan (the serving core's StepPlan), shared by every layer's forward
         self.plan: StepPlan | None = None
+        #: oscar_kernels' backend: Triton on CUDA, the torch references elsewhere ("triton" runs the
+        #: kernels under TRITON_INTERPRET=1 on a CPU, as a test does)
+        self.kernel_backend = "auto"
+        dense_on, split_on = prefill_options()
+        # short chunks over long prefixes (radix hits' tails) split over more programs
+        self.extend_splits: int | str = "auto" if split_on else 1
+        #: long prefill chunks through a dense FlashAttention kernel that passed its start-up check
+        #: (sgl_kernel's FA3, else torch's FA2); None: OSCAR's Triton extend kernel
+        self.dense = None
+        if dense_on and torch.device(self.device).type == "cuda":
+            lo = pool.layout
+            mc = model_runner.model_config
+            group = max(1, int(mc.num_attention_heads) // max(1, int(mc.num_key_value_heads)))
+            dtype = getattr(model_runner, "dtype", torch.bfloat16)
+            self.dense = prefill_kernel(
+                [("sgl_kernel's FlashAttention-3", sgl_flash_attention),
+                 ("torch's FlashAttention-2", torch_flash_attention)],
+                self.device, lo.head_dim, lo.num_kv_heads, group, dtype, logger,
+            )  # fmt: skip
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         fb = forward_batch
@@ -552,6 +589,9 @@ class OscarAttnBackend(AttentionBackend):
             k.reshape(-1, lo.num_kv_heads, lo.head_dim),
             v.reshape(-1, lo.num_kv_heads, lo.head_dim),
             layer.scaling,
+            backend=self.kernel_backend,
+            dense=self.dense,
+            extend_splits=self.extend_splits,
             # the model stored its K/V itself (pool.set_kv_buffer): the ring rows of an extend
             # step still follow its attention
             stored=not save_kv_cache,

@@ -39,7 +39,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from oscar_kernels import CacheLayout, LayerQuantParams, PagedKVCache, cache_from_page_buffer, page_bytes
+from oscar_kernels import (
+    CacheLayout,
+    LayerQuantParams,
+    PagedKVCache,
+    cache_from_page_buffer,
+    page_bytes,
+    torch_flash_attention,
+)
 from oscar_kernels.serving import (
     FreshRows,
     RecordStamps,
@@ -57,6 +64,7 @@ from oscar_kernels.serving import (
     plan_slots,
     plan_step,
     plan_window_records,
+    prefill_kernel,
     rank_layout,
     restore_windows,
     run_layer,
@@ -418,8 +426,16 @@ class OscarAttentionImpl(AttentionImpl):
         self._cache: PagedKVCache | None = None
         self._cache_src: int | None = None
         self._params = None
-        # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense) where it runs
-        self._dense = compat.dense_attention(head_size) if self.device.type == "cuda" else None
+        # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense), else torch's,
+        # whichever passes the start-up check first (dense_prefill: false keeps the Triton kernel)
+        self._dense = None
+        if self.device.type == "cuda" and engine_state(cfg).settings.dense_prefill:
+            self._dense = prefill_kernel(
+                [("vLLM's FlashAttention", lambda: compat.dense_attention(head_size)),
+                 ("torch's FlashAttention-2", torch_flash_attention)],
+                self.device, head_size, num_kv_heads, max(1, num_heads // num_kv_heads),
+                cfg.model_config.dtype, log,
+            )  # fmt: skip
         # a short chunk over a long prefix (a prefix hit's tail) split over more programs where the
         # grid leaves SMs idle (H200: a 16-token tail over 100k tokens 21x faster, docs/vllm.md);
         # OSCAR_VLLM_SPLIT_EXTEND=0 turns it off

@@ -11,8 +11,10 @@ first layer of each configuration validates and plans the launches, the others o
 * :mod:`.snapshots` — window snapshots and INT2 rebuilds (radix-cache hits, SGLang).
 * :mod:`.settings` — :class:`ServingSettings`, every engine's OSCAR options, validated once.
 * :mod:`.loading` — the artifact for serving: loading, sharding, layout, memory sizes.
+* :mod:`.dense` — :func:`prefill_kernel`: the dense kernel prefill chunks run through.
 """
 
+from .dense import prefill_kernel
 from .loading import (
     PER_HEAD_FIELDS,
     SHARED_FIELDS,
@@ -53,6 +55,7 @@ from .window_pages import (
 )
 
 __all__ = [
+    "prefill_kernel",
     "ServingSettings",
     "RadixCache",
     "WindowRecords",

@@ -13,6 +13,7 @@ reads ``OSCAR_*`` variables.
 | ``radix_cache`` | ``exact`` / ``int2`` / ``off`` | ``exact`` | ``OSCAR_SGLANG_RADIX_CACHE`` |
 | ``window_snapshots`` | int ≥ 1 | two per request slot | ``OSCAR_SGLANG_WINDOW_SNAPSHOTS`` |
 | ``split_extend`` | bool | ``true`` | ``OSCAR_VLLM_SPLIT_EXTEND`` (0/1) |
+| ``dense_prefill`` | bool | ``true`` | ``OSCAR_DENSE_PREFILL`` (0/1) |
 | ``warmup`` | bool | the engine's own JIT warm-up setting | ``OSCAR_VLLM_WARMUP`` (0/1) |
 | ``identity_restores`` | bool | ``true`` | ``OSCAR_VLLM_V2_IDENTITY_RESTORES`` (0/1) |
 | ``step_log`` | path | none | ``OSCAR_VLLM_STEP_LOG`` |
@@ -55,6 +56,7 @@ ENV = {
     "radix_cache": "OSCAR_SGLANG_RADIX_CACHE",
     "window_snapshots": "OSCAR_SGLANG_WINDOW_SNAPSHOTS",
     "split_extend": "OSCAR_VLLM_SPLIT_EXTEND",
+    "dense_prefill": "OSCAR_DENSE_PREFILL",
     "warmup": "OSCAR_VLLM_WARMUP",
     "identity_restores": "OSCAR_VLLM_V2_IDENTITY_RESTORES",
     "step_log": "OSCAR_VLLM_STEP_LOG",
@@ -71,6 +73,9 @@ class ServingSettings:
     radix_cache: RadixCache = RadixCache.EXACT
     window_snapshots: int | None = None
     split_extend: bool = True
+    #: long prefill chunks through a dense FlashAttention kernel (the engine's, else torch's) that
+    #: passed oscar_kernels.check_dense_attention at start-up; false: OSCAR's Triton extend kernel
+    dense_prefill: bool = True
     warmup: bool | None = None
     identity_restores: bool = True
     step_log: str | None = None
@@ -127,7 +132,7 @@ class ServingSettings:
         got = raw("window_snapshots")
         if got:
             kw["window_snapshots"] = _positive_int(*got)
-        for key in ("split_extend", "warmup", "identity_restores"):
+        for key in ("split_extend", "dense_prefill", "warmup", "identity_restores"):
             got = raw(key)
             if got:
                 kw[key] = _switch(*got)
@@ -145,6 +150,7 @@ KEYS = frozenset(
         "radix_cache",
         "window_snapshots",
         "split_extend",
+        "dense_prefill",
         "warmup",
         "identity_restores",
         "step_log",
