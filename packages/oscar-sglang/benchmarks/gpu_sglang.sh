@@ -104,6 +104,10 @@ pack_gguf() {  # here: SmolLM2's GGUF in two halves (c4, c5 after SGLang's three
 
 stash() {  # device: keep this call's part; the last one unpacks
     local k="$1" n
+    if [[ "$k" == jit ]]; then  # a JIT cache an earlier session's `test` brought back (.gpu-sgl/jit/)
+        tar xzf "$G/jit/sgl-jit.tgz" -C /tmp && echo "JIT cache restored into /tmp/sgl-jit"
+        return
+    fi
     [[ -f "$G/c$k/GGUF.SHA256" ]] && { stash_gguf "$k"; return; }
     mkdir -p "$ST" && cp "$G/c$k"/* "$ST/"
     n=$(awk '/^parts/ {print $2}' "$ST/MANIFEST")
@@ -127,6 +131,12 @@ stash_gguf() {  # device: keep this GGUF half; with both present, join and check
         [[ "$want" == "$got" ]] || { echo "$GGUF_NAME sha256 mismatch: halves from different packs?" >&2; exit 4; }
         rm -f "$GGUF_DIR/$GGUF_NAME".a[ab]
         echo "joined $GGUF_DIR/$GGUF_NAME ($(stat -c %s "$GGUF_DIR/$GGUF_NAME") bytes, sha256 ok)"
+    fi
+    # an artifact calibrated on an earlier run, carried as .gpu-sgl/art beside c5: `smollm2` then skips
+    # calibrating (the artifact depends only on the model and the calibration text)
+    if [[ -f "$G/art/smollm2.oscar.safetensors" ]]; then
+        cp "$G/art/smollm2.oscar.safetensors" /tmp/smollm2.oscar.safetensors
+        echo "carried artifact: /tmp/smollm2.oscar.safetensors"
     fi
     ls -la "$GGUF_DIR" | tail -n +2
 }
@@ -214,7 +224,20 @@ tests() {  # device: the SGLang GPU tests (SmolLM2 over HTTP); pytest args pass 
         --junitxml="$out/junit.xml" packages/oscar-sglang/tests/test_gpu_server.py "$@") 2>&1 |
         tee "$out/test.log" || rc=$?
     tar czf "$out/server_logs.tgz" -C /tmp/sgl-test-logs . 2>/dev/null || true
+    save_jit "$out"
     return "$rc"
+}
+
+save_jit() {  # device: SGLang's nvcc modules and the Triton cache, for `stash jit` of a later session
+    # (a fresh machine's first server start spends ~2 min compiling them); only if it comes back
+    # (files from $OUT are at most 16 MiB each)
+    tar czf "$1/sgl-jit.tgz" -C /tmp sgl-jit 2>/dev/null || return 0
+    if (($(stat -c %s "$1/sgl-jit.tgz") > 15000000)); then
+        echo "JIT cache $(du -h "$1/sgl-jit.tgz" | cut -f1): too large to bring back, not kept"
+        rm -f "$1/sgl-jit.tgz"
+    else
+        echo "JIT cache kept: \$OUT/sgl-jit.tgz (next session: .gpu-sgl/jit/, then 'stash jit' with that carry)"
+    fi
 }
 
 bench() {  # device: Qwen3-8B shape, dummy weights: BF16 (triton) vs OSCAR servers; JSON + table to $OUT
