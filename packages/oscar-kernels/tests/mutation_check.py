@@ -87,6 +87,13 @@ MUTATIONS = (
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
+        "dense-check-probe-on-the-default-device",
+        "src/oscar_kernels/dense_kernels.py",
+        "torch.randn(*shape, generator=gen, dtype=torch.float32, device=cpu)",
+        "torch.randn(*shape, generator=gen)",
+        ("tests/test_dense_kernels.py",),
+    ),
+    Mutation(
         "dense-check-ignores-output",
         "src/oscar_kernels/dense_kernels.py",
         "if not err <= OUT_TOL:",

@@ -51,6 +51,26 @@ def test_the_reference_passes_the_check():
     assert check_dense_attention(dense_attention_ref, "cpu", head_dim=32, kv_heads=1, group=4) is None
 
 
+def test_the_check_runs_under_an_engines_default_device_and_dtype():
+    """vLLM builds its layers (which pick the kernel) under ``with torch.device("cuda")`` and a bf16
+    default dtype: the probe must not make tensors on the default device (here: meta)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            assert check_dense_attention(dense_attention_ref, "cpu", head_dim=64) is None
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_a_check_that_raises_is_a_refusal_not_a_failed_start():
+    def bad_shape(q, *args):  # noqa: ANN001, ANN002, ANN202
+        return q[:0], None  # the check's own comparison raises on this
+
+    name, attn, refusals = pick_dense_attention([("odd", lambda: bad_shape)], "cpu", head_dim=64)
+    assert name is None and attn is None and len(refusals) == 1 and refusals[0].startswith("odd: ")
+
+
 @pytest.mark.parametrize(
     ("kernel", "says"),
     [

@@ -15,6 +15,7 @@ kernel instead of giving wrong attention (:func:`pick_dense_attention`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -71,13 +72,22 @@ def check_dense_attention(
     ``dtype`` on ``device``, without and with a left window of 3, against
     :func:`~oscar_kernels.dense_attention_ref`: outputs within ``OUT_TOL``, LSEs within
     ``LSE_TOL`` where finite, infinite where the reference's is."""
-    gen = torch.Generator().manual_seed(0)
+    # every tensor with an explicit device and dtype: engines build their layers (and call this)
+    # under a default-device / default-dtype context (vLLM: `with torch.device("cuda")`)
+    cpu = torch.device("cpu")
+    gen = torch.Generator(cpu).manual_seed(0)
     nq, nk = [p[0] for p in PROBE], [p[1] for p in PROBE]
-    q = torch.randn(sum(nq), kv_heads * group, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(sum(nk), kv_heads, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(sum(nk), kv_heads, head_dim, generator=gen).to(device, dtype)
-    cu_q = torch.tensor([0, *torch.tensor(nq).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(nk).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=cpu).to(device, dtype)
+
+    q, k, v = (
+        rand(sum(nq), kv_heads * group, head_dim),
+        rand(sum(nk), kv_heads, head_dim),
+        rand(sum(nk), kv_heads, head_dim),
+    )
+    cu_q = torch.tensor([0, *itertools.accumulate(nq)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(nk)], dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     for window in (-1, 3):
         try:
@@ -125,7 +135,10 @@ def pick_dense_attention(
         if attn is None:
             refusals.append(f"{name}: not available")
             continue
-        why = check_dense_attention(attn, device, head_dim, kv_heads, group, dtype)
+        try:
+            why = check_dense_attention(attn, device, head_dim, kv_heads, group, dtype)
+        except Exception as e:  # never a failed start-up: the Triton path serves instead
+            why = f"the check itself failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if why is None:
             return name, attn, refusals
         refusals.append(f"{name}: {why}")
