@@ -33,6 +33,11 @@ def _no_key_rows_minus_inf(*args):  # noqa: ANN002, ANN202
     return out, torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse)
 
 
+def _no_key_rows_zero_lse(*args):  # noqa: ANN002, ANN202
+    out, lse = dense_attention_ref(*args)
+    return out, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
 def _ignores_scale(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):  # noqa: ANN001, ANN202
     return dense_attention_ref(q, k, v, cu_q, cu_k, max_q, max_k, 1.0, window_left)
 
@@ -48,6 +53,8 @@ def _unsupported(*args):  # noqa: ANN002, ANN202
 
 def test_the_reference_passes_the_check():
     assert check_dense_attention(dense_attention_ref, "cpu", head_dim=64) is None
+    # -inf instead of FlashAttention's +inf for a row without keys: the merge takes either
+    assert check_dense_attention(_no_key_rows_minus_inf, "cpu", head_dim=64) is None
     assert check_dense_attention(dense_attention_ref, "cpu", head_dim=32, kv_heads=1, group=4) is None
 
 
@@ -76,7 +83,7 @@ def test_a_check_that_raises_is_a_refusal_not_a_failed_start():
     [
         (_shifted_window, "window_left=3: output differs"),
         (_transposed_lse, "shapes"),
-        (_no_key_rows_minus_inf, "+inf"),
+        (_no_key_rows_zero_lse, "infinite LSE"),
         (_ignores_scale, "output differs"),
         (_lse_base_two, "LSE differs"),
         (_unsupported, "RuntimeError: FlashAttention only supports head dimension at most 256"),
