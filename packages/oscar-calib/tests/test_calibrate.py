@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_artifact_structure(qwen3, tmp_path, granularity, groups):
         assert layer.k_mean is not None and layer.k_mean.shape == (groups, 128)
     cal = rot.calibration
     assert cal["tokens"] == 512 and cal["seq_len"] == 128 and cal["seed"] == 0
-    assert cal["text"] == "pydoc_data.topics" and cal["tool_version"]
+    assert cal["text"] == f"pydoc_data.topics (Python {platform.python_version()})" and cal["tool_version"]
     path = save_rotations(tmp_path / "r.safetensors", rot)
     again = load_rotations(path, model="tiny-qwen3", num_layers=2, num_kv_heads=2, head_dim=128)
     assert torch.equal(again.k_rotation[1], rot.k_rotation[1])

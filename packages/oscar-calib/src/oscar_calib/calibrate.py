@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import platform
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -291,12 +292,15 @@ def calibration_chunks(tokenizer: Any, config: CalibrationConfig) -> tuple[list[
 
     Returns:
         ``(chunks, source)``: LongTensor ``[seq_len]`` chunks from the calibration part of
-        the text; ``source`` is ``"pydoc_data.topics"`` or the file path.
+        the text; ``source`` is ``"pydoc_data.topics (Python X.Y.Z)"`` or the file path.
     """
     text = load_text(config.text)
     calibration_text, _ = split_text(text, config.heldout_fraction)
     chunks = token_chunks(tokenizer, calibration_text, config.seq_len, config.tokens, config.seed)
-    source = BUILTIN_TEXT if config.text is None else str(Path(config.text).expanduser())
+    # the built-in corpus is the running CPython's help topics, which change between releases (even
+    # patch releases): the version says which text an artifact was fitted on
+    builtin = f"{BUILTIN_TEXT} (Python {platform.python_version()})"
+    source = builtin if config.text is None else str(Path(config.text).expanduser())
     return chunks, source
 
 

@@ -1,7 +1,10 @@
 """Calibration and evaluation text: the built-in corpus, user files, the held-out split, chunks.
 
 The built-in corpus is :data:`pydoc_data.topics.topics` (the Python reference manual's
-help topics, ~465k characters, present in every CPython), joined in sorted key order.
+help topics, ~465k characters, present in every CPython), joined in sorted key order. The topics
+change between Python releases, patch releases included (3.12 on two machines gave different held-out
+tokens), so an artifact's calibration record names the Python version; pass a text file for a corpus
+that is the same everywhere.
 :func:`split_text` cuts any text into a calibration part and a held-out part on
 paragraph boundaries and then removes from the held-out part every paragraph that
 shares a long span with the calibration part (the pydoc topics repeat whole
