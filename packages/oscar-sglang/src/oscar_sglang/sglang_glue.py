@@ -394,8 +394,11 @@ class OscarAttnBackend(AttentionBackend):
         self.dense = None
         if dense_on and torch.device(self.device).type == "cuda":
             lo = pool.layout
-            mc = model_runner.model_config
-            group = max(1, int(mc.num_attention_heads) // max(1, int(mc.num_key_value_heads)))
+            # the query-head group only shapes the kernel's probe: any model config serves
+            mc = getattr(model_runner, "model_config", None)
+            heads = getattr(mc, "num_attention_heads", None)
+            kv_heads = getattr(mc, "num_key_value_heads", None) or heads
+            group = max(1, int(heads) // int(kv_heads)) if heads and kv_heads else 2
             dtype = getattr(model_runner, "dtype", torch.bfloat16)
             self.dense = prefill_kernel(
                 [("sgl_kernel's FlashAttention-3", sgl_flash_attention),
