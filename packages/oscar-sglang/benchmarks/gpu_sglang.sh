@@ -251,6 +251,21 @@ bench() {  # device: Qwen3-8B shape, dummy weights: BF16 (triton) vs OSCAR serve
     "$PY" "$HERE/sglang_bench.py" --model "$model" --rotations "$rot" --out "$out" "$@" 2>&1 | tee "$out/bench.log"
 }
 
+serve_bench() {  # device: SGLang's own bench_serving (serving_bench.py) on the Qwen3-8B shape with
+    # SmolLM2's tokenizer (its ids fit Qwen3's vocabulary); workloads, rates and `-- server args` pass through
+    [[ -f "$SMOL_ENV" ]] || smollm2
+    sgl_env pinned
+    # shellcheck disable=SC1090
+    source "$SMOL_ENV"
+    local model=/tmp/qwen3-8b-shape rot=/tmp/qwen3-8b-shape.oscar.safetensors
+    mkdir -p "$model" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$model/config.json"
+    qwen_artifact "$model" "$rot"
+    unset SGLANG_PLUGINS  # set per server by serving_bench.py
+    export SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+    "$PY" "$ROOT/packages/oscar-vllm/benchmarks/serving_bench.py" --engine sglang --model "$model" \
+        --tokenizer "$OSCAR_SGL_TEST_MODEL" --rotations "$rot" --out "${OUT:-/tmp/sgl-out}" "$@"
+}
+
 qwen_artifact() {  # the Qwen3-8B-shape format-3 artifact of the vLLM benchmarks (identity rotations)
     [[ -f "$2" ]] || "$PY" -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
 from pathlib import Path; from oscar_math.artifact import save_rotations; \
@@ -386,6 +401,7 @@ case "${1:-}" in
     smollm2) smollm2 ;;
     test) shift; tests "$@" ;;
     bench) shift; bench "$@" ;;
-    *) echo "usage: gpu_sglang.sh pack [gguf] | stash K | run [options] (run --help) | diag | smollm2 | test [pytest args] | bench [sglang_bench.py args]" >&2
+    serve-bench) shift; serve_bench "$@" ;;
+    *) echo "usage: gpu_sglang.sh pack [gguf] | stash K | run [options] (run --help) | diag | smollm2 | test [pytest args] | bench [sglang_bench.py args] | serve-bench [serving_bench.py args]" >&2
        exit 2 ;;
 esac

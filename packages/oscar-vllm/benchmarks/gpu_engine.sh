@@ -77,11 +77,28 @@ tests() {  # device: pytest on this tree with the same environment (e.g. the HTT
     cd "$ROOT" && python3 -m pytest -p no:cacheprovider "$@"
 }
 
+serve_bench() {  # device: vLLM's own serving benchmark (serving_bench.py) on the Qwen3-8B shape with
+    # SmolLM2's tokenizer (its ids fit Qwen3's vocabulary); workloads, rates and `-- server args` pass through
+    setup
+    unset VLLM_ENABLE_V1_MULTIPROCESSING  # servers run as users run them
+    [[ -f "$ST/$GGUF_NAME" ]] || { echo "serve-bench needs SmolLM2's tokenizer: carry .gpu/c5" >&2; exit 3; }
+    local qwen=/tmp/qwen3-8b-shape rot=/tmp/qwen3-8b-shape.oscar.safetensors tok
+    tok=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
+    mkdir -p "$qwen" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$qwen/config.json"
+    [[ -f "$rot" ]] || python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
+from pathlib import Path; from oscar_math.artifact import save_rotations; \
+save_rotations(sys.argv[3], gpu_engine._qwen_artifact(Path(sys.argv[2])))" \
+        "$ROOT/packages/oscar-vllm/benchmarks" "$qwen/config.json" "$rot"
+    python3 "$ROOT/packages/oscar-vllm/benchmarks/serving_bench.py" --engine vllm --model "$qwen" \
+        --tokenizer "$tok" --rotations "$rot" --out "${OUT:-/tmp/gpu-out}" "$@"
+}
+
 case "${1:-}" in
     pack) pack ;;
     stash) stash "$2" ;;
     run) shift; run "$@" ;;
     test) shift; tests "$@" ;;
+    serve-bench) shift; serve_bench "$@" ;;
     setup) setup; echo "ready: PYTHONPATH=$PYTHONPATH" ;;  # then several pytest runs side by side
-    *) echo "usage: gpu_engine.sh pack | stash N | setup | run [suite args] | test [pytest args]" >&2; exit 2 ;;
+    *) echo "usage: gpu_engine.sh pack | stash N | setup | run [suite args] | test [pytest args] | serve-bench [serving_bench.py args]" >&2; exit 2 ;;
 esac
