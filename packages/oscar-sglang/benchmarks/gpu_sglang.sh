@@ -39,6 +39,7 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 
 
 pack() {  # here: download, trim, resolve, split into parts of <= 50 MB; then the GGUF parts
     [[ "${1:-}" == gguf ]] && { pack_gguf; return; }
+    [[ "${1:-}" == fa3 ]] && { pack_fa3; return; }
     local W="$G/build" img="${OSCAR_IMAGE_PACKAGES:-$ROOT/../shared/gpu-vllm/gpu-image-packages.txt}"
     mkdir -p "$W/dl" "$W/tree/wheels" "$W/tree/tf" "$W/tree/sk"
     python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$W/dl" sglang==0.5.17 sglang-kernel==0.4.5 tokenizers==0.22.2
@@ -102,8 +103,44 @@ pack_gguf() {  # here: SmolLM2's GGUF in two halves (c4, c5 after SGLang's three
     echo "GGUF parts: stash $a, stash $b (carry .gpu-sgl/c$a, .gpu-sgl/c$b), then smollm2 / test"
 }
 
+pack_fa3() {  # here: sgl_kernel's FA3 library (flash_ops.abi3.so, 1.1 GB raw, 148 MB xz) in parts fa1..
+    # (optional: SGLang's `fa3` backend as a baseline, and OSCAR's dense prefill through FA3)
+    local W="$G/build" n=0 p
+    ls "$W"/dl/sglang_kernel-0.4.5-*.whl >/dev/null || { echo "pack fa3: run 'pack' first" >&2; exit 2; }
+    rm -rf "$W/fa3" "$G"/fa[0-9]* && mkdir -p "$W/fa3"
+    unzip -q -o -j "$W"/dl/sglang_kernel-0.4.5-*.whl sgl_kernel/flash_ops.abi3.so -d "$W/fa3"
+    xz -T2 -6 -c "$W/fa3/flash_ops.abi3.so" >"$W/fa3/flash_ops.xz" && rm -f "$W/fa3/flash_ops.abi3.so"
+    split -b "$PART_BYTES" -d -a 2 "$W/fa3/flash_ops.xz" "$W/fa3/flash_ops.xz."
+    for p in "$W"/fa3/flash_ops.xz.[0-9][0-9]; do n=$((n + 1)); mkdir -p "$G/fa$n"; mv "$p" "$G/fa$n/"; done
+    {
+        echo "fa3-parts $n"
+        (cd "$W/fa3" && sha256sum flash_ops.xz)
+        for p in "$G"/fa[0-9]*/flash_ops.xz.*; do (cd "$(dirname "$p")" && sha256sum "$(basename "$p")"); done
+    } >"$W/FA3.SHA256"
+    for ((k = 1; k <= n; k++)); do cp "$W/FA3.SHA256" "$G/fa$k/"; done
+    rm -f "$W/fa3/flash_ops.xz"
+    du -b "$G"/fa*/flash_ops.xz.* | awk '{printf "%s %.1f MB\n", $2, $1 / 1e6}'
+    echo "$n FA3 parts: after stash 3, stash fa1..fa$n (carry .gpu-sgl/faK)"
+}
+
+stash_fa3() {  # device: keep this FA3 part; with all present, install flash_ops into $SITE/sgl_kernel
+    local k="$1" n have want got D="$ST/fa3"
+    [[ -d "$SITE/sgl_kernel" ]] || { echo "no $SITE/sgl_kernel: stash 1..3 first (machine went cold?)" >&2; exit 3; }
+    mkdir -p "$D" && cp "$G/$k"/* "$D/"
+    (cd "$D" && grep " flash_ops.xz.$(printf %02d $((${k#fa} - 1)))\$" FA3.SHA256 | sha256sum -c -)
+    n=$(awk '/^fa3-parts/ {print $2}' "$D/FA3.SHA256"); have=$(ls "$D"/flash_ops.xz.[0-9][0-9] | wc -l)
+    [[ "$have" == "$n" ]] || return 0
+    want=$(awk '$2 == "flash_ops.xz" {print $1}' "$D/FA3.SHA256")
+    got=$(cat "$D"/flash_ops.xz.[0-9][0-9] | sha256sum | cut -d' ' -f1)
+    [[ "$want" == "$got" ]] || { echo "flash_ops.xz sha256 mismatch: parts from different packs?" >&2; exit 4; }
+    cat "$D"/flash_ops.xz.[0-9][0-9] | xz -T8 -dc >"$SITE/sgl_kernel/flash_ops.abi3.so"
+    rm -f "$D"/flash_ops.xz.[0-9][0-9]
+    echo "installed $SITE/sgl_kernel/flash_ops.abi3.so ($(du -h "$SITE/sgl_kernel/flash_ops.abi3.so" | cut -f1))"
+}
+
 stash() {  # device: keep this call's part; the last one unpacks
     local k="$1" n
+    [[ "$k" == fa[0-9]* ]] && { stash_fa3 "$k"; return; }
     if [[ "$k" == jit ]]; then  # a JIT cache an earlier session's `test` brought back (.gpu-sgl/jit/)
         tar xzf "$G/jit/sgl-jit.tgz" -C /tmp && echo "JIT cache restored into /tmp/sgl-jit"
         return
@@ -402,6 +439,6 @@ case "${1:-}" in
     test) shift; tests "$@" ;;
     bench) shift; bench "$@" ;;
     serve-bench) shift; serve_bench "$@" ;;
-    *) echo "usage: gpu_sglang.sh pack [gguf] | stash K | run [options] (run --help) | diag | smollm2 | test [pytest args] | bench [sglang_bench.py args] | serve-bench [serving_bench.py args]" >&2
+    *) echo "usage: gpu_sglang.sh pack [gguf|fa3] | stash K|faK|jit | run [options] (run --help) | diag | smollm2 | test [pytest args] | bench [sglang_bench.py args] | serve-bench [serving_bench.py args]" >&2
        exit 2 ;;
 esac

@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from sglang_probe import call, wait_up  # noqa: E402
 
 VOCAB = 151936
+#: the servers: SGLang's BF16 with its Triton backend, with FA3 (sgl_kernel's flash_ops), and OSCAR
+CASES = ("bf16", "oscar", "fa3")
 
 
 def stream_generate(url: str, ids: list[int], gen: int, timeout: float) -> dict:
@@ -131,7 +133,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def run_case(name: str, a: argparse.Namespace, deadline: float) -> dict:
-    port = 30000 + (1 if name == "oscar" else 0)
+    port = 30000 + CASES.index(name)
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--load-format", "dummy"]
     args += ["--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port)]
@@ -149,8 +151,8 @@ def run_case(name: str, a: argparse.Namespace, deadline: float) -> dict:
     if name == "oscar":
         args += ["--attention-backend", "oscar", "--oscar-rotations", a.rotations, "--page-size", "64"]
         env["SGLANG_PLUGINS"] = "oscar"
-    else:
-        args += ["--attention-backend", "triton"]
+    else:  # bf16: SGLang's Triton backend; fa3: its FlashAttention-3 (needs flash_ops: pack fa3)
+        args += ["--attention-backend", "triton" if name == "bf16" else "fa3"]
         env["SGLANG_PLUGINS"] = "none"  # SGLANG_PLUGINS is a whitelist: no OSCAR hook in the baseline
     log = Path(a.out) / f"bench_{name}.server.log"
     res: dict = {"case": name, "command": " ".join(args[1:])}
@@ -225,7 +227,9 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="model dir (config.json; dummy weights)")
     ap.add_argument("--rotations", required=True, help="OSCAR artifact for the model")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="bf16,oscar", help="bf16,oscar (one of them to split over two calls)")
+    ap.add_argument(
+        "--cases", default="bf16,oscar", help="bf16,oscar,fa3 (fa3: SGLang's FA3 backend; stash fa1..)"
+    )
     ap.add_argument("--ctx", type=int, default=133_120, help="--context-length (128k prompt + generation)")
     ap.add_argument("--max-running", type=int, default=16, help="--max-running-requests (both servers)")
     ap.add_argument("--mem", type=float, default=0.85, help="--mem-fraction-static (both servers)")
@@ -241,6 +245,9 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--request-timeout", type=float, default=240)
     a = ap.parse_args()
+    unknown = sorted(set(a.cases.split(",")) - set(CASES))
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
     a.workload = a.workload or ["prefill,1,32768,2", "long,1,131072,48", "batch,8,32768,48"]
     deadline = time.monotonic() + a.budget
     Path(a.out).mkdir(parents=True, exist_ok=True)
