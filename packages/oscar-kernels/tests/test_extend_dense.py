@@ -8,7 +8,18 @@ import pytest
 import torch
 from conftest import DEVICE, fill_cache, needs_triton, record_triton_specialisations
 
-from oscar_kernels import CacheLayout, dense_attention_ref, extend_attention, extend_attention_ref
+from oscar_kernels import (
+    CacheLayout,
+    dense_attention_ref,
+    extend_attention,
+    extend_attention_ref,
+    torch_flash_attention,
+)
+
+#: the dense kernels the path is tested with: the reference everywhere, torch's FA2 on a GPU (the
+#: fallback both engines take when theirs is missing or fails its start-up check)
+ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="torch's FlashAttention runs on CUDA only")
+DENSE = ["ref", pytest.param("torch-fa2", marks=ON_GPU)]
 
 
 def rel(a, b):
@@ -70,11 +81,12 @@ CASES = {
 
 
 @needs_triton
+@pytest.mark.parametrize("dense", DENSE)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(
     "sink, recent, rope, granularity", [(4, 10, 0, "layer"), (0, 16, 4, "kv_head"), (5, 1, 0, "kv_head")]
 )
-def test_dense_extend_matches_reference(case, sink, recent, rope, granularity):
+def test_dense_extend_matches_reference(case, sink, recent, rope, granularity, dense):
     lens, chunks = CASES[case]
     h, g, d = 2, 2, 64
     gen = torch.Generator().manual_seed(len(lens) * 7 + sink + recent)
@@ -92,7 +104,8 @@ def test_dense_extend_matches_reference(case, sink, recent, rope, granularity):
     ref = extend_attention_ref(q, k, v, cache, ep, cu, pre, bt, ws, max(chunks))
     out = extend_attention(
         q, k, v, cache, ep, cu, pre, bt, ws, max(chunks), backend="triton",
-        dense=dense_attention_ref, host_lens=(chunks, [n + 3 for n in lens]),  # loose bounds
+        dense=dense_attention_ref if dense == "ref" else torch_flash_attention(),
+        host_lens=(chunks, [n + 3 for n in lens]),  # loose bounds
         dense_min_query=2,  # every chunk but the decodes through the dense path
     )  # fmt: skip
     assert torch.isfinite(out).all()
