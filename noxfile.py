@@ -248,28 +248,21 @@ def gpu(session: nox.Session) -> None:
         "python3", "-m", "pytest", "-q", "packages/oscar-kernels/tests", "tests/test_paged_serving.py",
         *session.posargs, env=env,
     )  # fmt: skip
-    # the vLLM part wherever vLLM imports here (on the H200: gpu_engine.sh stages it; its `test`
-    # action runs the same files): FA3's prefill semantics and the OpenAI server over HTTP
-    if importlib.util.find_spec("vllm") is None:
-        session.log("vLLM is not importable here: its GPU tests are not run (gpu_engine.sh stages it)")
-    else:
+    # each engine's part wherever that engine imports here (the GPU machine: gpu_engine.sh stages vLLM,
+    # gpu_sglang.sh SGLang 0.5.17; their `test` actions run the same files): vLLM's FA3 prefill semantics
+    # and its OpenAI server over HTTP; SGLang's own server with OSCAR over HTTP (oscar serve,
+    # launch_server, BF16 triton agreement, perplexity beside the harness)
+    for module, package, files, stager in (
+        ("vllm", "oscar-vllm", ("test_dense_prefill_gpu.py", "test_http_server.py"), "gpu_engine.sh"),
+        ("sglang", "oscar-sglang", ("test_gpu_server.py",), "gpu_sglang.sh"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            session.log(f"{module} is not importable here: its GPU tests are not run ({stager} stages it)")
+            continue
         session.run("python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "-e", "packages/oscar-vllm")  # fmt: skip
-        session.run(
-            "python3", "-m", "pytest", "-q", "packages/oscar-vllm/tests/test_dense_prefill_gpu.py",
-            "packages/oscar-vllm/tests/test_http_server.py", env=env,
-        )  # fmt: skip
-    # the SGLang part wherever SGLang imports here (on the GPU machine gpu_sglang.sh stages 0.5.17; its
-    # `test` action runs the same file with the converted SmolLM2 and its artifact): SGLang's own server
-    # with OSCAR over HTTP (oscar serve, launch_server, BF16 triton agreement)
-    if importlib.util.find_spec("sglang") is None:
-        session.log("SGLang is not importable here: its GPU tests are not run (gpu_sglang.sh stages it)")
-    else:
-        session.run("python3", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "-e", "packages/oscar-sglang")  # fmt: skip
-        session.run(
-            "python3", "-m", "pytest", "-q", "-rs", "packages/oscar-sglang/tests/test_gpu_server.py", env=env,
-        )  # fmt: skip
+                    "-e", f"packages/{package}")  # fmt: skip
+        tests = [f"packages/{package}/tests/{f}" for f in files]
+        session.run("python3", "-m", "pytest", "-q", "-rs", *tests, env=env)
     if (Path(out) / "gpu_e2e.json").exists():
         import json
 

@@ -304,10 +304,7 @@ serve_bench() {  # device: SGLang's own bench_serving (serving_bench.py) on the 
 }
 
 qwen_artifact() {  # the Qwen3-8B-shape format-3 artifact of the vLLM benchmarks (identity rotations)
-    [[ -f "$2" ]] || "$PY" -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
-from pathlib import Path; from oscar_math.artifact import save_rotations; \
-save_rotations(sys.argv[3], gpu_engine._qwen_artifact(Path(sys.argv[2])))" \
-        "$ROOT/packages/oscar-vllm/benchmarks" "$1/config.json" "$2"
+    "$PY" "$ROOT/packages/oscar-vllm/benchmarks/gpu_engine.py" qwen-artifact "$1/config.json" "$2"
 }
 
 usage_run() {

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the engines' serving benchmark lives with oscar-vllm's benchmarks; its server stop is shared
+sys.path.insert(0, str(Path(__file__).parents[2] / "oscar-vllm" / "benchmarks"))
+from serving_bench import stop_group  # noqa: E402
 from sglang_probe import call, wait_up  # noqa: E402
 
 VOCAB = 151936
@@ -114,24 +116,6 @@ def workload(url: str, batch: int, length: int, gen: int, seed: int, timeout: fl
     return res
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's group, SIGKILL after 30 s; returns once no process of the group is left
-    (the next server must find the GPU memory free)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < wait:
-            proc.poll()
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.5)
-
-
 def run_case(name: str, a: argparse.Namespace, deadline: float) -> dict:
     port = 30000 + CASES.index(name)
     url = f"http://127.0.0.1:{port}"
@@ -193,7 +177,7 @@ def run_case(name: str, a: argparse.Namespace, deadline: float) -> dict:
         res["error"] = f"{type(e).__name__}: {e}"
         res["log_tail"] = log.read_text(errors="replace").splitlines()[-30:]
     finally:
-        stop(proc)
+        stop_group(proc)
     text = log.read_text(errors="replace")
     res["oscar_lines"] = [ln.split("] ", 1)[-1] for ln in text.splitlines() if "OSCAR: " in ln][:4]
     res["graphs_captured"] = "Capture target decode CUDA graph end" in text

@@ -882,7 +882,16 @@ def main() -> int:
     s.add_argument("--ppl-len", type=int, default=2048)
     c = sub.add_parser("case")
     c.add_argument("spec")
+    q = sub.add_parser("qwen-artifact", help="write the Qwen3-8B-shape format-3 artifact (no vLLM needed)")
+    q.add_argument("config", help="the model's config.json")
+    q.add_argument("out")
     a = p.parse_args()
+    if a.cmd == "qwen-artifact":
+        from oscar_math.artifact import save_rotations
+
+        if not Path(a.out).is_file():
+            save_rotations(a.out, _qwen_artifact(Path(a.config)))
+        return 0
     if a.cmd == "case":
         res = run_case(json.loads(a.spec))
         print(RESULT + json.dumps(res), flush=True)

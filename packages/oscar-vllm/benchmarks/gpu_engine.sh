@@ -85,10 +85,7 @@ serve_bench() {  # device: vLLM's own serving benchmark (serving_bench.py) on th
     local qwen=/tmp/qwen3-8b-shape rot=/tmp/qwen3-8b-shape.oscar.safetensors tok
     tok=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
     mkdir -p "$qwen" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$qwen/config.json"
-    [[ -f "$rot" ]] || python3 -c "import sys; sys.path.insert(0, sys.argv[1]); import gpu_engine; \
-from pathlib import Path; from oscar_math.artifact import save_rotations; \
-save_rotations(sys.argv[3], gpu_engine._qwen_artifact(Path(sys.argv[2])))" \
-        "$ROOT/packages/oscar-vllm/benchmarks" "$qwen/config.json" "$rot"
+    python3 "$ROOT/packages/oscar-vllm/benchmarks/gpu_engine.py" qwen-artifact "$qwen/config.json" "$rot"
     python3 "$ROOT/packages/oscar-vllm/benchmarks/serving_bench.py" --engine vllm --model "$qwen" \
         --tokenizer "$tok" --rotations "$rot" --out "${OUT:-/tmp/gpu-out}" "$@"
 }
