@@ -1,7 +1,8 @@
 """The rotations around the attention kernels (``oscar_kernels.rotate``): the Triton tile kernel
 against the float64 product and the torch reference, on random rows, odd row counts around the
 64-row tile, shared (stride-0) and transposed rotations, a key mean, strided inputs and bf16
-rounding."""
+rounding; the two-set merge fused with the output's un-rotation (``merge_unrotate``) against the
+float64 merge and its torch form, with empty key sets in either or both sets."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from conftest import DEVICE, make_params, needs_triton
 
 from oscar_kernels import rotate_chunk, rotate_queries, unrotate_output
-from oscar_kernels.rotate import _rotate
+from oscar_kernels.rotate import _rotate, merge_two_ref, merge_unrotate
 
 
 def _want(x, rot, mean=None):  # noqa: ANN001, ANN202 - float64 truth
@@ -92,3 +93,77 @@ def test_unsupported_head_dims_use_the_torch_form():
     rot = _orth(2, 80, gen)
     got = _rotate(x, rot, torch.float32)
     assert (got.double() - _want(x, rot)).abs().max() < 2e-5
+
+
+def _partials(t: int, hq: int, d: int, gen: torch.Generator):  # noqa: ANN202
+    """Two partial outputs (bf16, strided rows) and their log-sum-exps ``[H_q, T]``: one a
+    transposed ``[T, H_q]`` view, with the empty-set markers FlashAttention and others use (+inf,
+    -inf, NaN), rows where one set dominates by far, and rows where both sets are empty."""
+    o1 = torch.randn(t, hq, d + 8, generator=gen).bfloat16().to(DEVICE)[..., 5 : 5 + d]
+    o2 = torch.randn(t, hq, d, generator=gen).bfloat16().to(DEVICE)
+    l1 = 3 * torch.randn(hq, t, generator=gen)
+    l2 = 3 * torch.randn(t, hq, generator=gen).t()  # a transposed view: strides (1, H_q)
+    l1[0, ::5] = float("inf")
+    l1[-1, 1::7] = float("-inf")
+    l2[:, 2::6] = float("inf")
+    l2[1 % hq, 3::9] = float("nan")
+    l2[:, ::11] = float("-inf")
+    l1[:, ::11] = float("inf")  # both sets empty on these rows
+    l1[:, 4::13] = 90.0  # one set outweighs the other by e^90
+    return o1, l1.to(DEVICE), o2, l2.to(DEVICE)
+
+
+def _merge_f64(o1, l1, o2, l2):  # noqa: ANN001, ANN202 - float64 truth of the two-set merge
+    l1, l2 = l1.double().t()[..., None], l2.double().t()[..., None]
+    ok1, ok2 = torch.isfinite(l1), torch.isfinite(l2)
+    m = torch.maximum(torch.where(ok1, l1, -torch.inf), torch.where(ok2, l2, -torch.inf))
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w1 = torch.where(ok1, torch.exp(torch.where(ok1, l1, 0.0) - m), 0.0)
+    w2 = torch.where(ok2, torch.exp(torch.where(ok2, l2, 0.0) - m), 0.0)
+    den = torch.where(w1 + w2 > 0, w1 + w2, 1.0)
+    return (o1.double() * w1 + o2.double() * w2) / den
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 37, 64, 130])
+@pytest.mark.parametrize(("h", "g", "d"), [(2, 1, 64), (2, 4, 128), (3, 2, 32)])
+def test_merge_unrotate_matches_float64(t, h, g, d):
+    """The fused merge + un-rotation (Triton) against the float64 merge times ``R_Vᵀ``; a row
+    whose sets are both empty is 0; one set (``o2 = None``) is that set's output un-rotated."""
+    gen = torch.Generator().manual_seed(t * 13 + d)
+    ep = make_params(h, d, "kv_head", gen).expand(h, d, DEVICE)
+    o1, l1, o2, l2 = _partials(t, h * g, d, gen)
+    rot = ep.v_rotation.double().transpose(-1, -2)
+
+    def unrot(x):  # noqa: ANN001, ANN202
+        y = torch.einsum("nhgd,hde->nhge", x.reshape(t, h, g, d), rot)
+        return y.reshape(t, h * g, d)
+
+    got = merge_unrotate(o1, l1, o2, l2, ep, torch.float32, backend="triton")
+    want = unrot(_merge_f64(o1, l1, o2, l2))
+    assert got.shape == (t, h * g, d) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 2e-5
+    empty = ~(torch.isfinite(l1) | torch.isfinite(l2)).t()  # [T, H_q]
+    assert empty.any() and (got[empty] == 0).all()
+    one = merge_unrotate(o1, l1, None, None, ep, torch.float32, backend="triton")
+    want_one = unrot(torch.where(torch.isfinite(l1).t()[..., None], o1.double(), 0.0))
+    assert (one.double() - want_one).abs().max() < 2e-5
+
+
+@needs_triton
+def test_merge_unrotate_agrees_with_its_torch_form_in_bf16():
+    """The Triton launch and the torch form (``merge_two_ref`` then ``unrotate_output``) round
+    to the same bf16 but for values next to a rounding boundary (one bf16 step of the row)."""
+    gen = torch.Generator().manual_seed(5)
+    h, g, d, t = 4, 4, 128, 150
+    ep = make_params(h, d, "kv_head", gen).expand(h, d, DEVICE)
+    o1, l1, o2, l2 = _partials(t, h * g, d, gen)
+    got = merge_unrotate(o1, l1, o2, l2, ep, torch.bfloat16, backend="triton")
+    ref = merge_unrotate(o1, l1, o2, l2, ep, torch.bfloat16, backend="torch")
+    two_steps = unrotate_output(merge_two_ref(o1, l1, o2, l2), ep, torch.bfloat16, backend="torch")
+    assert torch.equal(ref, two_steps)
+    assert got.dtype == ref.dtype == torch.bfloat16
+    amax = ref.float().abs().amax(-1, keepdim=True)
+    step = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30))) - 7)  # one bf16 ulp at the row's max
+    assert ((got.float() - ref.float()).abs() <= step).all()
+    assert (got != ref).float().mean() < 0.01

@@ -33,7 +33,7 @@ from .launch import launch
 from .layout import PagedKVCache
 from .params import ExpandedParams
 from .reference.attention import _dequant, rope_mean_at
-from .rotate import rotate_chunk, rotate_queries, unrotate_output
+from .rotate import merge_unrotate, rotate_chunk, rotate_queries
 
 __all__ = ["DenseAttention", "dense_attention_ref", "extend_attention_dense"]
 
@@ -211,21 +211,6 @@ def _near_rows(
     return out[0], out[1]
 
 
-def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Two partial attentions over disjoint key sets → their union's output (float32)."""
-    # a set without keys for a row: FlashAttention says lse = +inf (others -inf), its output 0
-    ok1, ok2 = torch.isfinite(l1).t()[..., None], torch.isfinite(l2).t()[..., None]  # [T, H, 1]
-    l1 = torch.where(ok1, l1.t()[..., None], float("-inf"))
-    l2 = torch.where(ok2, l2.t()[..., None], float("-inf"))
-    m = torch.maximum(l1, l2)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    den = (w1 + w2).clamp_min(1e-30)
-    o1 = torch.where(ok1, o1.float(), 0.0)
-    o2 = torch.where(ok2, o2.float(), 0.0)
-    return (o1 * w1 + o2 * w2) / den
-
-
 def extend_attention_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,8 +242,7 @@ def extend_attention_dense(
     kf, vf = _far_rows(cache, ep, block_table, window_slots, seq_f, pos_f.clamp(min=0), q_rot.dtype)
     o1, l1 = attn(q_rot, kf, vf, cu_seqlens_q, cu_f, mq, max(bound_far, default=0), scale, -1)
     if r == 0:  # no BF16 ring: every key but the sink is read as INT2, the query's own included
-        out = _merge(o1, l1, torch.zeros_like(o1), torch.full_like(l1, float("-inf")))
-        return unrotate_output(out, ep, q.dtype)
+        return merge_unrotate(o1, l1, None, None, ep, q.dtype)
     first = (pre - r + 1).clamp(min=0)
     bound_near = [min(n, m + r - 1) for n, m in zip(seq_lens_bound_host, query_lens_host, strict=True)]
     cu_n, seq_n, idx_n = _segments(pre + qlen - first, sum(bound_near))
@@ -266,4 +250,4 @@ def extend_attention_dense(
         cache, k_rot, v_rot, window_slots, seq_n, idx_n + first[seq_n], pre, cu_seqlens_q[:-1].long()
     )
     o2, l2 = attn(q_rot, kn, vn, cu_seqlens_q, cu_n, mq, max(bound_near, default=0), scale, r - 1)
-    return unrotate_output(_merge(o1, l1, o2, l2), ep, q.dtype)
+    return merge_unrotate(o1, l1, o2, l2, ep, q.dtype)

@@ -19,7 +19,7 @@ from ._backend import Backend, use_triton
 from .launch import launch
 from .params import ExpandedParams
 
-__all__ = ["rotate_queries", "rotate_chunk", "unrotate_output"]
+__all__ = ["rotate_queries", "rotate_chunk", "unrotate_output", "merge_unrotate", "merge_two_ref"]
 
 # fixed, whatever the row count: a token's products must not depend on its batch
 _BLOCK_M, _BLOCK_N, _WARPS = 64, 64, 4
@@ -117,3 +117,69 @@ def unrotate_output(
     *lead, hq, d = o.shape
     x = o.reshape(*lead, h, hq // h, d)
     return _rotate(x, ep.v_rotation.transpose(-1, -2), dtype, backend=backend).reshape(o.shape)
+
+
+def merge_two_ref(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Two partial attentions over disjoint key sets → their union's output (float32).
+
+    ``o1/o2 [T, H_q, d]``, ``l1/l2 [H_q, T]`` natural-log sums (FlashAttention's layout); a set
+    without keys for a row (``l`` infinite, FlashAttention's ``+inf``, or NaN) weighs nothing.
+    Returns ``[T, H_q, d]`` float32 (0 where neither set has keys)."""
+    ok1, ok2 = torch.isfinite(l1).t()[..., None], torch.isfinite(l2).t()[..., None]  # [T, H, 1]
+    l1 = torch.where(ok1, l1.t()[..., None], float("-inf"))
+    l2 = torch.where(ok2, l2.t()[..., None], float("-inf"))
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    den = (w1 + w2).clamp_min(1e-30)
+    o1 = torch.where(ok1, o1.float(), 0.0)
+    o2 = torch.where(ok2, o2.float(), 0.0)
+    return (o1 * w1 + o2 * w2) / den
+
+
+def merge_unrotate(
+    o1: torch.Tensor,
+    l1: torch.Tensor,
+    o2: torch.Tensor | None,
+    l2: torch.Tensor | None,
+    ep: ExpandedParams,
+    dtype: torch.dtype,
+    backend: Backend | str = "auto",
+) -> torch.Tensor:
+    """``unrotate_output(merge_two_ref(o1, l1, o2, l2), ep, dtype)`` in one pass.
+
+    ``o1/o2 [T, H_q, d]`` (any float dtype, unit last stride), ``l1/l2 [H_q, T]`` float32 (any
+    strides); ``o2 = l2 = None``: one key set. On CUDA one Triton launch
+    (``kernels/rotate.py``'s ``merge_unrotate_kernel``): the merged float32 rows never reach memory
+    (the torch form writes and re-reads ``[T, H_q, d]`` float32 about eight times: the prefill's
+    largest elementwise cost, H200 profile of 2026-12-04). Returns ``[T, H_q, d]`` in ``dtype``."""
+    h = ep.v_rotation.shape[0]
+    t, hq, d = o1.shape
+    pow2 = d >= 16 and d & (d - 1) == 0
+    if not (pow2 and use_triton(o1.device, backend)):
+        if o2 is None:
+            o2, l2 = torch.zeros_like(o1), torch.full_like(l1, float("-inf"))
+        return unrotate_output(merge_two_ref(o1, l1, o2, l2), ep, dtype, backend="torch")
+    from .kernels.rotate import merge_unrotate_kernel
+
+    o1 = o1 if o1.stride(-1) == 1 else o1.contiguous()
+    two = o2 is not None
+    if two:
+        o2 = o2 if o2.stride(-1) == 1 else o2.contiguous()
+    else:
+        o2, l2 = o1, l1  # not read
+    out = torch.empty((t, hq, d), dtype=dtype, device=o1.device)
+    g = hq // h
+    rows = t * g
+    if rows:
+        rot = ep.v_rotation.transpose(-1, -2)
+        grid = ((rows + _BLOCK_M - 1) // _BLOCK_M, h)
+        launch(merge_unrotate_kernel, grid,
+            o1, o1.stride(0), o1.stride(1), l1, l1.stride(0), l1.stride(1),
+            o2, o2.stride(0), o2.stride(1), l2, l2.stride(0), l2.stride(1),
+            rot, rot.stride(0), rot.stride(1), rot.stride(2),
+            out, rows, g,
+            H=h, D=d, BLOCK_M=_BLOCK_M, BLOCK_N=min(_BLOCK_N, d), TWO=two,
+            num_warps=_WARPS,
+        )  # fmt: skip
+    return out
