@@ -43,6 +43,10 @@ CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 GRAPH_LINE = re.compile(r"Capturing CUDA graphs|cudagraph_mode|CUDAGraphMode|Graph capturing finished")
 QWEN_LAYERS = 36
+# where a start's time goes (vLLM's own timing lines and OSCAR's warm-up line), with their clock
+START_LINE = re.compile(
+    r"took|takes|finished in|warmed up|Dynamo bytecode transform|Compiling a graph|init engine|prefill chunks"
+)
 OSCAR_SEQS = re.compile(r"OSCAR: max_num_seqs defaults to (\d+)")
 
 
@@ -612,6 +616,7 @@ def _run_one(spec: dict, timeout: float, log) -> dict:  # noqa: ANN001
         :20
     ]
     res["graph_lines"] = [ln[-240:] for ln in text.splitlines() if GRAPH_LINE.search(ln)][:8]
+    res["start_lines"] = [ln[-240:] for ln in text.splitlines() if START_LINE.search(ln)][:24]
     m = OSCAR_SEQS.findall(text)
     if m:
         res["oscar_default_max_num_seqs"] = int(m[-1])
