@@ -80,6 +80,20 @@ MUTATIONS = (
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
+        "window-record-sink-part-skipped-across-blocks",
+        "src/oscar_kernels/kernels/window_records.py",
+        "            & (tl.load(pos_ptr + tn).to(tl.int64) // WB == blk)\n",
+        "",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
+        "window-record-sink-part-skipped-by-the-steps-last-token",
+        "src/oscar_kernels/kernels/window_records.py",
+        "            (t + 1 < NT)\n            & (tl.load",
+        "            (t < NT)\n            & (tl.load",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
         "window-record-sink-part-shifted",
         "src/oscar_kernels/kernels/window_records.py",
         "s = (blk % PARTS) * PART + j",

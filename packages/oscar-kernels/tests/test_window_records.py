@@ -14,7 +14,7 @@ from oscar_kernels.window_records import write_window_records_ref
 H, D, SLOTS = 2, 48, 5
 
 
-def _case(sink: int, ring: int, wb: int, part: int, parts: int, rpp: int, seed: int):
+def _case(sink: int, ring: int, wb: int, part: int, parts: int, rpp: int, seed: int, pad: int = 2):
     gen = torch.Generator().manual_seed(seed)
     # three rows: a prefill chunk across window blocks, a decode, a chunk at the sink's edge
     rows_tok = [(0, 0, 11), (1, 37, 1), (2, sink - 1 if sink else 3, 6)]
@@ -23,8 +23,10 @@ def _case(sink: int, ring: int, wb: int, part: int, parts: int, rpp: int, seed: 
     t = seq_index.shape[0]
     slot_mapping = torch.randint(0, 100, (t + 2,), generator=gen)
     slot_mapping[4] = -1  # a padding token inside the batch writes nothing
-    seq_index = torch.cat([seq_index, torch.tensor([2, 2], dtype=torch.int32)])  # CUDA-graph padding
-    positions = torch.cat([positions, torch.tensor([0, 0], dtype=torch.int32)])
+    # CUDA-graph padding (``pad`` tokens; without it the step's last token is a live one)
+    slot_mapping = slot_mapping[: t + pad]
+    seq_index = torch.cat([seq_index, torch.full((pad,), 2, dtype=torch.int32)])
+    positions = torch.cat([positions, torch.zeros(pad, dtype=torch.int32)])
     slot_mapping[t:] = -1
     rec = 2 * H * (wb + part)
     g = -(-rec // rpp)
@@ -59,10 +61,13 @@ GEOMETRIES = [
 
 @needs_triton
 @pytest.mark.parametrize("geo", GEOMETRIES)
-@pytest.mark.parametrize("sink_in_ring", [True, False])
-def test_triton_write_equals_the_reference_bitwise(geo, sink_in_ring):
+@pytest.mark.parametrize(("sink_in_ring", "pad"), [(True, 2), (False, 2), (True, 0)])
+def test_triton_write_equals_the_reference_bitwise(geo, sink_in_ring, pad):
+    """Bitwise: every token's ring row, and each (row, block)'s sink part (the kernel writes it
+    from the last token of the row's run in the block only: the step's last token included,
+    ``pad = 0``)."""
     sink, ring, wb, part, parts, rpp = geo
-    dev, g, _ = _case(sink, ring, wb, part, parts, rpp, seed=sum(geo))
+    dev, g, _ = _case(sink, ring, wb, part, parts, rpp, seed=sum(geo), pad=pad)
     ref = _call(write_window_records_ref, dev, g, sink_in_ring)
     out = _call(write_window_records, dev, g, sink_in_ring, backend="triton")
     assert not torch.equal(ref, dev[0]), "the reference wrote nothing"

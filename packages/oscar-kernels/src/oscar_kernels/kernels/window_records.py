@@ -5,15 +5,16 @@ import triton
 import triton.language as tl
 
 
-# the tables' group stride is B·W, B the step's rows: not specialised, one compile for every batch
-@triton.jit(do_not_specialize=["tab_sg"])
+# the tables' group stride is B·W, B the step's rows, and NT the step's tokens: not specialised, one
+# compile for every batch
+@triton.jit(do_not_specialize=["tab_sg", "NT"])
 def window_records_kernel(
     rows_ptr, rows_s0, rows_s1,
     tab_ptr, tab_sg, tab_sb,
     slot_map_ptr, sidx_ptr, pos_ptr, wslot_ptr, rring_ptr,
     rk_ptr, rv_ptr, r_s0, r_s1, r_s2,
     sk_ptr, sv_ptr, s_s0, s_s1, s_s2,
-    RPP, RING, WB, PARTS,
+    RPP, RING, WB, PARTS, NT,
     H: tl.constexpr, SINK: tl.constexpr, PART: tl.constexpr, PART_P2: tl.constexpr,
     D: tl.constexpr, D_P2: tl.constexpr, SINK_IN_RING: tl.constexpr,
 ):  # fmt: skip
@@ -53,9 +54,20 @@ def window_records_kernel(
         vals = tl.where(in_sink, sv, vals)
     tl.store(rows_ptr + page * rows_s0 + (r % RPP) * rows_s1 + d, vals.to(rows_ptr.dtype.element_ty), mask=dm)
     if PART > 0:
+        # the sink part is the same rows for every token of the block: only the last token of the
+        # step's run in this (row, block) writes it (its next token, if any, is padding, another
+        # row's or another block's), not all of them (a 16k-token prefill at block 64, sink part
+        # 16 wrote 17 rows per token instead of 1 + 16 / 64)
+        tn = tl.minimum(t + 1, NT - 1)
+        run_goes_on = (
+            (t + 1 < NT)
+            & (tl.load(slot_map_ptr + tn) >= 0)
+            & (tl.load(sidx_ptr + tn).to(tl.int64) == b)
+            & (tl.load(pos_ptr + tn).to(tl.int64) // WB == blk)
+        )
         j = tl.arange(0, PART_P2)
         s = (blk % PARTS) * PART + j
-        ok = (j < PART) & (s < SINK) & (tl.load(slot_map_ptr + t + j * 0) >= 0)
+        ok = (j < PART) & (s < SINK) & (tl.load(slot_map_ptr + t + j * 0) >= 0) & ((j * 0 + run_goes_on) == 0)
         rs = 2 * H * WB + (kv * H + h) * PART + j
         pg = tl.load(tab_ptr + (rs // RPP) * tab_sg + b * tab_sb + blk, mask=ok, other=0).to(tl.int64)
         off = wslot * s_s0 + h * s_s1 + tl.minimum(s, SINK - 1)[:, None] * s_s2 + d[None, :]
