@@ -178,6 +178,20 @@ MUTATIONS = (
         ("tests/test_rotate.py",),
     ),
     Mutation(
+        "near-rows-first-chunk-row-read-from-the-ring",
+        "src/oscar_kernels/kernels/near_rows.py",
+        "mine = live & (p >= pre)",
+        "mine = live & (p > pre)",
+        ("tests/test_extend_dense.py", "-k", "near_rows"),
+    ),
+    Mutation(
+        "near-rows-sink-rows-from-the-ring",
+        "src/oscar_kernels/kernels/near_rows.py",
+        "y = tl.where(in_sink[:, None], y, z)",
+        "y = z",
+        ("tests/test_extend_dense.py", "-k", "near_rows"),
+    ),
+    Mutation(
         "merge-unrotate-second-weight-from-the-first-set",
         "src/oscar_kernels/kernels/rotate.py",
         "w2 = tl.exp(m2 - mx)",

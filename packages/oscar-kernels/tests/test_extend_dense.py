@@ -238,6 +238,44 @@ def test_far_rows_kernel_matches_the_torch_form(sink, rope, group):
 
 
 @needs_triton
+@pytest.mark.parametrize("sink, d", [(4, 64), (0, 64), (3, 48)])
+def test_near_rows_kernel_equals_the_torch_form(sink, d):
+    """The Triton near rows (the chunk's own rows, the prefix's sink and ring rows) against the
+    torch form, bitwise: three sequences (prefix 0, a prefix inside the sink, a prefix past the
+    ring), a head size that is not a power of two, a partial tile and rows past a segment (they
+    clamp into the chunk in both forms)."""
+    from oscar_kernels.extend_dense import _near_rows, _near_rows_torch
+
+    h, r = 2, 8
+    gen = torch.Generator().manual_seed(41 + sink + d)
+    lo = CacheLayout(h, d, page_size=16, group_size=16, sink_tokens=sink, recent_tokens=r)
+    lens, chunks = [5, 9, 40], [5, 6, 11]
+    cache, _, _, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
+    pre = [n - c for n, c in zip(lens, chunks, strict=True)]
+    seq, pos = [], []
+    for b, (p0, c) in enumerate(zip(pre, chunks, strict=True)):
+        first = max(p0 - r + 1, 0)
+        seq += [b] * (p0 + c - first)
+        pos += list(range(first, p0 + c))
+    seq += [2, 2, 2]  # rows past the last segment, as _segments pads them
+    pos += [51, 52, 53]
+    k_rot = torch.randn(sum(chunks), h, d, generator=gen).bfloat16().to(DEVICE)
+    v_rot = torch.randn(sum(chunks), h, d, generator=gen).bfloat16().to(DEVICE)
+    seq_t, pos_t = torch.tensor(seq, device=DEVICE), torch.tensor(pos, device=DEVICE)
+    prefix = torch.tensor(pre, dtype=torch.int32, device=DEVICE)
+    start = torch.tensor([0, 5, 11], device=DEVICE)
+    args = (cache, k_rot, v_rot, ws, seq_t, pos_t, prefix, start)
+    k, v = _near_rows(*args)
+    k_ref, v_ref = _near_rows_torch(*args)
+    assert k.shape == (len(seq), h, d) and k.dtype == torch.bfloat16
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    # both sources are used: the chunk's rows and the prefix's window rows
+    mine = pos_t >= prefix[seq_t]
+    assert mine.any() and (~mine).any()
+    assert not torch.equal(k[~mine], torch.zeros_like(k[~mine]))
+
+
+@needs_triton
 @pytest.mark.parametrize("splits", [1, 2])
 def test_a_run_at_any_row_offset_compiles_nothing_new(monkeypatch, splits):
     """A step's rows run in ranges (``dense_runs``): a dense or Triton range that starts at row

@@ -194,7 +194,48 @@ def _near_rows(
     chunk_start: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BF16 rows ``(seq, pos)``: the chunk's own rotated keys for ``pos >= prefix[seq]``, else the
-    sink row (``pos < sink``) or the ring row of the window slot."""
+    sink row (``pos < sink``) or the ring row of the window slot. The Triton kernel
+    (``kernels/near_rows.py``) on a GPU and under the interpreter, else :func:`_near_rows_torch`,
+    its reference (bitwise: copies only)."""
+    lo = cache.layout
+    triton_ok = triton_available() and (cache.device.type == "cuda" or interpreting())
+    if not (triton_ok and pos.shape[0] > 0 and k_rot.shape[0] > 0 and lo.recent_tokens > 0):
+        return _near_rows_torch(cache, k_rot, v_rot, window_slots, seq, pos, prefix, chunk_start)
+    import triton
+
+    from .kernels.near_rows import near_rows_kernel
+
+    n, h, d = pos.shape[0], lo.num_kv_heads, lo.head_dim
+    block = 64
+    out = []
+    for rot, recent, sink in ((k_rot, cache.k_recent, cache.k_sink), (v_rot, cache.v_recent, cache.v_sink)):
+        rot = rot if rot.stride(-1) == 1 else rot.contiguous()
+        dst = torch.empty(n, h, d, dtype=rot.dtype, device=rot.device)
+        launch(
+            near_rows_kernel, (triton.cdiv(n, block), h),
+            seq, pos, prefix, chunk_start, window_slots,
+            rot, rot.stride(0), rot.stride(1),
+            recent, recent.stride(0), recent.stride(1), recent.stride(2),
+            sink, sink.stride(0), sink.stride(1), sink.stride(2),
+            dst, dst.stride(0), dst.stride(1),
+            n, rot.shape[0], lo.recent_tokens,
+            D=d, D_P2=triton.next_power_of_2(d), SINK=lo.sink_tokens, BLOCK=block,
+        )  # fmt: skip
+        out.append(dst)
+    return out[0], out[1]
+
+
+def _near_rows_torch(
+    cache: PagedKVCache,
+    k_rot: torch.Tensor,
+    v_rot: torch.Tensor,
+    window_slots: torch.Tensor,
+    seq: torch.Tensor,
+    pos: torch.Tensor,
+    prefix: torch.Tensor,
+    chunk_start: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch form of :func:`_near_rows` (same arguments and result)."""
     lo = cache.layout
     s = lo.sink_tokens
     pre = prefix[seq]
