@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINES = ("vllm", "sglang")
+#: vLLM's CLI (its ``vllm`` console script's target): a tree unpacked with ``pip --target`` or a
+#: copied site-packages has the module but not always the script on ``PATH``
+VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 #: the keys both engines' clients write, in the table's order
 KEYS = (
     "completed", "request_throughput", "output_throughput",
@@ -104,7 +107,7 @@ def server_case(engine: str, name: str, a: argparse.Namespace, port: int) -> Cas
         if name == "oscar":
             cmd = ["oscar", "serve", "--engine", "vllm", a.model, "--rotations", a.rotations, *common]
         else:
-            cmd = ["vllm", "serve", a.model, *common]
+            cmd = [*VLLM_CLI, "serve", a.model, *common]
         return Case(name, cmd, env, port, "/health")
     tok = ["--tokenizer-path", a.tokenizer] if a.tokenizer else []
     common = ["--host", "127.0.0.1", "--port", str(port), *tok, *extra]
@@ -145,7 +148,7 @@ def client_command(
               "--random-output-len", str(w.output_len), "--num-prompts", str(w.prompts),
               "--request-rate", rate_s, "--seed", str(a.seed)]  # fmt: skip
     if engine == "vllm":
-        return ["vllm", "bench", "serve", "--backend", "vllm", "--model", a.model, "--tokenizer", tok,
+        return [*VLLM_CLI, "bench", "serve", "--backend", "vllm", "--model", a.model, "--tokenizer", tok,
                 *common, "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl",
                 "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out.parent),
                 "--result-filename", out.name]  # fmt: skip

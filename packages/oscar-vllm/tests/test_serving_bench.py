@@ -40,7 +40,13 @@ def test_server_commands_per_engine_and_case(sb, tmp_path):
     oscar = sb.server_case("vllm", "oscar", a, 8101)
     assert oscar.command[:6] == ["oscar", "serve", "--engine", "vllm", "/m", "--rotations"]
     assert oscar.command[-2:] == ["--load-format", "dummy"] and "--tokenizer" in oscar.command
-    assert sb.server_case("vllm", "bf16", a, 8100).command[:3] == ["vllm", "serve", "/m"]
+    # vLLM's CLI as a module (the staged GPU tree has no ``vllm`` script on PATH)
+    assert sb.server_case("vllm", "bf16", a, 8100).command[1:5] == [
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        "/m",
+    ]
     a = _args(sb, "sglang", tmp_path)
     bf16 = sb.server_case("sglang", "bf16", a, 8100)
     assert bf16.env["SGLANG_PLUGINS"] == "none" and bf16.health == "/health_generate"
@@ -55,7 +61,7 @@ def test_client_commands_carry_the_workload_and_rate(sb, tmp_path):
     a = _args(sb, "vllm", tmp_path)
     case = sb.server_case("vllm", "oscar", a, 8101)
     cmd = sb.client_command("vllm", case, a, w, math.inf, tmp_path / "x.json")
-    assert cmd[:3] == ["vllm", "bench", "serve"] and "--ignore-eos" in cmd
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "bench", "serve"] and "--ignore-eos" in cmd
     want = {"--random-input-len": "32768", "--random-output-len": "512", "--num-prompts": "32",
             "--request-rate": "inf", "--base-url": "http://127.0.0.1:8101", "--result-filename": "x.json",
             "--tokenizer": "/tok"}  # fmt: skip
