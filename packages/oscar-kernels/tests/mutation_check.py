@@ -94,6 +94,20 @@ MUTATIONS = (
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
+        "window-restore-batched-sink-part-from-the-wrong-held-block",
+        "src/oscar_kernels/serving/window_pages.py",
+        "old_blk = last - ((last - q) % max(plan.sink_parts, 1))",
+        "old_blk = last - ((last - q + 1) % max(plan.sink_parts, 1))",
+        ("tests/test_window_restore.py",),
+    ),
+    Mutation(
+        "window-restore-batched-ring-row-off-by-one",
+        "src/oscar_kernels/serving/window_pages.py",
+        "pos = torch.where(in_sink, p, p % max(lo.recent_tokens, 1))",
+        "pos = torch.where(in_sink, p, (p + 1) % max(lo.recent_tokens, 1))",
+        ("tests/test_window_restore.py",),
+    ),
+    Mutation(
         "window-record-sink-part-shifted",
         "src/oscar_kernels/kernels/window_records.py",
         "s = (blk % PARTS) * PART + j",

@@ -482,7 +482,7 @@ def _batched(state, schedule, reqs, x, tracker, fixed=None):
     """Run ``schedule`` (steps of ``[(request, tokens)]``, each step's rows in that order) like the
     backend with prefix caching: the builder's :func:`plan_slots`, the restore of the rows it
     flags, the layer, the window-record write. Returns each request's outputs ``[T, H_q, d]``."""
-    from oscar_kernels.serving import plan_slots, restore_windows, write_window_pages
+    from oscar_kernels.serving import plan_slots, restore_window_rows, write_window_pages
 
     cache, params, pages = state
     done = {r: reqs[r]["start"] for r in reqs}
@@ -501,8 +501,7 @@ def _batched(state, schedule, reqs, x, tracker, fixed=None):
             tracker, qsl, seq, table, b, 16, None if fixed is None else [fixed[r] for r, _ in step]
         )
         md = plan_step(qsl, qsl, seq, seq, table, mapping, b, torch.tensor(slots), None)
-        for row, slot, prefix in restore:
-            restore_windows(cache, slot, pages, wt[:, row], prefix)
+        restore_window_rows(cache, pages, wt, restore, md.restore_index)  # as the backend: all rows at once
         q, k, v = (torch.cat([x[r][i][done[r] : done[r] + n] for r, n in step]) for i in range(3))
         o = run_layer(md, cache, params, q, k, v, 32**-0.5)
         write_window_pages(cache, params, k, v, md, pages, wt)

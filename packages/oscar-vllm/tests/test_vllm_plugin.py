@@ -98,11 +98,11 @@ def test_step_exchange_runs_each_layers_restores_once_when_every_window_table_ar
     from oscar_vllm import backend
 
     calls = []
-    monkeypatch.setattr(
-        backend,
-        "restore_windows",
-        lambda cache, slot, pages, t, prefix: calls.append((cache, slot, prefix, t.tolist())),
-    )
+
+    def restore_rows(cache, pages, tables, restore, memo):  # one call per layer: every row of it
+        calls.extend((cache, slot, prefix, tables[:, row].tolist()) for row, slot, prefix in restore)
+
+    monkeypatch.setattr(backend, "restore_window_rows", restore_rows)
 
     def impl(name):
         i = backend.OscarAttentionImpl.__new__(backend.OscarAttentionImpl)

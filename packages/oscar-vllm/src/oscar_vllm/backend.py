@@ -66,7 +66,7 @@ from oscar_kernels.serving import (
     plan_window_records,
     prefill_kernel,
     rank_layout,
-    restore_windows,
+    restore_window_rows,
     run_layer,
     shard_params,
     step_record,
@@ -537,8 +537,7 @@ class OscarAttentionImpl(AttentionImpl):
             return
         if md.stamps is not None:
             self._check_records(md, tables)
-        for row, slot, prefix in md.restore:
-            restore_windows(self._cache, slot, self._pages, tables[:, row], prefix)
+        restore_window_rows(self._cache, self._pages, tables, md.restore, md.restore_index)
         md.restored_by.add(id(self))
 
     def _check_records(self, md: StepPlan, tables: torch.Tensor) -> None:
@@ -639,8 +638,7 @@ class OscarAttentionImpl(AttentionImpl):
             # only rows whose slot does not already hold their windows (the builder's SlotTracker),
             # and only if the window groups' builders did not restore this layer already
             if id(self) not in md.restored_by:
-                for row, slot, prefix in md.restore:
-                    restore_windows(cache, slot, self._pages, tables[:, row], prefix)
+                restore_window_rows(cache, self._pages, tables, md.restore, md.restore_index)
             out = run_layer(
                 md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits
             )

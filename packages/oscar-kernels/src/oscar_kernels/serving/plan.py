@@ -42,6 +42,9 @@ class StepPlan:
     #: rows whose window slot must be restored before the layer runs: ``(row, slot, prefix)``
     #: (prefix caching; :class:`SlotTracker`)
     restore: tuple[tuple[int, int, int], ...] = ()
+    #: the restores' device index by window geometry, built by the step's first layer of each
+    #: geometry and read by the others (:func:`oscar_kernels.serving.restore_window_rows`)
+    restore_index: dict = field(default_factory=dict)
     #: transient window records: the builder's stamps and this step's number (checked once per
     #: step by the first layer, :class:`RecordStamps`)
     stamps: RecordStamps | None = None
