@@ -153,15 +153,18 @@ def _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0):
     ``cj, sj`` of :func:`_rope_basis`: the term is ``A @ cj + B @ sj`` where ``A = C0·cos(t0θ) +
     C1·sin(t0θ)`` and ``B = C1·cos(t0θ) − C0·sin(t0θ)`` are ``[M, R]``, so a tile evaluates ``R``
     cosines and sines instead of ``R·BLOCK_N`` of each (H200, 48 prefix hits over 100k tokens: the
-    per-element form made the extend kernel ~3× slower than without the term). float32 products
-    (``ieee`` dots); the angles as :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was)."""
+    per-element form made the extend kernel ~3× slower than without the term). The two products
+    are 3×TF32 tensor-core dots (~2^-21 relative, as the Gluon decode's term): as float32
+    FMA loops (``ieee``) the ``[M, P] × [P, BLOCK_N]`` products cost more than the INT2 tile itself
+    (the extend kernel with the term was 2.65× slower than without, H200, 48 tails over 100k). The
+    angles as :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was)."""
     a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)  # [R]
     c0 = tl.cos(a0)[None, :]
     s0 = tl.sin(a0)[None, :]
     ca = rc0 * c0 + rc1 * s0
     cb = rc1 * c0 - rc0 * s0
-    t = tl.dot(ca, cj, input_precision="ieee")
-    return tl.dot(cb, sj, t, input_precision="ieee")
+    t = tl.dot(ca, cj, input_precision="tf32x3")
+    return tl.dot(cb, sj, t, input_precision="tf32x3")
 
 
 @triton.jit
