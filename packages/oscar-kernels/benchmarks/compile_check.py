@@ -191,6 +191,38 @@ def compile_merge(impl: str = "v2", arch: int = 90, d: int = 128, pdl: bool = Tr
     }
 
 
+def compile_merge_unrotate(arch: int = 90, num_warps: int = 4, two: bool = True):  # noqa: ANN201
+    """The dense prefill's two-set merge + un-rotation (``kernels/rotate.py``) at the Qwen3-8B
+    shape for ``sm_<arch>``, as ``rotate.merge_unrotate`` launches it."""
+    from oscar_kernels.kernels.rotate import merge_unrotate_kernel as fn
+
+    consts = dict(H=8, D=128, BLOCK_M=64, BLOCK_N=64, TWO=two)
+    ptr = {"l1_ptr": "*fp32", "l2_ptr": "*fp32", "rot_ptr": "*fp32"}
+    return _compile(fn, consts, ptr, arch, num_warps)
+
+
+def compile_near_rows(arch: int = 90, num_warps: int = 4, sink: int = 64):  # noqa: ANN201
+    """The dense prefill's near-set rows (``kernels/near_rows.py``) for ``sm_<arch>``."""
+    from oscar_kernels.kernels.near_rows import near_rows_kernel as fn
+
+    consts = dict(D=128, D_P2=128, SINK=sink, BLOCK=64)
+    ptr = {"seq_ptr": "*i64", "pos_ptr": "*i64", "pre_ptr": "*i32", "start_ptr": "*i64", "ws_ptr": "*i32"}
+    return _compile(fn, consts, ptr, arch, num_warps)
+
+
+def compile_window_records(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
+    """The window-record write (``kernels/window_records.py``) at vLLM's default geometry (block 64,
+    sink 64 in parts of 16) for ``sm_<arch>``."""
+    from oscar_kernels.kernels.window_records import window_records_kernel as fn
+
+    consts = dict(H=8, SINK=64, PART=16, PART_P2=16, D=128, D_P2=128, SINK_IN_RING=False)
+    ptr = {
+        "tab_ptr": "*i32", "slot_map_ptr": "*i64", "sidx_ptr": "*i32", "pos_ptr": "*i32",
+        "wslot_ptr": "*i32", "rring_ptr": "*i32",
+    }  # fmt: skip
+    return _compile(fn, consts, ptr, arch, num_warps)
+
+
 def compile_decode(
     impl: str,
     block_n: int,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import DEVICE, fill_cache, needs_triton, record_triton_specialisations
+from conftest import DEVICE, compile_check_ptx, fill_cache, needs_triton, record_triton_specialisations
 
 from oscar_kernels import (
     CacheLayout,
@@ -273,6 +273,13 @@ def test_near_rows_kernel_equals_the_torch_form(sink, d):
     mine = pos_t >= prefix[seq_t]
     assert mine.any() and (~mine).any()
     assert not torch.equal(k[~mine], torch.zeros_like(k[~mine]))
+
+
+@needs_triton
+@pytest.mark.parametrize("sink", [64, 0])
+def test_near_rows_kernel_compiles_for_sm90(sink):
+    ptx = compile_check_ptx(f"cc.compile_near_rows(90, sink={sink})")
+    assert "st.global" in ptx
 
 
 @needs_triton

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, make_params, needs_triton
+from conftest import DEVICE, compile_check_ptx, make_params, needs_triton
 
 from oscar_kernels import rotate_chunk, rotate_queries, unrotate_output
 from oscar_kernels.rotate import _rotate, merge_two_ref, merge_unrotate
@@ -167,3 +167,12 @@ def test_merge_unrotate_agrees_with_its_torch_form_in_bf16():
     step = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30))) - 7)  # one bf16 ulp at the row's max
     assert ((got.float() - ref.float()).abs() <= step).all()
     assert (got != ref).float().mean() < 0.01
+
+
+@needs_triton
+@pytest.mark.parametrize("two", [True, False])
+def test_merge_unrotate_compiles_for_sm90(two):
+    """The fused merge's GPU path compiles for sm_90 offline (the interpreter never lowers it),
+    its un-rotation on tensor cores."""
+    ptx = compile_check_ptx(f"cc.compile_merge_unrotate(90, two={two})")
+    assert "mma" in ptx and "ex2.approx" in ptx

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, needs_triton
+from conftest import DEVICE, compile_check_ptx, needs_triton
 
 from oscar_kernels import write_window_records
 from oscar_kernels.window_records import write_window_records_ref
@@ -115,3 +115,9 @@ def test_a_transposed_table_view_is_read_as_its_values():
     ref = _call(write_window_records_ref, dev, g, True)
     out = _call(write_window_records, [dev[0], view, *dev[2:]], g, True, backend="triton")
     assert torch.equal(out, ref)
+
+
+@needs_triton
+def test_window_records_kernel_compiles_for_sm90():
+    ptx = compile_check_ptx("cc.compile_window_records(90)")
+    assert "st.global" in ptx
