@@ -315,9 +315,10 @@ def _restore_index(
     lo: CacheLayout, pages: WindowPages, restore: Sequence[tuple[int, int, int]]
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Host index of a step's restores, the rows of :func:`restore_windows` for every ``(row,
-    slot, n_cached)`` at once: int64 ``[6, N]`` — batch row, window block, record row, window slot,
-    head, destination position — grouped by destination (K sink, V sink, K ring, V ring; the
-    group bounds are returned beside it). Vectorised on the host: ~5k entries a row at 8 KV heads."""
+    slot, n_cached)`` at once: int64 ``[7, N]`` — window group (page table), batch row, window
+    block, row in the page, window slot, head, destination position — grouped by destination (K
+    sink, V sink, K ring, V ring; the group bounds are returned beside it). Vectorised on the host:
+    ~5k entries a row at 8 KV heads."""
     h, wb, plan = lo.num_kv_heads, pages.block_size, pages.plan
     kv = torch.arange(2)[:, None, None]  # [2, 1, 1]
     head = torch.arange(h)[None, :, None]  # [1, H, 1]
@@ -339,14 +340,16 @@ def _restore_index(
         cols = [torch.full_like(rec, row), blk, rec, torch.full_like(rec, slot), head, pos, group]
         parts.append(torch.stack([c.expand_as(rec).reshape(-1) for c in cols]))
     if not parts:
-        return torch.zeros(6, 0, dtype=torch.int64), (0, 0, 0, 0, 0)
+        return torch.zeros(7, 0, dtype=torch.int64), (0, 0, 0, 0, 0)
     flat = torch.cat(parts, dim=1).long()
     order = torch.argsort(flat[6], stable=True)
     counts = torch.bincount(flat[6], minlength=4).tolist()
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
-    return flat[:6, order].contiguous(), tuple(bounds)
+    row, blk, rec, slot, head_, pos = flat[:6, order]
+    rpp = pages.rows_per_page  # the record row's page group and row in that page, on the host
+    return torch.stack([rec // rpp, row, blk, rec % rpp, slot, head_, pos]).contiguous(), tuple(bounds)
 
 
 def restore_window_rows(
@@ -376,13 +379,11 @@ def restore_window_rows(
         if memo is not None:
             memo[key] = got
     idx, bounds = got
-    rpp = pages.rows_per_page
     dests = (cache.k_sink, cache.v_sink, cache.k_recent, cache.v_recent)
     for g, dst in enumerate(dests):
         a, b = bounds[g], bounds[g + 1]
         if a == b:
             continue
-        row, blk, rec, slot, head, pos = idx[:, a:b]
-        page = tables[rec // rpp, row, blk].long()
-        vals = pages.rows[page, rec % rpp]  # [n, d]
+        grp, row, blk, off, slot, head, pos = idx[:, a:b]
+        vals = pages.rows[tables[grp, row, blk].long(), off]  # [n, d]
         dst[slot.to(dst.device), head.to(dst.device), pos.to(dst.device)] = vals.to(dst.device, dst.dtype)
