@@ -7,8 +7,10 @@
 #   here, repo root (pip access):  bash packages/oscar-vllm/benchmarks/gpu_engine.sh pack
 #        (needs ../shared/gpu-vllm/build_parts.sh and the SmolLM2 GGUF: OSCAR_SMOLLM2_GGUF=...)
 #   device call N=1..4, carry .gpu/cN:  bash packages/oscar-vllm/benchmarks/gpu_engine.sh stash N
+#   (SmolLM2 wanted: also stash 6, carrying .gpu/c6, the GGUF's first half; any order before run)
 #   device call 5.., carry .gpu/c5:     bash packages/oscar-vllm/benchmarks/gpu_engine.sh run [suite args]
 #                                        bash packages/oscar-vllm/benchmarks/gpu_engine.sh test [pytest args]
+# Each call also carries the working tree (~10 MB): a part stays under ~54 MB so the call fits 64 MiB.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 G="$ROOT/.gpu"
@@ -19,10 +21,12 @@ GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 pack() {
     local gguf="${OSCAR_SMOLLM2_GGUF:?set OSCAR_SMOLLM2_GGUF to the SmolLM2 GGUF}"
     [[ -f "$G/parts/p3/deps.txz" ]] || bash "$ROOT/../shared/gpu-vllm/build_parts.sh" "$G/parts"
-    rm -rf "$G"/c[1-5] && mkdir -p "$G"/c{1,2,3,4,5}
+    rm -rf "$G"/c[1-6] && mkdir -p "$G"/c{1,2,3,4,5,6}
     ln -f "$G/parts/p1/vllm.00" "$G/c1/"; ln -f "$G/parts/p2/vllm.01" "$G/c2/"; ln -f "$G/parts/p3/deps.txz" "$G/c3/"
     cp "$G"/parts/p4/* "$G/c4/"
-    head -c 48000000 "$gguf" >"$G/c4/$GGUF_NAME.aa"
+    # the GGUF's first half in a part of its own: beside FA3 and the wheels it made c4 62 MB, which
+    # with the tree passed the 64 MiB a call carries
+    head -c 48000000 "$gguf" >"$G/c6/$GGUF_NAME.aa"
     tail -c +48000001 "$gguf" >"$G/c5/$GGUF_NAME.ab"
     sha256sum "$gguf" | awk -v n="$GGUF_NAME" '{print $1 "  " n}' >"$G/c5/SHA256"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
