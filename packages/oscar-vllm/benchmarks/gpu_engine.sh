@@ -7,7 +7,8 @@
 #   here, repo root (pip access):  bash packages/oscar-vllm/benchmarks/gpu_engine.sh pack
 #        (needs ../shared/gpu-vllm/build_parts.sh and the SmolLM2 GGUF: OSCAR_SMOLLM2_GGUF=...)
 #   device call N=1..4, carry .gpu/cN:  bash packages/oscar-vllm/benchmarks/gpu_engine.sh stash N
-#   (SmolLM2 wanted: also stash 6, carrying .gpu/c6, the GGUF's first half; any order before run)
+#   (SmolLM2 wanted: also stash 6, carrying .gpu/c6, the GGUF's first half; any order before run;
+#    serve-bench needs only SmolLM2's tokenizer: carry .gpu/c5/tok instead)
 #   device call 5.., carry .gpu/c5:     bash packages/oscar-vllm/benchmarks/gpu_engine.sh run [suite args]
 #                                        bash packages/oscar-vllm/benchmarks/gpu_engine.sh test [pytest args]
 # Each call also carries the working tree (~10 MB): a part stays under ~54 MB so the call fits 64 MiB.
@@ -26,6 +27,9 @@ pack() {
     cp "$G"/parts/p4/* "$G/c4/"
     # the GGUF's first half in a part of its own: beside FA3 and the wheels it made c4 62 MB, which
     # with the tree passed the 64 MiB a call carries
+    # SmolLM2's tokenizer alone (3.5 MB), for serve-bench: carrying .gpu/c5/tok needs no stash 6
+    mkdir -p "$G/c5/tok" && python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))" |
+        { read -r d; cp "$d"/tokenizer.json "$d"/tokenizer_config.json "$G/c5/tok/"; }
     head -c 48000000 "$gguf" >"$G/c6/$GGUF_NAME.aa"
     tail -c +48000001 "$gguf" >"$G/c5/$GGUF_NAME.ab"
     sha256sum "$gguf" | awk -v n="$GGUF_NAME" '{print $1 "  " n}' >"$G/c5/SHA256"
@@ -85,9 +89,11 @@ serve_bench() {  # device: vLLM's own serving benchmark (serving_bench.py) on th
     # SmolLM2's tokenizer (its ids fit Qwen3's vocabulary); workloads, rates and `-- server args` pass through
     setup
     unset VLLM_ENABLE_V1_MULTIPROCESSING  # servers run as users run them
-    [[ -f "$ST/$GGUF_NAME" ]] || { echo "serve-bench needs SmolLM2's tokenizer: carry .gpu/c5" >&2; exit 3; }
-    local qwen=/tmp/qwen3-8b-shape rot=/tmp/qwen3-8b-shape.oscar.safetensors tok
-    tok=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
+    local qwen=/tmp/qwen3-8b-shape rot=/tmp/qwen3-8b-shape.oscar.safetensors tok="$G/c5/tok"
+    if [[ ! -f "$tok/tokenizer.json" ]]; then  # no tokenizer folder carried: SmolLM2's, from its GGUF
+        [[ -f "$ST/$GGUF_NAME" ]] || { echo "serve-bench needs SmolLM2's tokenizer: carry .gpu/c5/tok (or stash 6 + .gpu/c5)" >&2; exit 3; }
+        tok=$(python3 -c "from oscar_calib.models import resolve_model; print(resolve_model('smollm2'))")
+    fi
     mkdir -p "$qwen" && cp "$ROOT/packages/oscar-vllm/benchmarks/qwen3-8b-shape.config.json" "$qwen/config.json"
     python3 "$ROOT/packages/oscar-vllm/benchmarks/gpu_engine.py" qwen-artifact "$qwen/config.json" "$rot"
     python3 "$ROOT/packages/oscar-vllm/benchmarks/serving_bench.py" --engine vllm --model "$qwen" \
