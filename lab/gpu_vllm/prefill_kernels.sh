@@ -12,11 +12,11 @@ OUT="${OUT:-/tmp/prefill-kernels}"
 mkdir -p "$OUT"
 export PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src PYTHONUNBUFFERED=1
 T=packages/oscar-kernels/tests
-timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings "$T/test_extend_dense.py" \
+timeout 180 python3 -m pytest -q -p no:cacheprovider -p no:warnings "$T/test_extend_dense.py" \
     "$T/test_window_records.py" "$T/test_window_restore.py" "$T/test_rotate.py" \
     "$T/test_rope_mean_attention.py" >"$OUT/tests.log" 2>&1
 echo "[tests rc=$?] $(tail -1 "$OUT/tests.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
-timeout 150 python3 lab/gpu_vllm/prefill_speed.py --out "$OUT" 2>&1 | tee "$OUT/prefill_speed.log" | tail -25
-timeout 120 python3 lab/kernel_studies/extend_split.py --quick --shapes 100000,48,16 100000,48,16,0,4,1 \
+timeout 120 python3 lab/gpu_vllm/prefill_speed.py --out "$OUT" 2>&1 | tee "$OUT/prefill_speed.log" | tail -25
+timeout 90 python3 lab/kernel_studies/extend_split.py --quick --shapes 100000,48,16 100000,48,16,0,4,1 \
     --out "$OUT" 2>&1 | tee "$OUT/extend_split.log" | tail -12
