@@ -9,6 +9,8 @@ kernel is the Gluon one and its split count follows the batch size).
 
 from __future__ import annotations
 
+import functools
+import json
 import random
 
 import pytest
@@ -107,7 +109,7 @@ def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch
     steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
     with record_launches() as warm:
         ran = run_warmup(cache, params, 4, 0.125, steps, WIDTH, plan, _window_width(plan), backend=backend)
-    assert 0 < ran < len(steps)  # steps that launch nothing new run dry only
+    assert 0 < len(ran) < len(steps)  # steps that launch nothing new run dry only
     # what vLLM's monitor saw compiled during requests (rotations run in torch on a CPU), and the
     # write of K and V in one launch (decode steps)
     names = {"paged_write_kernel", "paged_write_kv_kernel", "window_records_kernel"} | (
@@ -255,3 +257,80 @@ def test_with_split_tails_the_warm_up_meets_every_split_count(monkeypatch):
     assert all(sum(n for _, n in s) <= max_tokens and all(p + n <= max_len for p, n in s) for s in steps)
     plain = warmup_steps(64, 128, max_tokens, max_seqs, max_len)
     assert keys(plain) < warm  # the tails add them
+
+
+def _worker(cache, params, plan, max_seqs: int = MAX_SEQS):
+    """A stand-in for vLLM's GPU worker with one OSCAR layer (what ``warmup._warm_up`` reads)."""
+    from types import SimpleNamespace as NS
+
+    impl = NS(oscar_layer=True, _layer_state=lambda layer, kv: (cache, params), _plan=plan,
+              window_names=["w0"], num_heads=4, scale=0.125, max_seqs=max_seqs, _dense=None,
+              _splits=1)  # fmt: skip
+    layer = NS(impl=impl, kv_cache=[torch.zeros(1, dtype=torch.uint8)])
+    cfg = NS(
+        scheduler_config=NS(max_num_batched_tokens=MAX_TOKENS),
+        model_config=NS(max_model_len=WIDTH * PAGE),
+        compilation_config=NS(static_forward_context={"layers.0.attn": layer}),
+    )
+    return NS(vllm_config=cfg, model_runner=None)
+
+
+def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(tmp_path, request, monkeypatch):
+    """The second start with the same configuration, sources and environment runs only the steps the
+    first ran for real (no dry runs: most of a warm start's warm-up), and launches every compile key
+    the first launched; another configuration (or environment) chooses afresh."""
+    if fresh_process_ran(request, interpret_on_gpu=True):
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import oscar_vllm.warmup as wu
+    from oscar_kernels.launch import record_launches
+
+    cache, params, plan, _ = _layer("cpu", 64)
+    metadata = []
+    real = wu._step_metadata
+    monkeypatch.setattr(wu, "_step_metadata", lambda *a: metadata.append(a[0]) or real(*a))
+    # the interpreter's kernels (on a CPU the engine's "auto" runs the torch references: no launches)
+    monkeypatch.setattr(wu, "run_warmup", functools.partial(run_warmup, backend="triton"))
+    plans = wu.WarmupPlans(tmp_path)
+
+    with record_launches() as first:
+        wu._warm_up(_worker(cache, params, plan), plans)
+    saved = list(tmp_path.glob("*.json"))
+    assert len(saved) == 1
+    steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
+    chosen = json.loads(saved[0].read_text())["ran"]
+    assert len(metadata) == len(steps) and 0 < len(chosen[0]) < len(steps)
+
+    metadata.clear()
+    with record_launches() as second:
+        wu._warm_up(_worker(cache, params, plan), plans)
+    assert metadata == [steps[i] for i in chosen[0]]  # no dry runs
+    assert second == first
+
+    metadata.clear()
+    wu._warm_up(_worker(cache, params, plan, max_seqs=MAX_SEQS - 1), plans)  # other steps: chosen afresh
+    assert len(metadata) > len(chosen[0]) and len(list(tmp_path.glob("*.json"))) == 2
+    monkeypatch.setenv("OSCAR_GLUON_DECODE", "0")  # the environment picks kernels: another key
+    metadata.clear()
+    wu._warm_up(_worker(cache, params, plan), plans)
+    assert len(metadata) == len(steps)
+
+
+def test_a_warm_up_plan_that_does_not_fit_is_not_used(tmp_path):
+    """A saved plan is used only if it is whole and fits the steps (a count per configuration,
+    indices in range); anything else, a garbage file included, reads as none."""
+    from oscar_vllm.warmup import WarmupPlans
+
+    plans = WarmupPlans(tmp_path)
+    key = plans.key(torch.device("cpu"), [("config", [((0, 2),), ((0, 3),)])])
+    assert plans.load(key, [2]) is None  # nothing saved
+    plans.save(key, [[0, 1]])
+    assert plans.load(key, [2]) == [[0, 1]]
+    assert plans.load(key, [1]) is None  # index out of range
+    assert plans.load(key, [2, 2]) is None  # another number of configurations
+    (tmp_path / f"{key}.json").write_text("{not json")
+    assert plans.load(key, [2]) is None
+    (tmp_path / f"{key}.json").write_text('{"ran": [["0"]]}')
+    assert plans.load(key, [2]) is None
+    assert key != plans.key(torch.device("cpu"), [("config", [((0, 2),)])])
+    assert not list(tmp_path.glob(".*.tmp"))  # written whole, then renamed

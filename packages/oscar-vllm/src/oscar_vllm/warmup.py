@@ -18,10 +18,15 @@ own kernels (CUDA graphs), ``OSCAR_VLLM_WARMUP=1`` / ``0`` to choose.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +48,7 @@ from .settings import settings_from
 
 log = logging.getLogger("oscar_vllm")
 
-__all__ = ["warmup_steps", "run_warmup", "warm_up_engine", "warmup_wanted", "WARMUP_ENV"]
+__all__ = ["warmup_steps", "run_warmup", "warm_up_engine", "warmup_wanted", "WarmupPlans", "WARMUP_ENV"]
 
 #: ``1`` / ``0``: run the warm-up at engine start or not (unset: where vLLM warms its own kernels;
 #: without it each specialisation compiles at its first request)
@@ -166,12 +171,15 @@ def run_warmup(
     backend: str = "auto",
     done: set[tuple] | None = None,
     extend_splits: int | str = 1,
-) -> int:
+    only: Sequence[int] | None = None,
+) -> list[int]:
     """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
 
     Each step first runs dry (``oscar_kernels.launch.record_launches(dry=True)``: host work only,
     its launches' compile keys recorded) and then for real only if it launches a key not in
-    ``done``: of a thousand decode batch sizes a handful compile differently.
+    ``done``: of a thousand decode batch sizes a handful compile differently. With ``only`` (the
+    indices an earlier, identical warm-up ran for real: :class:`WarmupPlans`) those steps run for
+    real and nothing runs dry: the dry runs are most of a warm start's warm-up.
 
     Args:
         cache: the layer's cache (its layout and device; its pages are not written).
@@ -185,8 +193,9 @@ def run_warmup(
         backend: as :func:`oscar_kernels.serving.run_layer` (``triton``: the interpreter on a CPU).
         done: compile keys already launched (shared between layers; updated).
         extend_splits: the layer's ``extend_splits`` (:func:`oscar_kernels.serving.run_layer`).
+        only: indices of ``steps`` to run for real, without dry runs (None: choose by dry runs).
     Returns:
-        The number of steps run for real.
+        The indices of the steps run for real.
     """
     from oscar_kernels.launch import record_launches
 
@@ -225,8 +234,15 @@ def run_warmup(
             tables = torch.zeros(groups, b, window_table_width, dtype=torch.int32, device=dev)
             write_window_pages(scratch, params, k, v, md, pages, tables, backend)
 
-    ran = 0
-    for s in steps:
+    ran: list[int] = []
+    if only is not None:
+        for i in only:
+            with record_launches() as keys:
+                one(_step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS))
+            done |= keys
+            ran.append(i)
+        return ran
+    for i, s in enumerate(steps):
         md = _step_metadata(s, table_width, page, dev, _SCRATCH_SLOTS)
         with record_launches(dry=True) as keys:
             one(md)
@@ -234,8 +250,102 @@ def run_warmup(
             continue
         one(replace(md, bounds_checked=[False]))
         done |= keys
-        ran += 1
+        ran.append(i)
     return ran
+
+
+# ---- which steps ran for real, kept for the next start with the same everything ---------------
+
+
+class WarmupPlans:
+    """Which warm-up steps an engine start ran for real, per layer configuration, as JSON files in
+    ``folder`` (by default beside Triton's kernel cache, whose compiled kernels make the next start's
+    real steps cheap): a start whose key matches runs those steps and no dry runs.
+
+    The key covers what picks the launches: every ``oscar_kernels`` source file and this module,
+    the torch and Triton versions, the GPU, the ``OSCAR_*`` / ``TRITON_*`` environment and the
+    caller's configurations and steps. A stale or unreadable file only costs the dry runs again (a
+    wrong plan could only leave a compile to the first request that needs it, never a wrong number).
+    """
+
+    def __init__(self, folder: str | os.PathLike | None = None) -> None:
+        self.folder = Path(folder) if folder is not None else _triton_cache_dir() / "oscar_warmup"
+
+    def key(self, device: torch.device, configs: Sequence[object]) -> str:
+        """A digest of everything the plan depends on (``configs``: each configuration's key and
+        steps, in warm-up order)."""
+        h = hashlib.sha256(_sources_digest().encode())
+        env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("OSCAR_", "TRITON_")))
+        h.update(repr((torch.__version__, _triton_version(), _device_name(device), env)).encode())
+        h.update(repr(list(configs)).encode())
+        return h.hexdigest()[:32]
+
+    def load(self, key: str, steps: Sequence[int]) -> list[list[int]] | None:
+        """The step indices per configuration saved under ``key`` (``steps``: each configuration's
+        step count, to check them against), or None."""
+        try:
+            data = json.loads((self.folder / f"{key}.json").read_text())
+            plan = data["ran"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        ok = (
+            isinstance(plan, list)
+            and len(plan) == len(steps)
+            and all(
+                isinstance(ix, list) and all(type(i) is int and 0 <= i < n for i in ix)
+                for ix, n in zip(plan, steps, strict=False)
+            )
+        )
+        return plan if ok else None
+
+    def save(self, key: str, plan: Sequence[Sequence[int]]) -> None:
+        """Keep ``plan`` under ``key`` (written whole, then renamed; a failure is logged only)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / f".{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"ran": [list(map(int, ix)) for ix in plan]}))
+            tmp.replace(self.folder / f"{key}.json")
+        except OSError as e:
+            log.debug("OSCAR: warm-up plan not kept in %s (%s)", self.folder, e)
+
+
+def _triton_cache_dir() -> Path:
+    """Triton's kernel cache folder (its ``knobs.cache.dir``; ``~/.triton/cache`` before knobs)."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return Path.home() / ".triton" / "cache"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "none"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+
+
+@functools.cache
+def _sources_digest() -> str:
+    """sha256 over ``oscar_kernels``' Python sources and this module's (what launches what)."""
+    import oscar_kernels
+
+    h = hashlib.sha256()
+    root = Path(oscar_kernels.__file__).parent
+    for f in [*sorted(root.rglob("*.py")), Path(__file__)]:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 # ---- the engine's warm-up: every distinct layer configuration of a worker's model, once ---------
@@ -273,12 +383,12 @@ def warmup_wanted(vllm_config: Any) -> bool:
     return compat.jit_warmup_enabled(vllm_config) if on is None else on
 
 
-def _warm_up(worker: Any) -> None:
+def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     cfg = worker.vllm_config
     widths = compat.block_table_widths(worker.model_runner)
     sc, max_len = cfg.scheduler_config, int(cfg.model_config.max_model_len)
-    t0, seen, steps_run = time.perf_counter(), set(), 0
-    done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
+    t0, seen = time.perf_counter(), set()
+    jobs = []  # (configuration's key, its steps, run_warmup's arguments), in warm-up order
     for name, layer in cfg.compilation_config.static_forward_context.items():
         impl, kv = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
         kv = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
@@ -303,27 +413,30 @@ def _warm_up(worker: Any) -> None:
             DENSE_MIN_QUERY if impl._dense is not None else None,
             split_tails=impl._splits != 1,
         )
-        steps_run += run_warmup(
-            cache,
-            params,
-            impl.num_heads,
-            impl.scale,
-            steps,
-            width,
-            impl._plan,
-            w_width,
-            impl._dense,
-            done=done,
-            extend_splits=impl._splits,
-        )
-    if seen:
+        args = (cache, params, impl.num_heads, impl.scale, steps, width, impl._plan, w_width, impl._dense)
+        jobs.append(((key, impl._splits), steps, args, impl._splits))
+    if not jobs:
+        return
+    plans = WarmupPlans() if plans is None else plans
+    dev = jobs[0][2][0].device
+    plan_key = plans.key(dev, [(k, s) for k, s, _, _ in jobs])
+    known = plans.load(plan_key, [len(s) for _, s, _, _ in jobs])
+    done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
+    ran = [
+        run_warmup(*args, done=done, extend_splits=splits, only=None if known is None else known[i])
+        for i, (_, _, args, splits) in enumerate(jobs)
+    ]
+    if known is None:
+        plans.save(plan_key, ran)
+    if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        log.info(
-            "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)) in %.1f s, so requests "
-            "compile nothing (%s=0 skips it)",
-            steps_run,
-            len(seen),
-            time.perf_counter() - t0,
-            WARMUP_ENV,
-        )
+    log.info(
+        "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)%s) in %.1f s, so requests "
+        "compile nothing (%s=0 skips it)",
+        sum(map(len, ran)),
+        len(jobs),
+        ", the steps an earlier start chose" if known is not None else "",
+        time.perf_counter() - t0,
+        WARMUP_ENV,
+    )
