@@ -259,8 +259,9 @@ def test_with_split_tails_the_warm_up_meets_every_split_count(monkeypatch):
     assert keys(plain) < warm  # the tails add them
 
 
-def _worker(cache, params, plan, max_seqs: int = MAX_SEQS):
-    """A stand-in for vLLM's GPU worker with one OSCAR layer (what ``warmup._warm_up`` reads)."""
+def _worker(cache, params, plan, max_seqs: int = 2, max_tokens: int = 40):
+    """A stand-in for vLLM's GPU worker with one OSCAR layer (what ``warmup._warm_up`` reads; a
+    small configuration: each warm-up here runs Triton's interpreter)."""
     from types import SimpleNamespace as NS
 
     impl = NS(oscar_layer=True, _layer_state=lambda layer, kv: (cache, params), _plan=plan,
@@ -268,7 +269,7 @@ def _worker(cache, params, plan, max_seqs: int = MAX_SEQS):
               _splits=1)  # fmt: skip
     layer = NS(impl=impl, kv_cache=[torch.zeros(1, dtype=torch.uint8)])
     cfg = NS(
-        scheduler_config=NS(max_num_batched_tokens=MAX_TOKENS),
+        scheduler_config=NS(max_num_batched_tokens=max_tokens),
         model_config=NS(max_model_len=WIDTH * PAGE),
         compilation_config=NS(static_forward_context={"layers.0.attn": layer}),
     )
@@ -278,7 +279,7 @@ def _worker(cache, params, plan, max_seqs: int = MAX_SEQS):
 def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(tmp_path, request, monkeypatch):
     """The second start with the same configuration, sources and environment runs only the steps the
     first ran for real (no dry runs: most of a warm start's warm-up), and launches every compile key
-    the first launched; another configuration (or environment) chooses afresh."""
+    the first launched."""
     if fresh_process_ran(request, interpret_on_gpu=True):
         return
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -297,7 +298,7 @@ def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(tmp_
         wu._warm_up(_worker(cache, params, plan), plans)
     saved = list(tmp_path.glob("*.json"))
     assert len(saved) == 1
-    steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
+    steps = warmup_steps(PAGE, RECENT, 40, 2, WIDTH * PAGE, dense_min_query=None)
     chosen = json.loads(saved[0].read_text())["ran"]
     assert len(metadata) == len(steps) and 0 < len(chosen[0]) < len(steps)
 
@@ -307,30 +308,29 @@ def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(tmp_
     assert metadata == [steps[i] for i in chosen[0]]  # no dry runs
     assert second == first
 
-    metadata.clear()
-    wu._warm_up(_worker(cache, params, plan, max_seqs=MAX_SEQS - 1), plans)  # other steps: chosen afresh
-    assert len(metadata) > len(chosen[0]) and len(list(tmp_path.glob("*.json"))) == 2
-    monkeypatch.setenv("OSCAR_GLUON_DECODE", "0")  # the environment picks kernels: another key
-    metadata.clear()
-    wu._warm_up(_worker(cache, params, plan), plans)
-    assert len(metadata) == len(steps)
 
-
-def test_a_warm_up_plan_that_does_not_fit_is_not_used(tmp_path):
-    """A saved plan is used only if it is whole and fits the steps (a count per configuration,
+def test_a_warm_up_plan_that_does_not_fit_is_not_used(tmp_path, monkeypatch):
+    """A saved plan is used only under its own key (the configurations and steps, the environment
+    that picks kernels) and only if it is whole and fits the steps (a count per configuration,
     indices in range); anything else, a garbage file included, reads as none."""
     from oscar_vllm.warmup import WarmupPlans
 
     plans = WarmupPlans(tmp_path)
-    key = plans.key(torch.device("cpu"), [("config", [((0, 2),), ((0, 3),)])])
+    cpu = torch.device("cpu")
+    key = plans.key(cpu, [("config", [((0, 2),), ((0, 3),)])])
     assert plans.load(key, [2]) is None  # nothing saved
     plans.save(key, [[0, 1]])
     assert plans.load(key, [2]) == [[0, 1]]
     assert plans.load(key, [1]) is None  # index out of range
     assert plans.load(key, [2, 2]) is None  # another number of configurations
+    assert not list(tmp_path.glob(".*.tmp"))  # written whole, then renamed
+    assert key != plans.key(cpu, [("config", [((0, 2),)])])  # other steps
+    assert key != plans.key(cpu, [("other config", [((0, 2),), ((0, 3),)])])
+    monkeypatch.setenv("OSCAR_GLUON_DECODE", "0")  # the environment picks kernels
+    assert key != plans.key(cpu, [("config", [((0, 2),), ((0, 3),)])])
+    monkeypatch.delenv("OSCAR_GLUON_DECODE")
+    assert key == plans.key(cpu, [("config", [((0, 2),), ((0, 3),)])])
     (tmp_path / f"{key}.json").write_text("{not json")
     assert plans.load(key, [2]) is None
     (tmp_path / f"{key}.json").write_text('{"ran": [["0"]]}')
     assert plans.load(key, [2]) is None
-    assert key != plans.key(torch.device("cpu"), [("config", [((0, 2),)])])
-    assert not list(tmp_path.glob(".*.tmp"))  # written whole, then renamed
