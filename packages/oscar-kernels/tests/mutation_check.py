@@ -82,15 +82,15 @@ MUTATIONS = (
     Mutation(
         "window-record-sink-part-skipped-across-blocks",
         "src/oscar_kernels/kernels/window_records.py",
-        "            & (tl.load(pos_ptr + tn).to(tl.int64) // WB == blk)\n",
+        "                & (tl.load(pos_ptr + tn).to(tl.int64) // WB == pi // WB)\n",
         "",
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
         "window-record-sink-part-skipped-by-the-steps-last-token",
         "src/oscar_kernels/kernels/window_records.py",
-        "            (t + 1 < NT)\n            & (tl.load",
-        "            (t < NT)\n            & (tl.load",
+        "                (ti + 1 < NT)\n                & (tl.load",
+        "                (ti < NT)\n                & (tl.load",
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
@@ -108,10 +108,17 @@ MUTATIONS = (
         ("tests/test_window_restore.py",),
     ),
     Mutation(
+        "window-record-grid-drops-the-last-partial-tile",
+        "src/oscar_kernels/window_records.py",
+        "launch(window_records_kernel, (triton.cdiv(n, _TOK), 2 * h),",
+        "launch(window_records_kernel, (n // _TOK, 2 * h),",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
         "window-record-sink-part-shifted",
         "src/oscar_kernels/kernels/window_records.py",
-        "s = (blk % PARTS) * PART + j",
-        "s = (blk % PARTS) * PART + j + 1",
+        "s = (bk % PARTS) * PART + j",
+        "s = (bk % PARTS) * PART + j + 1",
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(

@@ -23,6 +23,10 @@ from .launch import launch
 
 __all__ = ["write_window_records", "write_window_records_ref"]
 
+#: tokens per program of the Triton write: one [16, d] tile per (tokens, K/V, head) instead of a
+#: program per token row (262k programs of 256 bytes for a 16k-token chunk at 8 KV heads)
+_TOK = 16
+
 
 def _check(rows, tables, seq_index, positions, window_slots, ring_k, ring_v, ring_rows, sink_k, sink_v):  # noqa: ANN001
     check(rows.dim() == 3, "rank of rows [pages, rows_per_page, d]", 3, rows.dim())
@@ -160,7 +164,7 @@ def write_window_records(
     for t in (rows, ring_k, ring_v, sink_k, sink_v):
         check(t.numel() == 0 or t.stride(-1) == 1, "last stride of rows/ring/sink", 1, t.stride(-1))
     part = sink_part if sink else 0
-    launch(window_records_kernel, (n, 2 * h),
+    launch(window_records_kernel, (triton.cdiv(n, _TOK), 2 * h),
         rows, rows.stride(0), rows.stride(1),
         tables, tables.stride(0), tables.stride(1),
         slot_mapping, seq_index, positions, window_slots, ring_rows,
@@ -168,5 +172,5 @@ def write_window_records(
         sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
         rows.shape[1], ring, block_size, max(sink_parts, 1), n,
         H=h, SINK=sink, PART=part, PART_P2=triton.next_power_of_2(max(part, 1)),
-        D=d, D_P2=triton.next_power_of_2(d), SINK_IN_RING=bool(sink_in_ring and sink),
+        D=d, D_P2=triton.next_power_of_2(d), SINK_IN_RING=bool(sink_in_ring and sink), TOK=_TOK,
     )  # fmt: skip
