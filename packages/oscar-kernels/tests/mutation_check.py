@@ -505,6 +505,20 @@ MUTATIONS = (
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
     ),
     Mutation(
+        "rope-3xtf32-drops-a-cross-term",
+        "src/oscar_kernels/kernels/attention.py",
+        '    t = tl.dot(ca_hi, cj_lo, t, input_precision="tf32")\n',
+        "",
+        ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
+    ),
+    Mutation(
+        "rope-tf32-split-keeps-no-remainder",
+        "src/oscar_kernels/kernels/attention.py",
+        "    return hi, x - hi",
+        "    return hi, x * 0.0",
+        ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
+    ),
+    Mutation(
         "rope-basis-transposed-sine",
         "src/oscar_kernels/kernels/attention.py",
         "cb = rc1 * c0 - rc0 * s0",
@@ -528,8 +542,8 @@ MUTATIONS = (
     Mutation(
         "extend-rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "s += _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0)\n            ok = tmask[None, :]",
-        "s += _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0 + 1)\n            ok = tmask[None, :]",
+        "s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, s)\n            ok = tmask[None, :]",
+        "s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0 + 1, s)\n            ok = tmask[None, :]",
         ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
     ),
     Mutation(

@@ -351,7 +351,22 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from oscar_kernels.kernels.attention import _rope_angle, _theta_split
+    from oscar_kernels.kernels.attention import _rope_angle, _rope_basis, _rope_scores, _theta_split
+
+    @triton.jit
+    def _rope_term_kernel(
+        rc_ptr, th_ptr, acc_ptr, out_ptr, T0, M: tl.constexpr, P: tl.constexpr, N: tl.constexpr
+    ):
+        m = tl.arange(0, M)
+        i = tl.arange(0, P)
+        n = tl.arange(0, N)
+        rc0 = tl.load(rc_ptr + m[:, None] * (2 * P) + i[None, :])
+        rc1 = tl.load(rc_ptr + m[:, None] * (2 * P) + P + i[None, :])
+        th_hi, th_lo = _theta_split(tl.load(th_ptr + i))
+        cj, sj = _rope_basis(th_hi, th_lo, N)
+        acc = tl.load(acc_ptr + m[:, None] * N + n[None, :])
+        s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, T0, acc)
+        tl.store(out_ptr + m[:, None] * N + n[None, :], s)
 
     @triton.jit
     def _angles_kernel(p_ptr, th_ptr, c_ptr, s_ptr, N: tl.constexpr, R: tl.constexpr):
@@ -380,6 +395,28 @@ def test_rope_angle_reduction_at_long_positions():
     assert (s.cpu().double() - exact.sin()).abs().max() < 2e-4
     naive = (pos.float()[:, None] * th[None, :]).double()  # the plain float32 product
     assert (naive.cos() - exact.cos()).abs().max() > 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("t0", [0, 64, 100032])
+def test_rope_score_term_is_float32_exact_on_tensor_cores(t0):
+    """``_rope_scores`` (the extend and ``tl`` decode kernels' term, added to the score tile it is
+    given) against float64, to 3e-5 of the term's scale: its products are 3×TF32 (each operand split
+    into a TF32 ``hi`` and the rest); one TF32 product alone, or a split that keeps no remainder,
+    is off by ~3e-4."""
+    gen = torch.Generator().manual_seed(t0)
+    m, p, n = 16, 16, 64
+    rc = torch.randn(m, 2, p, generator=gen) * 10
+    th = inv_freq(2 * p).float()
+    acc = torch.randn(m, n, generator=gen)
+    out = torch.empty(m, n, device=DEVICE)
+    _rope_term_kernel[(1,)](rc.to(DEVICE), th.to(DEVICE), acc.to(DEVICE), out, t0, M=m, P=p, N=n)
+    ang = (t0 + torch.arange(n)).double()[None, :] * th.double()[:, None]  # [P, N]
+    want = acc.double() + rc[:, 0].double() @ ang.cos() + rc[:, 1].double() @ ang.sin()
+    scale = (rc.double().abs().sum((1, 2))).max()
+    # float32 3×TF32: ~1e-7 at small positions, 2.7e-6 at 100k (the angle reduction's rounding);
+    # one TF32 product alone: ~3e-4
+    assert (out.cpu().double() - want).abs().max() < 3e-5 * scale
 
 
 def test_op_carries_the_rope_mean():

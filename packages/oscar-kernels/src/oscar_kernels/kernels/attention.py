@@ -137,15 +137,16 @@ def _rope_angle(p, th_hi, th_lo):
 
 @triton.jit
 def _rope_basis(th_hi, th_lo, BLOCK_N: tl.constexpr):
-    """``cos(j·θ_r), sin(j·θ_r)`` ``[R, BLOCK_N]`` for ``j < BLOCK_N``: the loop-invariant half of
-    :func:`_rope_scores`' angle addition, computed once per program."""
+    """``cos(j·θ_r), sin(j·θ_r)`` ``[R, BLOCK_N]`` for ``j < BLOCK_N``, each as its
+    :func:`_tf32_split` pair: the loop-invariant half of :func:`_rope_scores`' angle addition,
+    computed once per program."""
     jf = tl.arange(0, BLOCK_N).to(tl.float32)
     ang = _rope_angle(jf[None, :], th_hi[:, None], th_lo[:, None])
-    return tl.cos(ang), tl.sin(ang)
+    return _tf32_split(tl.cos(ang)), _tf32_split(tl.sin(ang))
 
 
 @triton.jit
-def _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0):
+def _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, acc):
     """Score term ``[M, BLOCK_N]`` of INT2 keys at positions ``t0 + j`` (``j < BLOCK_N``):
     ``Σ_r C0[m, r]·cos((t0 + j)·θ_r) + C1[m, r]·sin((t0 + j)·θ_r)`` (``rc0/rc1 [M, R]``, ``θ [R]``).
 
@@ -157,14 +158,35 @@ def _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0):
     are 3×TF32 tensor-core dots (~2^-21 relative, as the Gluon decode's term): as float32
     FMA loops (``ieee``) the ``[M, P] × [P, BLOCK_N]`` products cost more than the INT2 tile itself
     (the extend kernel with the term was 2.65× slower than without, H200, 48 tails over 100k). The
-    angles as :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was)."""
+    3×TF32 is spelled out (:func:`_tf32_split`; ``cj, sj`` come split, once per program) and added
+    into ``acc`` (the tile's scores): ``tl.dot``'s ``tf32x3`` split both operands every tile and
+    held a second ``[M, BLOCK_N]`` accumulator, and the extend kernel spilled 2,172 bytes a thread
+    (1.9× its time without the term, H100); now a few dozen. The angles as :func:`_rope_angle`
+    (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the term."""
     a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)  # [R]
     c0 = tl.cos(a0)[None, :]
     s0 = tl.sin(a0)[None, :]
     ca = rc0 * c0 + rc1 * s0
     cb = rc1 * c0 - rc0 * s0
-    t = tl.dot(ca, cj, input_precision="tf32x3")
-    return tl.dot(cb, sj, t, input_precision="tf32x3")
+    ca_hi, ca_lo = _tf32_split(ca)
+    cb_hi, cb_lo = _tf32_split(cb)
+    cj_hi, cj_lo = cj
+    sj_hi, sj_lo = sj
+    t = tl.dot(ca_lo, cj_hi, acc, input_precision="tf32")
+    t = tl.dot(ca_hi, cj_lo, t, input_precision="tf32")
+    t = tl.dot(cb_lo, sj_hi, t, input_precision="tf32")
+    t = tl.dot(cb_hi, sj_lo, t, input_precision="tf32")
+    t = tl.dot(ca_hi, cj_hi, t, input_precision="tf32")
+    return tl.dot(cb_hi, sj_hi, t, input_precision="tf32")
+
+
+@triton.jit
+def _tf32_split(x):
+    """``x = hi + lo`` (float32, exact): ``hi`` truncated to TF32's 10 mantissa bits (a tensor-core
+    operand exactly), ``lo`` the rest (``|lo| < 2^-10·|x|``, itself rounded by a TF32 dot: ~2^-21
+    of ``x``), so ``hi·b_hi + hi·b_lo + lo·b_hi`` is the 3×TF32 product."""
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return hi, x - hi
 
 
 @triton.jit
@@ -594,7 +616,7 @@ def decode_split_kernel(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
             if ROPE_R > 0:
-                s += _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0)
+                s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, s)
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
                 s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
@@ -1028,7 +1050,7 @@ def extend_kernel(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
             if ROPE_R > 0:
-                s += _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0)
+                s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, s)
             ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
             s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
