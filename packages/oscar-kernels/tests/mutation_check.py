@@ -101,6 +101,13 @@ MUTATIONS = (
         ("tests/test_window_restore.py",),
     ),
     Mutation(
+        "window-restore-batched-rows-of-one-prefix-share-a-slot",
+        "src/oscar_kernels/serving/window_pages.py",
+        "torch.tensor([s for _, s, _ in rows], dtype=torch.int64)",
+        "torch.tensor([rows[0][1] for _ in rows], dtype=torch.int64)",
+        ("tests/test_window_restore.py",),
+    ),
+    Mutation(
         "window-restore-batched-ring-row-off-by-one",
         "src/oscar_kernels/serving/window_pages.py",
         "pos = torch.where(in_sink, p, p % max(lo.recent_tokens, 1))",
