@@ -276,7 +276,9 @@ def _worker(cache, params, plan, max_seqs: int = 2, max_tokens: int = 40):
     return NS(vllm_config=cfg, model_runner=None)
 
 
-def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(tmp_path, request, monkeypatch):
+def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(
+    tmp_path, request, monkeypatch, caplog
+):
     """The second start with the same configuration, sources and environment runs only the steps the
     first ran for real (no dry runs: most of a warm start's warm-up), and launches every compile key
     the first launched."""
@@ -303,10 +305,12 @@ def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(tmp_
     assert len(metadata) == len(steps) and 0 < len(chosen[0]) < len(steps)
 
     metadata.clear()
-    with record_launches() as second:
+    with record_launches() as second, caplog.at_level("INFO", logger="oscar_vllm"):
         wu._warm_up(_worker(cache, params, plan), plans)
     assert metadata == [steps[i] for i in chosen[0]]  # no dry runs
     assert second == first
+    line = next(r.getMessage() for r in caplog.records if "warmed up" in r.getMessage())
+    assert "the steps an earlier start chose" in line and "dry runs 0.0 s" in line
 
 
 def test_a_warm_up_plan_that_does_not_fit_is_not_used(tmp_path, monkeypatch):

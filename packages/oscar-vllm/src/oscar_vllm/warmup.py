@@ -172,6 +172,7 @@ def run_warmup(
     done: set[tuple] | None = None,
     extend_splits: int | str = 1,
     only: Sequence[int] | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> list[int]:
     """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
 
@@ -194,6 +195,8 @@ def run_warmup(
         done: compile keys already launched (shared between layers; updated).
         extend_splits: the layer's ``extend_splits`` (:func:`oscar_kernels.serving.run_layer`).
         only: indices of ``steps`` to run for real, without dry runs (None: choose by dry runs).
+        seconds: where given, host seconds of the dry and the real runs are added under ``"dry"``
+            and ``"real"`` (a real run's time is its launches and compiles, not its GPU work).
     Returns:
         The indices of the steps run for real.
     """
@@ -235,22 +238,25 @@ def run_warmup(
             write_window_pages(scratch, params, k, v, md, pages, tables, backend)
 
     ran: list[int] = []
-    if only is not None:
-        for i in only:
-            with record_launches() as keys:
-                one(_step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS))
-            done |= keys
-            ran.append(i)
-        return ran
-    for i, s in enumerate(steps):
-        md = _step_metadata(s, table_width, page, dev, _SCRATCH_SLOTS)
-        with record_launches(dry=True) as keys:
+    took = {"dry": 0.0, "real": 0.0}
+    for i in range(len(steps)) if only is None else only:
+        t = time.perf_counter()
+        md = _step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS)
+        if only is None:
+            with record_launches(dry=True) as keys:
+                one(md)
+            t, took["dry"] = time.perf_counter(), took["dry"] + time.perf_counter() - t
+            if keys <= done:
+                continue
+            md = replace(md, bounds_checked=[False])
+        with record_launches() as keys:
             one(md)
-        if keys <= done:
-            continue
-        one(replace(md, bounds_checked=[False]))
+        took["real"] += time.perf_counter() - t
         done |= keys
         ran.append(i)
+    if seconds is not None:
+        for k, v in took.items():
+            seconds[k] = seconds.get(k, 0.0) + v
     return ran
 
 
@@ -317,6 +323,15 @@ def _triton_cache_dir() -> Path:
         return Path(knobs.cache.dir)
     except (ImportError, AttributeError):
         return Path.home() / ".triton" / "cache"
+
+
+def _cache_entries(folder: Path) -> int:
+    """Entries in Triton's cache folder (one per compiled kernel; 0 where it does not exist)."""
+    try:
+        with os.scandir(folder) as it:
+            return sum(1 for _ in it)
+    except OSError:
+        return 0
 
 
 def _triton_version() -> str:
@@ -422,8 +437,12 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     plan_key = plans.key(dev, [(k, s) for k, s, _, _ in jobs])
     known = plans.load(plan_key, [len(s) for _, s, _, _ in jobs])
     done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
+    seconds: dict[str, float] = {}
+    cached = _cache_entries(_triton_cache_dir())
     ran = [
-        run_warmup(*args, done=done, extend_splits=splits, only=None if known is None else known[i])
+        run_warmup(
+            *args, done=done, extend_splits=splits, only=None if known is None else known[i], seconds=seconds
+        )
         for i, (_, _, args, splits) in enumerate(jobs)
     ]
     if known is None:
@@ -431,12 +450,19 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    # what a warm start should show: few new kernels in Triton's cache, the time in the real steps
+    compiled = _cache_entries(_triton_cache_dir()) - cached
     log.info(
-        "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)%s) in %.1f s, so requests "
-        "compile nothing (%s=0 skips it)",
+        "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)%s) in %.1f s (dry runs "
+        "%.1f s, real steps %.1f s; %d new kernels in Triton's cache %s), so requests compile nothing "
+        "(%s=0 skips it)",
         sum(map(len, ran)),
         len(jobs),
         ", the steps an earlier start chose" if known is not None else "",
         time.perf_counter() - t0,
+        seconds.get("dry", 0.0),
+        seconds.get("real", 0.0),
+        compiled,
+        _triton_cache_dir(),
         WARMUP_ENV,
     )
