@@ -317,7 +317,7 @@ def test_a_warm_up_plan_that_does_not_fit_is_not_used(tmp_path, monkeypatch):
     """A saved plan is used only under its own key (the configurations and steps, the environment
     that picks kernels) and only if it is whole and fits the steps (a count per configuration,
     indices in range); anything else, a garbage file included, reads as none."""
-    from oscar_vllm.warmup import WarmupPlans
+    from oscar_vllm.warmup_plans import WarmupPlans
 
     plans = WarmupPlans(tmp_path)
     cpu = torch.device("cpu")

@@ -18,15 +18,10 @@ own kernels (CUDA graphs), ``OSCAR_VLLM_WARMUP=1`` / ``0`` to choose.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +40,7 @@ from oscar_kernels.serving import (
 
 from . import compat
 from .settings import settings_from
+from .warmup_plans import WarmupPlans, cache_entries, triton_cache_dir
 
 log = logging.getLogger("oscar_vllm")
 
@@ -260,109 +256,6 @@ def run_warmup(
     return ran
 
 
-# ---- which steps ran for real, kept for the next start with the same everything ---------------
-
-
-class WarmupPlans:
-    """Which warm-up steps an engine start ran for real, per layer configuration, as JSON files in
-    ``folder`` (by default beside Triton's kernel cache, whose compiled kernels make the next start's
-    real steps cheap): a start whose key matches runs those steps and no dry runs.
-
-    The key covers what picks the launches: every ``oscar_kernels`` source file and this module,
-    the torch and Triton versions, the GPU, the ``OSCAR_*`` / ``TRITON_*`` environment and the
-    caller's configurations and steps. A stale or unreadable file only costs the dry runs again (a
-    wrong plan could only leave a compile to the first request that needs it, never a wrong number).
-    """
-
-    def __init__(self, folder: str | os.PathLike | None = None) -> None:
-        self.folder = Path(folder) if folder is not None else _triton_cache_dir() / "oscar_warmup"
-
-    def key(self, device: torch.device, configs: Sequence[object]) -> str:
-        """A digest of everything the plan depends on (``configs``: each configuration's key and
-        steps, in warm-up order)."""
-        h = hashlib.sha256(_sources_digest().encode())
-        env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("OSCAR_", "TRITON_")))
-        h.update(repr((torch.__version__, _triton_version(), _device_name(device), env)).encode())
-        h.update(repr(list(configs)).encode())
-        return h.hexdigest()[:32]
-
-    def load(self, key: str, steps: Sequence[int]) -> list[list[int]] | None:
-        """The step indices per configuration saved under ``key`` (``steps``: each configuration's
-        step count, to check them against), or None."""
-        try:
-            data = json.loads((self.folder / f"{key}.json").read_text())
-            plan = data["ran"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        ok = (
-            isinstance(plan, list)
-            and len(plan) == len(steps)
-            and all(
-                isinstance(ix, list) and all(type(i) is int and 0 <= i < n for i in ix)
-                for ix, n in zip(plan, steps, strict=False)
-            )
-        )
-        return plan if ok else None
-
-    def save(self, key: str, plan: Sequence[Sequence[int]]) -> None:
-        """Keep ``plan`` under ``key`` (written whole, then renamed; a failure is logged only)."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.folder / f".{key}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"ran": [list(map(int, ix)) for ix in plan]}))
-            tmp.replace(self.folder / f"{key}.json")
-        except OSError as e:
-            log.debug("OSCAR: warm-up plan not kept in %s (%s)", self.folder, e)
-
-
-def _triton_cache_dir() -> Path:
-    """Triton's kernel cache folder (its ``knobs.cache.dir``; ``~/.triton/cache`` before knobs)."""
-    try:
-        from triton import knobs
-
-        return Path(knobs.cache.dir)
-    except (ImportError, AttributeError):
-        return Path.home() / ".triton" / "cache"
-
-
-def _cache_entries(folder: Path) -> int:
-    """Entries in Triton's cache folder (one per compiled kernel; 0 where it does not exist)."""
-    try:
-        with os.scandir(folder) as it:
-            return sum(1 for _ in it)
-    except OSError:
-        return 0
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return "none"
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type != "cuda":
-        return device.type
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
-
-
-@functools.cache
-def _sources_digest() -> str:
-    """sha256 over ``oscar_kernels``' Python sources and this module's (what launches what)."""
-    import oscar_kernels
-
-    h = hashlib.sha256()
-    root = Path(oscar_kernels.__file__).parent
-    for f in [*sorted(root.rglob("*.py")), Path(__file__)]:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 # ---- the engine's warm-up: every distinct layer configuration of a worker's model, once ---------
 
 
@@ -438,7 +331,7 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     known = plans.load(plan_key, [len(s) for _, s, _, _ in jobs])
     done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
     seconds: dict[str, float] = {}
-    cached = _cache_entries(_triton_cache_dir())
+    cached = cache_entries(triton_cache_dir())
     ran = [
         run_warmup(
             *args, done=done, extend_splits=splits, only=None if known is None else known[i], seconds=seconds
@@ -451,7 +344,7 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     # what a warm start should show: few new kernels in Triton's cache, the time in the real steps
-    compiled = _cache_entries(_triton_cache_dir()) - cached
+    compiled = cache_entries(triton_cache_dir()) - cached
     log.info(
         "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)%s) in %.1f s (dry runs "
         "%.1f s, real steps %.1f s; %d new kernels in Triton's cache %s), so requests compile nothing "
@@ -463,6 +356,6 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
         seconds.get("dry", 0.0),
         seconds.get("real", 0.0),
         compiled,
-        _triton_cache_dir(),
+        triton_cache_dir(),
         WARMUP_ENV,
     )
