@@ -20,6 +20,16 @@ to ``--out``. Stdlib only; the engines' CLIs do the measuring.
 
 ``--tokenizer`` lets a dummy-weight model (a config without a tokenizer) be served with another
 model's tokenizer whose ids fit its vocabulary (SmolLM2's 49,152 ids fit Qwen3's 151,936).
+
+``--steady WARM:WINDOW`` (vLLM): a workload whose requests outlast a device call (long reasoning:
+16k generated tokens each) is read at saturation instead of to completion: the client runs, and
+after ``WARM`` seconds the server's own counters (``/metrics``: ``vllm:generation_tokens_total``,
+``vllm:num_requests_running`` / ``_waiting``) are read twice ``WINDOW`` seconds apart; the run
+reports output tok/s over the window and the requests running and waiting, then the client is
+stopped. The table gets those rows beside the completed runs'. A window reads the contexts of its
+moment, not a whole run's average: long generations grow from the prompt's length, so a window early
+in a 1k-prompt run reads short contexts; a prompt near the run's mean context (e.g. 9k tokens for
+1k + 16k) puts the window there.
 """
 
 from __future__ import annotations
@@ -167,6 +177,67 @@ def read_result(path: Path) -> dict:
     return {k: data.get(k) for k in KEYS}
 
 
+#: the server counters ``--steady`` reads (vLLM's Prometheus names; summed over their label sets)
+STEADY_METRICS = {
+    "generated": "vllm:generation_tokens_total",
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+}
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The :data:`STEADY_METRICS` from ``url/metrics`` (Prometheus text; a series' value summed over
+    its label sets; a name the server does not export is absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, metric in STEADY_METRICS.items():
+            if name == metric:
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def parse_steady(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        warm, window = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--steady {text!r}: expected WARM:WINDOW (seconds)") from None
+    if warm < 0 or window <= 0:
+        raise SystemExit(f"--steady {text!r}: expected WARM >= 0 and WINDOW > 0")
+    return warm, window
+
+
+def steady_run(case: Case, cmd: list[str], log: Path, warm: float, window: float) -> dict:
+    """The client ``cmd`` at saturation: ``/metrics`` read after ``warm`` s and ``window`` s later,
+    then the client stopped. Returns output tok/s over the window, running and waiting requests."""
+    with open(log, "wb") as f:
+        client = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        time.sleep(warm)
+        if client.poll() is not None:
+            return {"error": f"client exit {client.returncode} before the window (see {log.name})"}
+        m0, t0 = read_metrics(case.url), time.monotonic()
+        time.sleep(window)
+        m1, t1 = read_metrics(case.url), time.monotonic()
+    finally:
+        stop_group(client)
+    if "generated" not in m0 or "generated" not in m1:
+        return {"error": f"the server exports no {STEADY_METRICS['generated']}"}
+    return {
+        "steady_output_tok_s": round((m1["generated"] - m0["generated"]) / (t1 - t0), 1),
+        "steady_running": m1.get("running"),
+        "steady_waiting": m1.get("waiting"),
+        "steady_window_s": round(t1 - t0, 1),
+        "steady_warm_s": warm,
+    }
+
+
 def wait_up(case: Case, proc: subprocess.Popen, limit: float) -> float:
     """Seconds until ``case.health`` answers 200; raises if the server exited or the limit passed."""
     t0 = time.monotonic()
@@ -224,6 +295,17 @@ def run_case(engine: str, case: Case, a: argparse.Namespace, workloads: list[Wor
                 result_file = out / f"{tag}.json"
                 cmd = client_command(engine, case, a, w, rate, result_file)
                 run["client"] = shlex.join(cmd)
+                if a.steady is not None:
+                    warm, window = a.steady
+                    if left < warm + window + 30:
+                        run["skipped"] = "deadline (--budget) reached"
+                    else:
+                        run.update(steady_run(case, cmd, out / f"{tag}.client.log", warm, window))
+                    res["runs"].append(run)
+                    keys = ("steady_output_tok_s", "steady_running", "error")
+                    shown = {k: run[k] for k in keys if k in run}
+                    print(f"{case.name} {w.name} rate {run['rate']} (steady): {shown}", flush=True)
+                    continue
                 t0 = time.monotonic()
                 with open(out / f"{tag}.client.log", "wb") as f:
                     try:
@@ -257,6 +339,10 @@ def table(results: list[dict]) -> str:
     def f(x: object, nd: int = 1) -> str:
         return "—" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
+    steady = {k: r for k, r in by.items() if "steady_output_tok_s" in r}
+    by = {k: r for k, r in by.items() if "steady_output_tok_s" not in r}
+    if not by:
+        lines = []
     for (case, wl, rate), run in by.items():
         if "skipped" in run or "error" in run:
             lines.append(f"| {case} | {wl} | {rate} | {run.get('skipped') or run.get('error')} ||||||")
@@ -287,6 +373,20 @@ def table(results: list[dict]) -> str:
             lines.append("")
             o, b = best[("oscar", wl)], best[("bf16", wl)]
             lines.append(f"{wl}: best output tok/s OSCAR {o:.1f} vs BF16 {b:.1f} = **{o / b:.2f}×**")
+    if steady:
+        head = ("| case | workload | rate (req/s) | steady output tok/s | running / waiting | window s "
+                "| OSCAR ÷ BF16 |")  # fmt: skip
+        lines += [*([""] if lines else []), head, "|" + " --- |" * 7]
+        for (case, wl, rate), run in steady.items():
+            base = steady.get(("bf16", wl, rate))
+            ratio = "—"
+            if case == "oscar" and base and base["steady_output_tok_s"]:
+                ratio = f"{run['steady_output_tok_s'] / base['steady_output_tok_s']:.2f}×"
+            queue = f"{f(run.get('steady_running'), 0)} / {f(run.get('steady_waiting'), 0)}"
+            lines.append(
+                f"| {case} | {wl} | {rate} | {run['steady_output_tok_s']:.1f} | {queue} "
+                f"| {run['steady_window_s']:.0f} | {ratio} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -311,7 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--budget", type=float, default=math.inf, help="seconds for the whole run")
+    p.add_argument(
+        "--steady", metavar="WARM:WINDOW", help="vLLM: read output tok/s at saturation over a window "
+        "of the server's counters instead of running the clients to completion (long generations)"
+    )  # fmt: skip
     a = p.parse_args(argv)
+    a.steady = parse_steady(a.steady)
+    if a.steady is not None and a.engine != "vllm":
+        raise SystemExit("--steady reads vLLM's /metrics counters: --engine vllm only")
     a.server_args = server_args
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
     if not cases or set(cases) - {"bf16", "oscar"}:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -164,3 +166,74 @@ def test_a_server_that_dies_is_reported_and_the_next_case_runs(sb, tmp_path, mon
     report = json.loads((tmp_path / "serving_bench.json").read_text())
     assert rc == 1 and [r["case"] for r in report["results"]] == ["bf16", "oscar"]
     assert all("exited with 7" in r["error"] for r in report["results"])
+
+
+METRICS_SERVER = """
+import http.server, sys, time
+t0, rate = time.monotonic(), float(sys.argv[2])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            self.send_response(200); self.end_headers(); return
+        if self.path != "/metrics":
+            self.send_response(404); self.end_headers(); return
+        n = rate * (time.monotonic() - t0)  # tokens generated so far, split over two label sets
+        body = (
+            "# TYPE vllm:generation_tokens_total counter\\n"
+            f'vllm:generation_tokens_total{{engine="0"}} {n / 4}\\n'
+            f'vllm:generation_tokens_total{{engine="1"}} {3 * n / 4}\\n'
+            'vllm:generation_tokens_created{engine="0"} 1.0\\n'
+            'vllm:num_requests_running{engine="0"} 72.0\\n'
+            'vllm:num_requests_waiting{engine="0"} 9.0\\n'
+        ).encode()
+        self.send_response(200); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_steady_reads_the_servers_counters_over_a_window_and_stops_the_client(sb, tmp_path, monkeypatch):
+    """``--steady WARM:WINDOW``: output tok/s from the server's own counter over the window (summed
+    over label sets, ``_created`` not counted), the running / waiting gauges, OSCAR ÷ BF16 in the
+    table; the client (which would run for an hour) is stopped, and so is every server."""
+    (tmp_path / "server.py").write_text(METRICS_SERVER)
+    ports = {"bf16": _free_port(), "oscar": _free_port()}
+    rates = {"bf16": "1000", "oscar": "3500"}
+    pidfile = tmp_path / "client.pid"
+
+    def server_case(engine, name, a, port):  # noqa: ANN001, ANN202
+        cmd = [sys.executable, str(tmp_path / "server.py"), str(ports[name]), rates[name]]
+        return sb.Case(name, cmd, {}, ports[name])
+
+    def client_command(engine, case, a, w, rate, out):  # noqa: ANN001, ANN202
+        code = f"import os, time; open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(3600)"
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(sb, "server_case", server_case)
+    monkeypatch.setattr(sb, "client_command", client_command)
+    out = tmp_path / "out"
+    rc = sb.main(["--engine", "vllm", "--model", "/m", "--rotations", "/r", "--out", str(out), "--workload",
+                  "reasoning:1024:16384:256", "--steady", "0.5:2", "--startup-timeout", "30"])  # fmt: skip
+    report = json.loads((out / "serving_bench.json").read_text())
+    runs = {r["case"]: r["runs"][0] for r in report["results"]}
+    assert rc == 0
+    assert runs["bf16"]["steady_output_tok_s"] == pytest.approx(1000, rel=0.1)
+    assert runs["oscar"]["steady_output_tok_s"] == pytest.approx(3500, rel=0.1)
+    assert runs["oscar"]["steady_running"] == 72.0 and runs["oscar"]["steady_waiting"] == 9.0
+    md = (out / "serving_bench.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| oscar | reasoning | inf |"))
+    ratio = float(re.search(r"([0-9.]+)× \|$", row).group(1))
+    assert "| 72 / 9 |" in row and ratio == pytest.approx(3.5, rel=0.1)
+    assert "completed" not in md  # no completed runs: only the steady table
+    for pid in map(int, pidfile.read_text().split()):  # both clients were stopped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    for port in ports.values():  # and both servers
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+@pytest.mark.parametrize("bad", ["5", "a:b", "-1:5", "5:0"])
+def test_bad_steady_windows_are_one_line_errors(sb, bad):
+    with pytest.raises(SystemExit, match="--steady"):
+        sb.parse_steady(bad)
