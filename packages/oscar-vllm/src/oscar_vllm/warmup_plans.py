@@ -26,8 +26,9 @@ class WarmupPlans:
 
     The key covers what picks the launches: every ``oscar_kernels`` source file and
     ``oscar_vllm.warmup``, the torch and Triton versions, the GPU, the ``OSCAR_*`` / ``TRITON_*``
-    environment and the caller's configurations and steps. A stale or unreadable file only costs the dry runs again (a
-    wrong plan could only leave a compile to the first request that needs it, never a wrong number).
+    environment and the caller's configurations and steps. A stale or unreadable file only costs the
+    dry runs again (a wrong plan could only leave a compile to the first request that needs it,
+    never a wrong number).
     """
 
     def __init__(self, folder: str | os.PathLike | None = None) -> None:
