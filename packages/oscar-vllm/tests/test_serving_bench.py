@@ -124,6 +124,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _bench_vllm(sb, monkeypatch, out: Path, server_case, client_command, *args: str) -> tuple[int, dict]:  # noqa: ANN001
+    """``serving_bench.main`` for vLLM with stand-in servers and clients: its exit code and report."""
+    monkeypatch.setattr(sb, "server_case", server_case)
+    monkeypatch.setattr(sb, "client_command", client_command)
+    rc = sb.main(["--engine", "vllm", "--model", "/m", "--rotations", "/r", "--out", str(out),
+                  "--startup-timeout", "30", *args])  # fmt: skip
+    return rc, json.loads((out / "serving_bench.json").read_text())
+
+
+def _nothing_listens(ports) -> None:  # noqa: ANN001
+    """Every server was stopped: nothing answers on its port."""
+    for port in ports:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
 def test_the_sweep_against_stand_ins(sb, tmp_path, monkeypatch):
     (tmp_path / "server.py").write_text(STUB_SERVER)
     (tmp_path / "client.py").write_text(STUB_CLIENT)
@@ -138,12 +154,9 @@ def test_the_sweep_against_stand_ins(sb, tmp_path, monkeypatch):
         tput = {"bf16": 100.0, "oscar": 250.0}[case.name] * (1 + math.isinf(rate))
         return [sys.executable, str(tmp_path / "client.py"), case.url, str(out), str(tput)]
 
-    monkeypatch.setattr(sb, "server_case", server_case)
-    monkeypatch.setattr(sb, "client_command", client_command)
     out = tmp_path / "out"
-    rc = sb.main(["--engine", "vllm", "--model", "/m", "--rotations", "/r", "--out", str(out), "--workload",
-                  "long:1024:16384:4", "--rates", "2,inf", "--startup-timeout", "30"])  # fmt: skip
-    report = json.loads((out / "serving_bench.json").read_text())
+    rc, report = _bench_vllm(sb, monkeypatch, out, server_case, client_command,
+                             "--workload", "long:1024:16384:4", "--rates", "2,inf")  # fmt: skip
     runs = {(r["case"], run["rate"]): run for r in report["results"] for run in r["runs"]}
     assert rc == 0 and set(runs) == {("bf16", 2.0), ("bf16", "inf"), ("oscar", 2.0), ("oscar", "inf")}
     assert runs[("bf16", "inf")]["output_throughput"] == 200.0
@@ -151,9 +164,7 @@ def test_the_sweep_against_stand_ins(sb, tmp_path, monkeypatch):
     md = (out / "serving_bench.md").read_text()
     assert "| oscar | long | inf | 4 | 0.50 | 500.0 | 10.0 / 20.0 | 5.00 / 6.00 | 2.50× |" in md
     assert "best output tok/s OSCAR 500.0 vs BF16 200.0 = **2.50×**" in md
-    for port in ports.values():  # every server was stopped: nothing listens on its port
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    _nothing_listens(ports.values())
 
 
 def test_a_server_that_dies_is_reported_and_the_next_case_runs(sb, tmp_path, monkeypatch):
@@ -209,12 +220,9 @@ def test_steady_reads_the_servers_counters_over_a_window_and_stops_the_client(sb
         code = f"import os, time; open({str(pidfile)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(3600)"
         return [sys.executable, "-c", code]
 
-    monkeypatch.setattr(sb, "server_case", server_case)
-    monkeypatch.setattr(sb, "client_command", client_command)
     out = tmp_path / "out"
-    rc = sb.main(["--engine", "vllm", "--model", "/m", "--rotations", "/r", "--out", str(out), "--workload",
-                  "reasoning:1024:16384:256", "--steady", "0.5:2", "--startup-timeout", "30"])  # fmt: skip
-    report = json.loads((out / "serving_bench.json").read_text())
+    rc, report = _bench_vllm(sb, monkeypatch, out, server_case, client_command,
+                             "--workload", "reasoning:1024:16384:256", "--steady", "0.5:2")  # fmt: skip
     runs = {r["case"]: r["runs"][0] for r in report["results"]}
     assert rc == 0
     assert runs["bf16"]["steady_output_tok_s"] == pytest.approx(1000, rel=0.1)
@@ -228,9 +236,7 @@ def test_steady_reads_the_servers_counters_over_a_window_and_stops_the_client(sb
     for pid in map(int, pidfile.read_text().split()):  # both clients were stopped
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    for port in ports.values():  # and both servers
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    _nothing_listens(ports.values())  # and both servers
 
 
 @pytest.mark.parametrize("bad", ["5", "a:b", "-1:5", "5:0"])
