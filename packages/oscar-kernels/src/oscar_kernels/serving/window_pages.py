@@ -326,13 +326,15 @@ def _restore_index(
     if not rows:
         return torch.zeros(7, 0, dtype=torch.int64), (0, 0, 0, 0, 0)
     per_n = {n: _restore_template(lo, pages, n) for n in dict.fromkeys(n for _, _, n in rows)}
+    row_ids = torch.tensor([r for r, _, _ in rows], dtype=torch.int64)
+    slot_ids = torch.tensor([s for _, s, _ in rows], dtype=torch.int64)
     out, bounds = [], [0]
     for g in range(4):  # K sink, V sink, K ring, V ring
         tpl = [per_n[n][g] for _, _, n in rows]
         sizes = torch.tensor([t.shape[1] for t in tpl])
         cols = torch.cat(tpl, dim=1)  # [5, n_g]: page group, block, row in page, head, position
-        row = torch.repeat_interleave(torch.tensor([r for r, _, _ in rows], dtype=torch.int64), sizes)
-        slot = torch.repeat_interleave(torch.tensor([s for _, s, _ in rows], dtype=torch.int64), sizes)
+        row = torch.repeat_interleave(row_ids, sizes)
+        slot = torch.repeat_interleave(slot_ids, sizes)
         out.append(torch.stack([cols[0], row, cols[1], cols[2], slot, cols[3], cols[4]]))
         bounds.append(bounds[-1] + cols.shape[1])
     return torch.cat(out, dim=1).contiguous(), tuple(bounds)
