@@ -214,9 +214,9 @@ def compile_window_records(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
     """The window-record write (``kernels/window_records.py``) at vLLM's default geometry (block 64,
     sink 64 in parts of 16) for ``sm_<arch>``."""
     from oscar_kernels.kernels.window_records import window_records_kernel as fn
-    from oscar_kernels.window_records import _TOK
+    from oscar_kernels.window_records import _TC, _TOK
 
-    consts = dict(H=8, SINK=64, PART=16, PART_P2=16, D=128, D_P2=128, SINK_IN_RING=True, TOK=_TOK)
+    consts = dict(H=8, SINK=64, PART=16, PART_P2=16, D=128, D_P2=128, SINK_IN_RING=True, TOK=_TOK, TC=_TC)
     ptr = {
         "tab_ptr": "*i32", "slot_map_ptr": "*i64", "sidx_ptr": "*i32", "pos_ptr": "*i32",
         "wslot_ptr": "*i32", "rring_ptr": "*i32",

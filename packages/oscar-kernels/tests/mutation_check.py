@@ -122,6 +122,20 @@ MUTATIONS = (
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
+        "window-record-sink-chunks-skip-the-tiles-last-tokens",
+        "src/oscar_kernels/kernels/window_records.py",
+        "for c in tl.static_range(0, TOK, TC):",
+        "for c in tl.static_range(0, TOK - TC, TC):",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
+        "window-record-sink-chunks-all-read-the-first",
+        "src/oscar_kernels/kernels/window_records.py",
+        "ti = tl.program_id(0) * TOK + c + e // PART_P2",
+        "ti = tl.program_id(0) * TOK + e // PART_P2",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
         "window-record-sink-part-shifted",
         "src/oscar_kernels/kernels/window_records.py",
         "s = (bk % PARTS) * PART + j",

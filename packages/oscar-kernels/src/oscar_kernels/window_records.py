@@ -26,6 +26,8 @@ __all__ = ["write_window_records", "write_window_records_ref"]
 #: tokens per program of the Triton write: one [16, d] tile per (tokens, K/V, head) instead of a
 #: program per token row (262k programs of 256 bytes for a 16k-token chunk at 8 KV heads)
 _TOK = 16
+#: tokens per sink-part chunk (a [_TC * sink_part, d] tile; ``_TOK`` a multiple of it)
+_TC = 4
 
 
 def _check(rows, tables, seq_index, positions, window_slots, ring_k, ring_v, ring_rows, sink_k, sink_v):  # noqa: ANN001
@@ -173,4 +175,5 @@ def write_window_records(
         rows.shape[1], ring, block_size, max(sink_parts, 1), n,
         H=h, SINK=sink, PART=part, PART_P2=triton.next_power_of_2(max(part, 1)),
         D=d, D_P2=triton.next_power_of_2(d), SINK_IN_RING=bool(sink_in_ring and sink), TOK=_TOK,
+        TC=_TC,
     )  # fmt: skip
