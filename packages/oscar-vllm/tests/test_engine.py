@@ -227,10 +227,15 @@ def oscar_cached(model_dir, artifact, texts, oscar, tmp_path_factory):  # after 
 
     os.environ["OSCAR_VLLM_STEP_LOG"] = str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    triton_dir = os.environ.get("TRITON_CACHE_DIR")  # the engine core runs in this process
     try:
-        return _answers(model_dir, texts, _run_transient, **oscar_vllm.llm_kwargs(artifact))
+        out = _answers(model_dir, texts, _run_transient, **oscar_vllm.llm_kwargs(artifact))
+        out["triton_cache_dir"] = (triton_dir, os.environ.get("TRITON_CACHE_DIR"))
+        return out
     finally:
         del os.environ["OSCAR_VLLM_STEP_LOG"], os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        if triton_dir is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
 
 
 def _run_transient(llm, texts) -> dict:
@@ -269,6 +274,19 @@ def _run_transient(llm, texts) -> dict:
         "logprobs": (_logprobs(miss), _logprobs(hit)),
     }
     return out
+
+
+def test_triton_kernels_stay_in_one_cache_folder_across_starts(oscar_cached):
+    """The engine left Triton's cache where the user or Triton's default put it, not in a folder of
+    vLLM's compilation (each start looked elsewhere and compiled OSCAR's kernels again)."""
+    from triton import knobs
+
+    before, after = oscar_cached["triton_cache_dir"]
+    if before is not None:
+        assert after == before
+    else:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+        assert after == knobs.cache.dir  # Triton's default folder
 
 
 def test_kv_capacity_is_at_least_5x_bf16(bf16, oscar):

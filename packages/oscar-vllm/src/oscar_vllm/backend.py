@@ -404,6 +404,7 @@ class OscarAttentionImpl(AttentionImpl):
         self.cached = compat.exact_prefix_caching(cfg)  # window rows also kept in window pages
         self.transient = compat.window_records_mode(cfg) == "transient"  # records.py
         startup.announce_active(cfg, self.rotations)  # the "OSCAR active" log line, once per process
+        compat.pin_triton_cache()  # before the model compiles (layers are built first)
         self.window_names: list[str] = []
         self._pages: WindowPages | None = None
         self._plan: WindowPlan | None = None
