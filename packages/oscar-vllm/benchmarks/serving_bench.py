@@ -180,6 +180,7 @@ def read_result(path: Path) -> dict:
 #: the server counters ``--steady`` reads (vLLM's Prometheus names; summed over their label sets)
 STEADY_METRICS = {
     "generated": "vllm:generation_tokens_total",
+    "prompt": "vllm:prompt_tokens_total",
     "running": "vllm:num_requests_running",
     "waiting": "vllm:num_requests_waiting",
 }
@@ -213,16 +214,36 @@ def parse_steady(text: str | None) -> tuple[float, float] | None:
     return warm, window
 
 
-def steady_run(case: Case, cmd: list[str], log: Path, warm: float, window: float) -> dict:
-    """The client ``cmd`` at saturation: ``/metrics`` read after ``warm`` s and ``window`` s later,
-    then the client stopped. Returns output tok/s over the window, running and waiting requests."""
+#: seconds between the reads that wait for the server's prompt counter to stop growing
+STEADY_POLL_S = 5.0
+
+
+def steady_run(
+    case: Case, cmd: list[str], log: Path, warm: float, window: float, settle_max: float = 0.0
+) -> dict:
+    """The client ``cmd`` at saturation: ``/metrics`` read after ``warm`` s — and after the server's
+    prompt counter stopped growing between two reads :data:`STEADY_POLL_S` apart, waiting at most
+    ``settle_max`` s more: a window that still holds prefills is not the decode rate — then
+    ``window`` s later, then the client stopped. Returns output tok/s over the window, running and
+    waiting requests, the prompt tokens that still came in during the window (0: a clean window)
+    and when the window started."""
     with open(log, "wb") as f:
         client = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    t_start = time.monotonic()
     try:
         time.sleep(warm)
         if client.poll() is not None:
             return {"error": f"client exit {client.returncode} before the window (see {log.name})"}
-        m0, t0 = read_metrics(case.url), time.monotonic()
+        m0 = read_metrics(case.url)
+        deadline = time.monotonic() + settle_max
+        while "prompt" in m0 and time.monotonic() + STEADY_POLL_S <= deadline:
+            time.sleep(STEADY_POLL_S)
+            m = read_metrics(case.url)
+            if m.get("prompt") == m0["prompt"]:
+                m0 = m
+                break
+            m0 = m
+        t0 = time.monotonic()
         time.sleep(window)
         m1, t1 = read_metrics(case.url), time.monotonic()
     finally:
@@ -235,6 +256,8 @@ def steady_run(case: Case, cmd: list[str], log: Path, warm: float, window: float
         "steady_waiting": m1.get("waiting"),
         "steady_window_s": round(t1 - t0, 1),
         "steady_warm_s": warm,
+        "steady_start_s": round(t0 - t_start, 1),
+        "steady_prompt_tokens_in_window": m1.get("prompt", 0.0) - m0.get("prompt", 0.0),
     }
 
 
@@ -300,9 +323,11 @@ def run_case(engine: str, case: Case, a: argparse.Namespace, workloads: list[Wor
                     if left < warm + window + 30:
                         run["skipped"] = "deadline (--budget) reached"
                     else:
-                        run.update(steady_run(case, cmd, out / f"{tag}.client.log", warm, window))
+                        settle = left - (warm + window + 30)  # the prompts' time to get in
+                        run.update(steady_run(case, cmd, out / f"{tag}.client.log", warm, window, settle))
                     res["runs"].append(run)
-                    keys = ("steady_output_tok_s", "steady_running", "error")
+                    keys = ("steady_output_tok_s", "steady_running", "steady_prompt_tokens_in_window")
+                    keys += ("error",)
                     shown = {k: run[k] for k in keys if k in run}
                     print(f"{case.name} {w.name} rate {run['rate']} (steady): {shown}", flush=True)
                     continue
@@ -375,17 +400,18 @@ def table(results: list[dict]) -> str:
             lines.append(f"{wl}: best output tok/s OSCAR {o:.1f} vs BF16 {b:.1f} = **{o / b:.2f}×**")
     if steady:
         head = ("| case | workload | rate (req/s) | steady output tok/s | running / waiting | window s "
-                "| OSCAR ÷ BF16 |")  # fmt: skip
-        lines += [*([""] if lines else []), head, "|" + " --- |" * 7]
+                "| prompt tokens in the window | OSCAR ÷ BF16 |")  # fmt: skip
+        lines += [*([""] if lines else []), head, "|" + " --- |" * 8]
         for (case, wl, rate), run in steady.items():
             base = steady.get(("bf16", wl, rate))
             ratio = "—"
             if case == "oscar" and base and base["steady_output_tok_s"]:
                 ratio = f"{run['steady_output_tok_s'] / base['steady_output_tok_s']:.2f}×"
             queue = f"{f(run.get('steady_running'), 0)} / {f(run.get('steady_waiting'), 0)}"
+            late = f(run.get("steady_prompt_tokens_in_window"), 0)
             lines.append(
                 f"| {case} | {wl} | {rate} | {run['steady_output_tok_s']:.1f} | {queue} "
-                f"| {run['steady_window_s']:.0f} | {ratio} |"
+                f"| {run['steady_window_s']:.0f} | {late} | {ratio} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -182,6 +182,8 @@ def test_a_server_that_dies_is_reported_and_the_next_case_runs(sb, tmp_path, mon
 METRICS_SERVER = """
 import http.server, sys, time
 t0, rate = time.monotonic(), float(sys.argv[2])
+prefill = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0  # prompts come in for this long
+first = []  # when /metrics was first read: the client's prompts arrive from about then
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
@@ -189,10 +191,12 @@ class H(http.server.BaseHTTPRequestHandler):
         if self.path != "/metrics":
             self.send_response(404); self.end_headers(); return
         n = rate * (time.monotonic() - t0)  # tokens generated so far, split over two label sets
+        first.append(time.monotonic())
         body = (
             "# TYPE vllm:generation_tokens_total counter\\n"
             f'vllm:generation_tokens_total{{engine="0"}} {n / 4}\\n'
             f'vllm:generation_tokens_total{{engine="1"}} {3 * n / 4}\\n'
+            f'vllm:prompt_tokens_total{{engine="0"}} {1000 * min(time.monotonic() - first[0], prefill)}\\n'
             'vllm:generation_tokens_created{engine="0"} 1.0\\n'
             'vllm:num_requests_running{engine="0"} 72.0\\n'
             'vllm:num_requests_waiting{engine="0"} 9.0\\n'
@@ -210,10 +214,12 @@ def test_steady_reads_the_servers_counters_over_a_window_and_stops_the_client(sb
     (tmp_path / "server.py").write_text(METRICS_SERVER)
     ports = {"bf16": _free_port(), "oscar": _free_port()}
     rates = {"bf16": "1000", "oscar": "3500"}
+    prefill = {"bf16": "0", "oscar": "1.5"}  # OSCAR's prompts still come in after the warm-up
     pidfile = tmp_path / "client.pid"
+    monkeypatch.setattr(sb, "STEADY_POLL_S", 0.2)
 
     def server_case(engine, name, a, port):  # noqa: ANN001, ANN202
-        cmd = [sys.executable, str(tmp_path / "server.py"), str(ports[name]), rates[name]]
+        cmd = [sys.executable, str(tmp_path / "server.py"), str(ports[name]), rates[name], prefill[name]]
         return sb.Case(name, cmd, {}, ports[name])
 
     def client_command(engine, case, a, w, rate, out):  # noqa: ANN001, ANN202
@@ -228,10 +234,14 @@ def test_steady_reads_the_servers_counters_over_a_window_and_stops_the_client(sb
     assert runs["bf16"]["steady_output_tok_s"] == pytest.approx(1000, rel=0.1)
     assert runs["oscar"]["steady_output_tok_s"] == pytest.approx(3500, rel=0.1)
     assert runs["oscar"]["steady_running"] == 72.0 and runs["oscar"]["steady_waiting"] == 9.0
+    # the window waits for the prompts: it starts once the prompt counter stops growing
+    oscar = runs["oscar"]
+    assert oscar["steady_start_s"] >= 0.5 + 1.5 and oscar["steady_prompt_tokens_in_window"] == 0
+    assert runs["bf16"]["steady_start_s"] < 1.5
     md = (out / "serving_bench.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| oscar | reasoning | inf |"))
     ratio = float(re.search(r"([0-9.]+)× \|$", row).group(1))
-    assert "| 72 / 9 |" in row and ratio == pytest.approx(3.5, rel=0.1)
+    assert "| 72 / 9 | 2 | 0 |" in row and ratio == pytest.approx(3.5, rel=0.1)
     assert "completed" not in md  # no completed runs: only the steady table
     for pid in map(int, pidfile.read_text().split()):  # both clients were stopped
         with pytest.raises(ProcessLookupError):
