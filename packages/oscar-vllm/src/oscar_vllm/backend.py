@@ -13,9 +13,10 @@
   (:class:`OscarWindowLayer`); a row whose window slot does not hold its windows (a hit, a
   request that lost its slot: :class:`oscar_kernels.serving.SlotTracker`) restores it from them, so
   a cache hit computes what a miss computes (docs/vllm.md, "Prefix caching").
-* CUDA graphs: FULL graphs of pure decode batches with prefix caching off, none with it
-  (:func:`oscar_vllm.compat.cudagraph_support`); the builder keeps each step's metadata in
-  persistent buffers (:class:`oscar_kernels.serving.StepBuffers`) that a replay reads.
+* CUDA graphs: FULL graphs of pure decode batches, with prefix caching too on vLLM's V2 model
+  runner; none with prefix caching on the V1 runner (:func:`oscar_vllm.compat.cudagraph_support`);
+  the builder keeps each step's metadata in persistent buffers
+  (:class:`oscar_kernels.serving.StepBuffers`) that a replay reads.
 * ``exclude_layers``: those layers leave OSCAR once the model is loaded
   (:meth:`OscarAttentionImpl.process_weights_after_loading`): vLLM's own backend takes
   them over, with a plain BF16 page; vLLM then keeps both page sizes in one KV-cache
@@ -280,8 +281,8 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
-        """FULL graphs of pure decode batches when caching is off; none with prefix caching
-        (its restore runs host logic per row): :func:`oscar_vllm.compat.cudagraph_support`."""
+        """FULL graphs of pure decode batches (with prefix caching only on vLLM's V2 model runner):
+        :func:`oscar_vllm.compat.cudagraph_support`."""
         return compat.cudagraph_support(vllm_config)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> StepPlan:
