@@ -306,6 +306,15 @@ def run_case(spec: dict) -> dict:
                     SamplingParams(max_tokens=gen, **greedy),
                     f"d{seed}",
                 )
+            elif kind == "maxdecode":  # ["maxdecode", CTX, GEN]: as many distinct CTX prompts as fit
+                _, ctx, gen = w
+                tokens = (res.get("num_gpu_blocks") or 0) * (res.get("block_size") or 0)
+                batch = max_batch(tokens, ctx, gen, res.get("block_size") or 16, res["max_num_seqs"])
+                res[f"maxdecode_{ctx}"] = dict(
+                    _stepped(llm, _prompts(batch, ctx, seed, vocab), SamplingParams(max_tokens=gen, **greedy),
+                             f"m{seed}"),
+                    batch=batch, cache_tokens=tokens,
+                )  # fmt: skip
             elif kind == "profile":  # ["profile", CTX, BATCH, STEPS]
                 _, ctx, batch, steps = w
                 sp = SamplingParams(max_tokens=steps + 8, **greedy)
@@ -538,6 +547,7 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             ["prefill_profile", 32768],  # device time by kernel over the prompt's steps
             ["decode", 32768, 8, 128],
             ["decode", 130000, 1, 128],
+            ["maxdecode", 100000, 64],  # the largest batch of distinct 100k prompts each cache holds
         ]
         # eager: the per-layer host cost (OSCAR's decode step minus FA3's, over 36 layers)
         w_eager = [["decode", 2048, 1, 64], ["decode", 2048, 16, 64], ["profile", 2048, 1, 8]]
@@ -831,6 +841,14 @@ def suite(a: argparse.Namespace) -> int:
     (out / "gpu_engine.json").write_text(json.dumps({"results": results, "summary": summary}, indent=1))
     _table(results, summary)
     return 0
+
+
+def max_batch(cache_tokens: int, ctx: int, gen: int, block: int, max_seqs: int) -> int:
+    """The most distinct ``ctx``-token prompts generating ``gen`` tokens each whose blocks fit
+    ``cache_tokens`` at once (each request holds ``ceil((ctx + gen) / block)`` blocks; no sharing),
+    at most ``max_seqs`` and at least 1."""
+    per = -(-(ctx + gen) // block) * block
+    return max(1, min(max_seqs, cache_tokens // per))
 
 
 def _shared_batch(spec: dict, results: dict) -> int:

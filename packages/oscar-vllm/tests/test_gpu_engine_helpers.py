@@ -1,0 +1,62 @@
+"""benchmarks/gpu_engine.py's host arithmetic (the suite itself runs on a GPU machine only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def ge():
+    sys.path.insert(0, str(BENCH))  # gpu_engine imports stack_sampler from its own folder
+    try:
+        spec = importlib.util.spec_from_file_location("oscar_gpu_engine", BENCH / "gpu_engine.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_the_largest_batch_counts_whole_blocks_per_request(ge):
+    # H100, 2026-12-06: FA3 395,712 tokens in 16-token blocks, OSCAR 2,696,629 in 64-token blocks
+    assert ge.max_batch(395_712, 100_000, 64, 16, 1024) == 3  # 100,064 tokens = 6,254 blocks each
+    assert ge.max_batch(2_696_629, 100_000, 64, 64, 72) == 26  # 100,096 tokens each
+    assert ge.max_batch(2_696_629, 100_000, 64, 64, 20) == 20  # the engine's slots cap it
+    assert ge.max_batch(1000, 100_000, 64, 16, 8) == 1  # at least one request
+    # a request of exactly k blocks fits k blocks, one token more takes another
+    assert ge.max_batch(64 * 10, 128, 0, 64, 99) == 5
+    assert ge.max_batch(64 * 10, 129, 0, 64, 99) == 3
+
+
+def test_the_start_sampler_counts_inclusive_and_leaf_time():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from stack_sampler import StackSampler
+    finally:
+        sys.path.remove(str(BENCH))
+    import time
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def outer() -> None:
+        spin(0.4)
+        time.sleep(0.4)
+
+    with StackSampler(interval=0.01) as s:
+        outer()
+    inclusive = dict((name, t) for t, name in s.top(50))
+    leaf = dict((name, t) for t, name in s.top(50, leaf=True))
+    name = Path(__file__).name
+    assert inclusive[f"{name}:outer"] == pytest.approx(0.8, abs=0.2)
+    assert inclusive[f"{name}:spin"] == pytest.approx(0.4, abs=0.2)
+    assert leaf[f"{name}:spin"] == pytest.approx(0.4, abs=0.2)
+    assert leaf[f"{name}:outer"] == pytest.approx(0.4, abs=0.2)  # time.sleep is C: outer is the leaf
