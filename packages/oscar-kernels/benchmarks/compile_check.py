@@ -134,7 +134,35 @@ def compile_write_kv(  # noqa: ANN201
     ptr.update(dict.fromkeys(("kcodes_ptr", "vcodes_ptr"), "*u8"))
     ptr.update(dict.fromkeys(("pos_ptr", "seqidx_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
     ptr["slot_ptr"] = "*i64"
+    ptr["scr_ptr"] = "*fp32"
     return _compile(fn, consts, ptr, arch, num_warps)
+
+
+def ptx_loops(ptx: str) -> list[dict]:
+    """Every loop of ``ptx`` (a backward branch to a label): its length in lines and how many
+    ``bar.sync``, ``shfl.sync`` and global loads its body holds (what one iteration issues)."""
+    import re
+
+    lines = ptx.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"^\$(L__BB\d+_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = i
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+\$(L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)] : i + 1]
+            loops.append(
+                {
+                    "lines": len(body),
+                    "bar.sync": sum("bar.sync" in x for x in body),
+                    "shfl.sync": sum("shfl.sync" in x for x in body),
+                    "ld.global": sum("ld.global" in x for x in body),
+                }
+            )
+    return loops
 
 
 def compile_bf16_baseline(arch: int = 90, num_warps: int = 4):  # noqa: ANN201

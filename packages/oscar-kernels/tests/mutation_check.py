@@ -54,8 +54,8 @@ MUTATIONS = (
     Mutation(
         "write-kv-values-centred-by-the-key-mean",
         "src/oscar_kernels/kernels/paged_write.py",
-        "n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,",
-        "n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, V_FEEDBACK, False,",
+        "n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,",
+        "n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, V_FEEDBACK, False,",
         ("tests/test_write_rope.py", "-k", "one_launch"),
     ),
     Mutation(
@@ -422,9 +422,32 @@ MUTATIONS = (
         # quarter 0's errors no longer reach quarter 1's targets (the per-quarter feedback loop)
         "write-feedback-skips-a-later-quarter",
         "src/oscar_kernels/kernels/paged_write.py",
-        "            if q <= 1:\n                t1 = t1",
-        "            if q == 1:\n                t1 = t1",
+        "    if Q <= 1:\n        t1 = t1",
+        "    if Q == 1:\n        t1 = t1",
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # the look-ahead: the second coordinate's error never reaches the third's picked target
+        "write-feedback-step-drops-an-error-inside-the-step",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "            tc = tc + eb * f21\n",
+        "",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        "write-feedback-step-reads-the-wrong-F-entry",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "f31 = tl.load(f + 3 * stride_fr + 1)",
+        "f31 = tl.load(f + 3 * stride_fr + 2)",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # the quarters stay in the dot's layout: the loop's picks wait on block barriers again
+        "write-feedback-loop-in-the-dot-layout",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "        x0, x1, x2, x3 = _relayout(scr, x0, x1, x2, x3, BLOCK_T, Q4)\n",
+        "",
+        ("tests/test_paged_write.py", "-k", "no_block_barrier"),
     ),
     Mutation(
         "far-rows-page-off-by-one",

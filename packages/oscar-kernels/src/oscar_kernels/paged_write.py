@@ -163,6 +163,9 @@ class WritePlan(NamedTuple):
     k_tile: tuple[int, int]  # (tokens per program, warps)
     v_tile: tuple[int, int]
     fuse: bool  # K and V in one launch (requested; :func:`run_write` also needs shared strides)
+    #: float32 scratch of the error-feedback programs (a BLOCK_T x d tile each; ``kernels/
+    #: paged_write.py``'s ``_relayout``), one per step: its layers write one after another
+    scratch: torch.Tensor | None = None
 
 
 def plan_write(
@@ -191,7 +194,14 @@ def plan_write(
         # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
         # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
         fuse = parts == "all" and num_tokens <= FUSE_MAX_TOKENS
-    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse))
+    scratch = None
+    if (params.k_feedback is not None or params.v_feedback is not None) and parts != "ring":
+        # every program of the larger launch (K and V side by side) its own tile of the padded tokens
+        bt = max(kcfg[0], vcfg[0])
+        rows = -(-num_tokens // bt) * bt
+        size = rows * 2 * lo.num_kv_heads * lo.head_dim
+        scratch = torch.empty(size, dtype=torch.float32, device=cache.device)
+    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse), scratch)
 
 
 def run_write(
@@ -225,10 +235,10 @@ def run_write(
     if plan.fuse and _shared_strides(cache, kt, vt):
         # one launch, K and V programs side by side: the smaller tile, the larger warp count
         bt, warps = min(plan.k_tile[0], plan.v_tile[0]), max(plan.k_tile[1], plan.v_tile[1])
-        _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts)
+        _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts, plan.scratch)
         return
     for t, (bt, warps) in ((kt, plan.k_tile), (vt, plan.v_tile)):
-        _launch_one(cache, ep, t, idx, n, bt, warps, plan.precision, parts)
+        _launch_one(cache, ep, t, idx, n, bt, warps, plan.precision, parts, plan.scratch)
 
 
 class _Tensor(NamedTuple):
@@ -287,7 +297,7 @@ def _shared_strides(cache: PagedKVCache, kt: _Tensor, vt: _Tensor) -> bool:
 
 def _launch_kv(
     cache: PagedKVCache, ep: ExpandedParams, kt: _Tensor, vt: _Tensor, idx: tuple, n: int, bt: int,
-    warps: int, prec: str, parts: str,
+    warps: int, prec: str, parts: str, scratch: torch.Tensor | None,
 ) -> None:  # fmt: skip
     import triton
 
@@ -311,7 +321,7 @@ def _launch_kv(
         scale.stride(0), scale.stride(1), scale.stride(2),
         cache.k_sink, cache.v_sink, sink.stride(0), sink.stride(1), sink.stride(2),
         cache.k_recent, cache.v_recent, ring.stride(0), ring.stride(1), ring.stride(2),
-        n, lo.page_size,
+        n, lo.page_size, kt.rot if scratch is None else scratch,
         NUM_KV_HEADS=lo.num_kv_heads, HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens,
         RECENT=lo.recent_tokens, HAS_MEAN=kt.has_mean,
         K_FEEDBACK=kt.fb is not None, V_FEEDBACK=vt.fb is not None,
@@ -334,7 +344,7 @@ def _fb_args(t: _Tensor) -> tuple:
 
 def _launch_one(
     cache: PagedKVCache, ep: ExpandedParams, t: _Tensor, idx: tuple, n: int, bt: int, warps: int, prec: str,
-    parts: str,
+    parts: str, scratch: torch.Tensor | None,
 ) -> None:  # fmt: skip
     import triton
 
@@ -357,7 +367,7 @@ def _launch_one(
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
         sink, sink.stride(0), sink.stride(1), sink.stride(2),
         ring, ring.stride(0), ring.stride(1), ring.stride(2),
-        n, lo.page_size,
+        n, lo.page_size, t.rot if scratch is None else scratch,
         HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens, RECENT=lo.recent_tokens,
         HAS_MEAN=t.has_mean, HAS_FEEDBACK=t.fb is not None, HAS_ROPE=t.has_rope,
         WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt, DOT_PRECISION=prec, **kwargs,

@@ -171,6 +171,48 @@ def _lane(sel, x):
 
 
 @triton.jit
+def _relayout(scr_ptr, x0, x1, x2, x3, BLOCK_T: tl.constexpr, Q4: tl.constexpr):
+    """The four ``[BLOCK_T, Q4]`` quarters through this program's float32 scratch, back in a load's
+    layout: the ``tl.dot`` (MMA) layout spreads a quarter's columns over warps, so each of the
+    feedback loop's cross-lane picks cost two block barriers (sm_90 PTX: 10 ``bar.sync`` per
+    coordinate); a load's layout keeps a row's columns in one warp (shuffles only, none)."""
+    T: tl.constexpr = BLOCK_T * Q4
+    w = tl.arange(0, BLOCK_T)[:, None] * Q4 + tl.arange(0, Q4)[None, :]
+    tl.store(scr_ptr + w, x0)
+    tl.store(scr_ptr + T + w, x1)
+    tl.store(scr_ptr + 2 * T + w, x2)
+    tl.store(scr_ptr + 3 * T + w, x3)
+    tl.debug_barrier()  # every warp's stores before any warp's loads
+    r = tl.arange(0, BLOCK_T)[:, None] * Q4 + tl.arange(0, Q4)[None, :]  # its own layout, not w's
+    y0, y1 = tl.load(scr_ptr + r), tl.load(scr_ptr + T + r)
+    return y0, y1, tl.load(scr_ptr + 2 * T + r), tl.load(scr_ptr + 3 * T + r)
+
+
+@triton.jit
+def _code_err(tc, zc, ic, xc, sc):
+    """One coordinate's code and rounding error from its running target ``tc`` (per token)."""
+    code = tl.minimum(tl.maximum(tl.floor((tc - zc) * ic + 0.5), 0.0), 3.0)
+    return code, xc - (code * sc + zc)
+
+
+@triton.jit
+def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, Q4: tl.constexpr):
+    """Coordinate ``c`` (lane ``sel`` of quarter ``Q``) done: its code into ``k`` (that quarter's
+    codes) and its error times column ``c`` of ``F`` (``col``: ``F[j, c]`` for the lanes ``j`` of
+    quarter 0) added to the targets of the quarters that still hold later coordinates."""
+    k = tl.where(sel, code.to(tl.int32)[:, None], k)
+    e = err[:, None]
+    if Q == 0:
+        t0 = t0 + e * tl.load(col).to(tl.float32)[None, :]
+    if Q <= 1:
+        t1 = t1 + e * tl.load(col + Q4 * stride_fr).to(tl.float32)[None, :]
+    if Q <= 2:
+        t2 = t2 + e * tl.load(col + 2 * Q4 * stride_fr).to(tl.float32)[None, :]
+    t3 = t3 + e * tl.load(col + 3 * Q4 * stride_fr).to(tl.float32)[None, :]
+    return k, t0, t1, t2, t3
+
+
+@triton.jit
 def _feedback_codes(
     x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr,
     HEAD_DIM: tl.constexpr,
@@ -184,12 +226,14 @@ def _feedback_codes(
     ``fb_ptr`` points at ``F`` of this head, row stride ``stride_fr``, column stride 1.
     Returns the four quarters' int32 codes.
 
-    The quarter is a compile-time loop (``static_range``), the lane a run-time one: each of the
-    ``d`` serial steps picks its five values from one quarter (five cross-lane sums, where
-    picking from a run-time quarter took twenty) and updates only the quarters that hold later
-    coordinates (earlier quarters' targets are never read again). A one-token decode write is
-    this loop's latency (16 µs per K+V launch on the H100 at d = 128); the values are the same
-    bits as before (a masked sum of one value is exact either way)."""
+    Four coordinates a step (``d`` is a multiple of 16, so a quarter of 4): their targets are
+    picked out of the quarter at once (cross-lane sums, side by side), the four roundings run on
+    the picked per-token values, each adding its error to the later picked targets with the
+    scalar ``F`` entries, and only then do the four errors reach the quarters' targets, in
+    coordinate order. Every target receives the same float32 products in the same order as
+    before (the reference's order), so the codes are the same bits; the serial chain loses three
+    cross-lane picks of four (one pick per coordinate made a one-token decode write 15.6 µs on
+    the H100, the loop's latency)."""
     Q4: tl.constexpr = HEAD_DIM // 4
     j = tl.arange(0, Q4)
     t0, t1, t2, t3 = x0, x1, x2, x3
@@ -202,29 +246,44 @@ def _feedback_codes(
         zq = _quarter(q, z0, z1, z2, z3)
         iq = _quarter(q, i0, i1, i2, i3)
         sq = _quarter(q, s0, s1, s2, s3)
-        for lane in range(Q4):
-            sel = (j == lane)[None, :]
-            tc = _lane(sel, _quarter(q, t0, t1, t2, t3))
-            zc = _lane(sel, zq)
-            code = tl.minimum(tl.maximum(tl.floor((tc - zc) * _lane(sel, iq) + 0.5), 0.0), 3.0)
-            err = _lane(sel, xq) - (code * _lane(sel, sq) + zc)
-            kc = code.to(tl.int32)[:, None]
-            col = fb_ptr + j * stride_fr + (q * Q4 + lane)  # F[j, c] for the lanes of quarter 0
-            e = err[:, None]
+        for l0 in range(0, Q4, 4):
+            c = q * Q4 + l0  # the step's first coordinate
+            sa, sb = (j == l0)[None, :], (j == l0 + 1)[None, :]
+            sc, sd = (j == l0 + 2)[None, :], (j == l0 + 3)[None, :]
+            tq = _quarter(q, t0, t1, t2, t3)
+            ta, tb, tc, td = _lane(sa, tq), _lane(sb, tq), _lane(sc, tq), _lane(sd, tq)
+            # F[c + r, c + i] for the picked targets (r > i)
+            f = fb_ptr + c * stride_fr + c
+            f10 = tl.load(f + stride_fr).to(tl.float32)
+            f20 = tl.load(f + 2 * stride_fr).to(tl.float32)
+            f21 = tl.load(f + 2 * stride_fr + 1).to(tl.float32)
+            f30 = tl.load(f + 3 * stride_fr).to(tl.float32)
+            f31 = tl.load(f + 3 * stride_fr + 1).to(tl.float32)
+            f32 = tl.load(f + 3 * stride_fr + 2).to(tl.float32)
+            ca, ea = _code_err(ta, _lane(sa, zq), _lane(sa, iq), _lane(sa, xq), _lane(sa, sq))
+            tb = tb + ea * f10
+            tc = tc + ea * f20
+            td = td + ea * f30
+            cb, eb = _code_err(tb, _lane(sb, zq), _lane(sb, iq), _lane(sb, xq), _lane(sb, sq))
+            tc = tc + eb * f21
+            td = td + eb * f31
+            cc, ec = _code_err(tc, _lane(sc, zq), _lane(sc, iq), _lane(sc, xq), _lane(sc, sq))
+            td = td + ec * f32
+            cd, ed = _code_err(td, _lane(sd, zq), _lane(sd, iq), _lane(sd, xq), _lane(sd, sq))
+            col = fb_ptr + j * stride_fr + c  # F[j, c] for the lanes of quarter 0
+            kq = _quarter(q, k0, k1, k2, k3)
+            kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, stride_fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + 1, stride_fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2, stride_fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3, stride_fr, kq, t0, t1, t2, t3, Q4)
             if q == 0:
-                k0 = tl.where(sel, kc, k0)
-                t0 = t0 + e * tl.load(col).to(tl.float32)[None, :]
+                k0 = kq
             if q == 1:
-                k1 = tl.where(sel, kc, k1)
-            if q <= 1:
-                t1 = t1 + e * tl.load(col + Q4 * stride_fr).to(tl.float32)[None, :]
+                k1 = kq
             if q == 2:
-                k2 = tl.where(sel, kc, k2)
-            if q <= 2:
-                t2 = t2 + e * tl.load(col + 2 * Q4 * stride_fr).to(tl.float32)[None, :]
+                k2 = kq
             if q == 3:
-                k3 = tl.where(sel, kc, k3)
-            t3 = t3 + e * tl.load(col + 3 * Q4 * stride_fr).to(tl.float32)[None, :]
+                k3 = kq
     return k0, k1, k2, k3
 
 
@@ -270,6 +329,7 @@ def paged_write_kernel(
     stride_rt,
     n_tokens,
     page_size,
+    scr_ptr,
     HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     SINK: tl.constexpr,
@@ -326,6 +386,10 @@ def paged_write_kernel(
             x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
             HEAD_DIM, HAS_MEAN, DOT_PRECISION,
         )  # fmt: skip
+    if HAS_FEEDBACK and WRITE_PAGES:
+        # program (pid, head) of this launch's grid: its own BLOCK_T x HEAD_DIM floats of scratch
+        scr = scr_ptr + (pid * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (BLOCK_T * HEAD_DIM)
+        x0, x1, x2, x3 = _relayout(scr, x0, x1, x2, x3, BLOCK_T, Q4)
     j = tl.arange(0, Q4)
 
     if WRITE_PAGES:
@@ -448,7 +512,7 @@ def paged_write_kv_kernel(
     kscale_ptr, kzero_ptr, vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
     ksink_ptr, vsink_ptr, stride_ks, stride_kh, stride_kt,
     kring_ptr, vring_ptr, stride_rs, stride_rgh, stride_rt,
-    n_tokens, page_size,
+    n_tokens, page_size, scr_ptr,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, HAS_MEAN: tl.constexpr, K_FEEDBACK: tl.constexpr, V_FEEDBACK: tl.constexpr,
     HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -468,7 +532,7 @@ def paged_write_kv_kernel(
             kcodes_ptr, stride_cp, stride_ch, stride_ct,
             kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
             ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
-            n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
+            n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
             WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0,
         )  # fmt: skip
     else:
@@ -479,6 +543,6 @@ def paged_write_kv_kernel(
             vcodes_ptr, stride_cp, stride_ch, stride_ct,
             vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
             vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
-            n_tokens, page_size, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
+            n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
             WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS,
         )  # fmt: skip
