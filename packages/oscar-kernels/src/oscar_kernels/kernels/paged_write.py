@@ -260,16 +260,19 @@ def _feedback_codes(
             f30 = tl.load(f + 3 * stride_fr).to(tl.float32)
             f31 = tl.load(f + 3 * stride_fr + 1).to(tl.float32)
             f32 = tl.load(f + 3 * stride_fr + 2).to(tl.float32)
-            ca, ea = _code_err(ta, _lane(sa, zq), _lane(sa, iq), _lane(sa, xq), _lane(sa, sq))
+            # the four share a quantisation group (groups are >= 4 aligned coordinates): one
+            # zero, inverse scale and scale for the step
+            zg, ig, sg = _lane(sa, zq), _lane(sa, iq), _lane(sa, sq)
+            ca, ea = _code_err(ta, zg, ig, _lane(sa, xq), sg)
             tb = tb + ea * f10
             tc = tc + ea * f20
             td = td + ea * f30
-            cb, eb = _code_err(tb, _lane(sb, zq), _lane(sb, iq), _lane(sb, xq), _lane(sb, sq))
+            cb, eb = _code_err(tb, zg, ig, _lane(sb, xq), sg)
             tc = tc + eb * f21
             td = td + eb * f31
-            cc, ec = _code_err(tc, _lane(sc, zq), _lane(sc, iq), _lane(sc, xq), _lane(sc, sq))
+            cc, ec = _code_err(tc, zg, ig, _lane(sc, xq), sg)
             td = td + ec * f32
-            cd, ed = _code_err(td, _lane(sd, zq), _lane(sd, iq), _lane(sd, xq), _lane(sd, sq))
+            cd, ed = _code_err(td, zg, ig, _lane(sd, xq), sg)
             col = fb_ptr + j * stride_fr + c  # F[j, c] for the lanes of quarter 0
             kq = _quarter(q, k0, k1, k2, k3)
             kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, stride_fr, kq, t0, t1, t2, t3, Q4)
