@@ -22,9 +22,10 @@ PyTorch SDPA BF16 in the same run. Per decode shape (1 x 2k, 1 x 130k, 8 x 32k):
 * bytes: the split kernel's INT2 + window bytes and the merge's partial bytes; TB/s and % of
   3.35 TB/s (the H100 SXM's) for the op and for the split kernel's profiled time.
 
-The write: ``paged_write`` of 1 and 8 decode tokens (K with error feedback and a pre-RoPE mean,
-the default artifact's case), graph replay, the current kernels against the ones before the
-per-quarter feedback loop (``paged_write_before.py``), and whether their outputs are bitwise equal.
+The write: ``plan_write`` / ``run_write`` of 1, 8 and 64 decode tokens (K with error feedback and a
+pre-RoPE mean, the default artifact's case), graph replay, the kernels' device µs, and a digest of
+the cache written; ``write_ab.sh`` runs it against an earlier ``oscar_kernels`` (same digests:
+bitwise the same caches).
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \\
         python3 lab/gpu_vllm/kernel_speed.py --out $OUT
@@ -33,7 +34,6 @@ per-quarter feedback loop (``paged_write_before.py``), and whether their outputs
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -184,23 +184,14 @@ def decode_shape(ctx: int, bsz: int) -> dict:
     return r
 
 
-def _before_module():
-    """The write kernels before the per-quarter feedback loop, for the A/B (measured 2026-12-06:
-    2.69x, bitwise equal; lab/results/kernels/h100_2026-12-06). Not kept in the tree (a 460-line copy);
-    to time it again: ``git show 1144f31:packages/oscar-kernels/src/oscar_kernels/kernels/paged_write.py
-    > lab/gpu_vllm/paged_write_before.py``. ``None`` when absent: the write is timed alone."""
-    path = os.path.join(HERE, "paged_write_before.py")
-    if not os.path.exists(path):
-        return None
-    spec = importlib.util.spec_from_file_location("paged_write_before", path)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
-
-
 def write_case(n: int) -> dict:
-    """One decode write of ``n`` tokens (one per sequence), Qwen3-8B KV shape, K feedback + RoPE."""
-    import oscar_kernels.kernels.paged_write as cur
+    """One decode write of ``n`` tokens (one per sequence), Qwen3-8B KV shape, K feedback + RoPE,
+    through ``plan_write`` / ``run_write`` (launches only: a CUDA graph captures them, so the time is
+    device time, not the validated op's host checks), its kernels' device µs (profiler) and a digest
+    of the cache it wrote (bitwise comparison across versions: ``write_ab.sh`` runs this file with an
+    earlier ``oscar_kernels`` first on ``PYTHONPATH``)."""
+    import hashlib
+
     from oscar_math.feedback import feedback_matrix
 
     h, d, dev = 8, 128, DEV
@@ -224,32 +215,22 @@ def write_case(n: int) -> dict:
     pos = 30_000 + 7 * torch.arange(n, dtype=torch.int32, device=dev)
     sidx = torch.arange(n, dtype=torch.int32, device=dev)
     r = {"tokens": n, "in_bytes": 2 * n * h * d * 2, "out_bytes": n * h * (2 * d // 4 + 8 + 2 * d * 2)}
-    caches = {}
-    before = _before_module()
-    saved = (cur.paged_write_kv_kernel, cur.paged_write_kernel)
-    for name in ("after", "before") if before is not None else ("after",):
-        if name == "before":
-            cur.paged_write_kv_kernel = before.paged_write_kv_kernel
-            cur.paged_write_kernel = before.paged_write_kernel
-        try:
-            cache = ok.allocate_cache(lo, n + 2, n, dev)
+    cache = ok.allocate_cache(lo, n + 2, n, dev)
+    ok.paged_write(cache, params, k, v, slots, pos, sidx, pos + 1, sidx, backend="triton")  # checks once
+    plan = ok.plan_write(cache, params, n, "all", "triton")
 
-            def run(cache=cache) -> None:
-                ok.paged_write(cache, params, k, v, slots, pos, sidx, pos + 1, sidx, backend="triton")
+    def run() -> None:
+        ok.run_write(plan, cache, params, k, v, slots, pos, sidx, pos + 1, sidx)
 
-            run()
-            caches[name] = cache
-            r[f"{name}_us"] = us(run, rep_ms=40)
-        finally:
-            cur.paged_write_kv_kernel, cur.paged_write_kernel = saved
-    if before is None:
-        return r
-    a, b = caches["after"], caches["before"]
-    r["bitwise_equal"] = all(
-        torch.equal(getattr(a, f).view(torch.uint8), getattr(b, f).view(torch.uint8))
-        for f in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "k_recent", "v_recent")
-    )
-    r["speedup"] = round(r["before_us"] / r["after_us"], 2) if r["after_us"] else None
+    run()
+    digest = hashlib.sha256()
+    for f in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "k_recent", "v_recent"):
+        digest.update(getattr(cache, f).view(torch.uint8).cpu().numpy().tobytes())
+    r["cache_sha256"] = digest.hexdigest()[:16]
+    r["us"] = us(run, rep_ms=40)
+    if DEV.type == "cuda":
+        r["kernels"] = profile_kernels(run)
+    r["oscar_kernels"] = os.path.dirname(ok.__file__)
     return r
 
 
@@ -268,7 +249,7 @@ def main() -> int:
 
     jobs = []
     if a.only in (None, "write"):
-        jobs += [("write", n) for n in (1, 8)]
+        jobs += [("write", n) for n in (1, 8, 64)]
     if a.only in (None, "decode"):
         jobs += [("decode", s) for s in SHAPES]
     for kind, x in jobs:
