@@ -213,3 +213,22 @@ def test_feedback_params_are_validated():
         LayerQuantParams(eye, eye, k_feedback=torch.zeros(3, 8, 8)).expand(2, 8, torch.device("cpu"))
     with pytest.raises(OscarError, match="strictly lower triangular"):
         LayerQuantParams(eye, eye, v_feedback=torch.ones(8, 8)).expand(2, 8, torch.device("cpu"))
+
+
+def test_a_plan_of_another_write_is_refused():
+    """``paged_write(plan=...)`` launches an engine step's plan; one made for another token count
+    or other parts would launch the wrong grid: a one-line error instead."""
+    from oscar_kernels import plan_write
+    from oscar_math.errors import OscarError
+
+    lo = CacheLayout(2, 16, page_size=4, sink_tokens=2, recent_tokens=3)
+    cache, params, bt, ws, keys, values = fill_cache(lo, [5], torch.Generator().manual_seed(1), "kv_head")
+    ep = params.expand(2, 16, cache.device) if hasattr(params, "expand") else params
+    k = torch.randn(2, 2, 16)
+    idx = (torch.tensor([0, 1]), torch.tensor([5, 6]), torch.zeros(2, dtype=torch.int64),
+           torch.tensor([7]), ws[:1])  # fmt: skip
+    from oscar_kernels import paged_write
+
+    for other in (plan_write(cache, ep, 3, "all", "torch"), plan_write(cache, ep, 2, "pages", "torch")):
+        with pytest.raises(OscarError, match="plan"):
+            paged_write(cache, ep, k, k, *idx, backend="torch", plan=other)

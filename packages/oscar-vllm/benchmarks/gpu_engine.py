@@ -308,7 +308,10 @@ def run_case(spec: dict) -> dict:
                 )
             elif kind == "maxdecode":  # ["maxdecode", CTX, GEN]: as many distinct CTX prompts as fit
                 _, ctx, gen = w
-                tokens = (res.get("num_gpu_blocks") or 0) * (res.get("block_size") or 0)
+                # the engine's own count (OSCAR's pages also hold the window groups' blocks)
+                tokens = res.get("kv_cache_size_tokens") or (res.get("num_gpu_blocks") or 0) * (
+                    res.get("block_size") or 0
+                )
                 batch = max_batch(tokens, ctx, gen, res.get("block_size") or 16, res["max_num_seqs"])
                 res[f"maxdecode_{ctx}"] = dict(
                     _stepped(llm, _prompts(batch, ctx, seed, vocab), SamplingParams(max_tokens=gen, **greedy),

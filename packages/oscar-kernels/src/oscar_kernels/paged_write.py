@@ -96,6 +96,7 @@ def paged_write(
     check_bounds: bool | None = None,
     parts: str = "all",
     fuse: bool | None = None,
+    plan: WritePlan | None = None,
 ) -> None:
     """Quantise ``N`` new tokens into ``cache`` in place (one fused kernel for K and V, or one each).
 
@@ -141,13 +142,22 @@ def paged_write(
         fuse: Triton only: K and V in one launch (``paged_write_kv_kernel``), their programs side by
             side. ``None``: ``parts="all"`` with at most :data:`FUSE_MAX_TOKENS` tokens, where the write is
             latency (a decode step: one token per sequence). The results are the same either way.
+        plan: a :func:`plan_write` of this write to launch with (an engine step plans once for all
+            its layers); ``None``: planned here from the arguments above.
     """
     check(parts in WRITE_PARTS, "parts", f"one of {WRITE_PARTS}", parts)
     _validate(cache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
     check_write_bounds(cache, slot_mapping, positions, seq_index, seq_lens, window_slots, check_bounds)
     lo = cache.layout
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
-    plan = plan_write(cache, ep, key.shape[0], parts, backend, precise, block_t, num_warps, fuse)
+    if plan is None:
+        plan = plan_write(cache, ep, key.shape[0], parts, backend, precise, block_t, num_warps, fuse)
+    check(
+        (plan.num_tokens, plan.parts) == (key.shape[0], parts),
+        "plan (tokens, parts)",
+        (key.shape[0], parts),
+        (plan.num_tokens, plan.parts),
+    )
     run_write(plan, cache, ep, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots)
 
 

@@ -387,15 +387,12 @@ def pin_triton_cache(environ: Any = None) -> str | None:
     """
     import os
 
+    from .warmup_plans import triton_cache_dir
+
     env = os.environ if environ is None else environ
     if env.get(TRITON_CACHE_ENV):
         return None
-    try:
-        from triton import knobs
-
-        folder = str(knobs.cache.dir)
-    except (ImportError, AttributeError):  # no Triton (CPU build): its documented default
-        folder = os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    folder = str(triton_cache_dir())  # unset here: Triton's default (``TRITON_HOME`` honoured)
     env[TRITON_CACHE_ENV] = folder
     log.info("OSCAR: Triton's kernel cache pinned to %s (set %s to choose)", folder, TRITON_CACHE_ENV)
     return folder

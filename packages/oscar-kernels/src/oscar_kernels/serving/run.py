@@ -70,6 +70,7 @@ def _write(
     plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, k: torch.Tensor, v: torch.Tensor,
     parts: str, backend: str, first: bool,
 ) -> None:  # fmt: skip
+    wp = _write_plan(plan, key, cache, ep, parts, backend)  # once per step: every layer launches it
     if first:
         write_step(
             cache,
@@ -80,9 +81,9 @@ def _write(
             backend,
             parts=parts,
             check_bounds=None if not plan.bounds_checked[0] else False,
+            write_plan=wp,
         )
         return
-    wp = _write_plan(plan, key, cache, ep, parts, backend)
     run_write(
         wp,
         cache,
@@ -210,9 +211,11 @@ def write_step(
     backend: str = "auto",
     parts: str = "all",
     check_bounds: bool | None = None,
+    write_plan: WritePlan | None = None,
 ) -> None:
     """Quantise the step's ``k``/``v`` (``[T, H_kv, d]``) into ``cache`` (INT2 pages + BF16 windows)
-    through the validated :func:`oscar_kernels.paged_write`.
+    through the validated :func:`oscar_kernels.paged_write` (with ``write_plan``, the step's
+    :func:`oscar_kernels.plan_write`, else planned there).
 
     ``parts`` as :func:`oscar_kernels.paged_write`: :func:`run_layer` writes ``"all"`` before
     a decode-only step, ``"pages"`` before and ``"ring"`` after an extend step.
@@ -230,6 +233,7 @@ def write_step(
         backend=backend,
         parts=parts,
         check_bounds=check_bounds,
+        plan=write_plan,
     )
 
 
