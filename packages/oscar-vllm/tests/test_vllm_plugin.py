@@ -129,8 +129,14 @@ def test_step_exchange_runs_each_layers_restores_once_when_every_window_table_ar
     ex.plan(step)
     ex.table(0, torch.tensor([[1, 2], [3, 4]]))
     assert calls == []  # window group 1's table is not in yet
-    ex.table(1, torch.tensor([[5, 6], [7, 8]]))
+    view = ex.table(1, torch.tensor([[5, 6], [7, 8]]))
     assert calls == [("l0", 5, 300, [[3, 4], [7, 8]]), ("l1", 5, 300, [[3, 4], [7, 8]])]
+    # one buffer holds both groups' tables (the layers read a view of it, no stack a layer)
+    assert ex.stacked.tolist() == [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]
+    assert view.data_ptr() == ex.stacked[1].data_ptr()
+    buf = ex.stacked
+    ex.stage(0, torch.tensor([[9, 9]]))  # a capture's dummy row: the same buffer, row 0 of group 0
+    assert ex.stacked is buf and ex.stacked[0].tolist() == [[9, 9], [3, 4]]
     assert step.restored_by == {id(layers[0]), id(layers[1])}  # l2 restores in its forward
     calls.clear()
     ex.plan(md(()))  # a step without restores

@@ -626,15 +626,9 @@ class OscarAttentionImpl(AttentionImpl):
             assert self._pages is not None
             b = md.seq_lens.shape[0]
             metas = compat.window_metadata(self.window_names)
-            # [groups, B, max_blocks], once per step; per layer while a graph is captured, so every
-            # captured graph holds its own stack (a stack from a warm-up run would replay stale)
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            key = None if capturing else tuple(map(id, metas))
-            tables = md.window_tables.get(key) if key is not None else None
-            if tables is None:
-                tables = torch.stack([m.block_table[:b] for m in metas])
-                if key is not None:
-                    md.window_tables[key] = tables
+            # [groups, B, max_blocks]: a view of the buffer the window builders filled for this step
+            # (a captured graph replays its address); a stack here cost a copy a layer in the graph
+            tables = metas[-1].stacked[:, :b]
             if md.stamps is not None:  # transient records: refuse a restore from records that are gone
                 self._check_records(md, tables)
             # only rows whose slot does not already hold their windows (the builder's SlotTracker),
@@ -689,8 +683,11 @@ def _tp_rank() -> int:
 class OscarWindowMetadata:
     """One step's block table of a window KV-cache group (``[B, max_blocks]``)."""
 
-    def __init__(self, block_table: torch.Tensor) -> None:
+    def __init__(self, block_table: torch.Tensor, stacked: torch.Tensor) -> None:
         self.block_table = block_table
+        #: every window group's table of the step, ``[G, rows, max_blocks]`` (the rows past the
+        #: step's are stale): the engine's one buffer, filled by the groups' builders
+        self.stacked = stacked
 
 
 class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
@@ -713,10 +710,6 @@ class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
             )
         self.window_index = int(indices.pop()) if indices else 0
         self.exchange = _exchange(vllm_config)
-        self.max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        # a FULL CUDA graph replays the table's address seen at capture: keep it in one buffer
-        self._buf: torch.Tensor | None = None
-        self._persistent = torch.device(device).type == "cuda"
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
@@ -726,26 +719,16 @@ class OscarWindowBuilder(AttentionMetadataBuilder[OscarWindowMetadata]):
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> OscarWindowMetadata:
-        return OscarWindowMetadata(self._table(common_attn_metadata))  # dummy rows: no step to serve
+        cm = common_attn_metadata  # dummy rows: no step to serve
+        table = self.exchange.stage(self.window_index, cm.block_table_tensor[: cm.num_reqs])
+        return OscarWindowMetadata(table, self.exchange.stacked)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> OscarWindowMetadata:
-        table = self._table(common_attn_metadata)
-        self.exchange.table(self.window_index, table)
-        return OscarWindowMetadata(table)
-
-    def _table(self, cm: CommonAttentionMetadata) -> torch.Tensor:
-        t = cm.block_table_tensor[: cm.num_reqs].to(torch.int32)
-        if not self._persistent:
-            return t
-        if self._buf is None or self._buf.shape[1] != t.shape[1]:
-            self._buf = torch.zeros(
-                max(self.max_seqs, t.shape[0]), t.shape[1], dtype=torch.int32, device=t.device
-            )
-        view = self._buf[: t.shape[0]]
-        view.copy_(t, non_blocking=True)
-        return view
+        cm = common_attn_metadata
+        table = self.exchange.table(self.window_index, cm.block_table_tensor[: cm.num_reqs])
+        return OscarWindowMetadata(table, self.exchange.stacked)
 
 
 class _StepExchange:
@@ -766,8 +749,12 @@ class _StepExchange:
         self.cfg = vllm_config
         self._layers: list[OscarAttentionImpl] | None = None
         self.pending: StepPlan | None = None
-        self.tables: dict[int, torch.Tensor] = {}
+        self.arrived: set[int] = set()
         self.int2_steps = 0
+        #: ``[G, rows, max_blocks]`` int32: each window group's block table of the step in one
+        #: buffer, so the layers read one view (no stack a layer); a FULL CUDA graph replays the
+        #: address it saw at capture, so the buffer is allocated once (grown only before capture)
+        self.stacked: torch.Tensor | None = None
         self.window_steps: dict[int, int] = {}
 
     @property
@@ -785,9 +772,29 @@ class _StepExchange:
 
     def plan(self, md: StepPlan) -> None:
         self.int2_steps += 1
-        self.pending, self.tables = md, {}
+        self.pending, self.arrived = md, set()
 
-    def table(self, g: int, table: torch.Tensor) -> None:
+    def stage(self, g: int, table: torch.Tensor) -> torch.Tensor:
+        """Copy window group ``g``'s ``[n, max_blocks]`` block table into :attr:`stacked`;
+        returns its view ``stacked[g, :n]``."""
+        n, w = table.shape
+        buf = self.stacked
+        if buf is None or g >= buf.shape[0] or n > buf.shape[1] or w > buf.shape[2]:
+            rows = max(n, int(getattr(getattr(self.cfg, "scheduler_config", None), "max_num_seqs", 0)))
+            shape = (max(self.groups, g + 1), rows, w)
+            if buf is not None:  # grow: keep the tables of the groups already staged this step
+                shape = tuple(max(a, b) for a, b in zip(shape, buf.shape, strict=True))
+            new = torch.zeros(shape, dtype=torch.int32, device=table.device)
+            if buf is not None:
+                new[: buf.shape[0], : buf.shape[1], : buf.shape[2]].copy_(buf)
+            self.stacked = buf = new
+        view = buf[g, :n, :w]
+        view.copy_(table, non_blocking=True)
+        return view
+
+    def table(self, g: int, table: torch.Tensor) -> torch.Tensor:
+        """:meth:`stage` for a served step; the last group's table runs the step's restores."""
+        view = self.stage(g, table)
         n = self.window_steps.get(g, 0) + 1
         self.window_steps[g] = n
         if n != self.int2_steps:
@@ -796,17 +803,18 @@ class _StepExchange:
                 f"while the INT2 group's is at step {self.int2_steps}; serve with --no-enable-prefix-caching"
             )
         if self.pending is None:
-            return
-        self.tables[g] = table
-        if len(self.tables) < self.groups:
-            return
+            return view
+        self.arrived.add(g)
+        if len(self.arrived) < self.groups:
+            return view
         md, self.pending = self.pending, None
+        self.arrived = set()
         if md.restore or md.stamps is not None:
-            b = md.seq_lens.shape[0]
-            tables = torch.stack([self.tables[i][:b] for i in range(self.groups)])
+            assert self.stacked is not None
+            tables = self.stacked[:, : md.seq_lens.shape[0]]
             for impl in self.layers:
                 impl.restore_before_forward(md, tables)
-        self.tables = {}
+        return view
 
 
 def _exchange(vllm_config: Any) -> _StepExchange:

@@ -54,9 +54,6 @@ class StepPlan:
     bounds_checked: list[bool] = field(default_factory=lambda: [False])
     #: the layers (ids) whose windows the metadata builders already restored for this step
     restored_by: set[int] = field(default_factory=set)
-    #: the window groups' block tables stacked ``[G, B, max_blocks]``, by the ids of the groups'
-    #: metadata: every layer of a step reads the same groups, so one stack per step, not per layer
-    window_tables: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     #: per row on the host: query tokens (exact) and an upper bound of ``seq_lens`` (vLLM's V2
     #: runner gives bounds): they size a dense prefill's packed keys without a synchronisation
     query_lens_host: tuple[int, ...] = ()
