@@ -311,6 +311,28 @@ MUTATIONS = (
         "alpha = tl.exp2(m - m) + 0.0 * m_safe",
         ("tests/test_decode_attention.py", "-k", "many_partials"),
     ),
+    # empty splits (a short sequence under a wide block table): not written, not read
+    Mutation(
+        "merge-v1-reads-empty-partials",
+        "src/oscar_kernels/kernels/attention.py",
+        "d[None, :], mask=live[:, None], other=0.0)",
+        "d[None, :], mask=sm[:, None], other=0.0)",
+        ("tests/test_decode_attention.py", "-k", "many_partials or merge_matches_torch and v1 and none"),
+    ),
+    Mutation(
+        "merge-v2-reads-empty-partials",
+        "src/oscar_kernels/kernels/attention.py",
+        "o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None]",
+        "o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=(s0 + s < NT)[:, None]",
+        ("tests/test_decode_attention.py", "-k", "merge_matches_torch and v2 and none"),
+    ),
+    Mutation(
+        "split-kernel-writes-empty-partials",
+        "src/oscar_kernels/kernels/attention.py",
+        "rmask & has, acc0",
+        "rmask, acc0",
+        ("tests/test_decode_attention.py", "-k", "empty_splits and tl"),
+    ),
     # the v2 merge (issue #38): merge_cols_kernel + unrotate_rows_kernel
     Mutation(
         "merge-v2-skips-max-subtraction",

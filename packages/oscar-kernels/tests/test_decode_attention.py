@@ -285,6 +285,58 @@ def test_gluon_launch_variants_match_reference(monkeypatch, g, variant):
     assert rings == want
 
 
+@needs_triton
+@pytest.mark.parametrize("impl", ["tl", "gluon"])
+def test_empty_splits_are_neither_written_nor_read(monkeypatch, impl):
+    """An engine plans the split count for its block table's width (a CUDA graph's grid is fixed)
+    and the split length for each sequence: a short sequence under a wide table leaves most
+    splits empty. Those store only ``lse = -inf``; their ``o`` rows stay as allocated (NaN here)
+    and the merge does not read them: the output is finite and matches the reference."""
+    import importlib
+
+    dec = importlib.import_module("oscar_kernels.decode_attention")
+
+    def nan(*shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(dec, "_empty", nan)
+    seen = {}
+    real_merge = dec.merge_partials
+
+    def spy(po, plse, *a, **kw):
+        seen["po"], seen["plse"] = po.clone(), plse.clone()
+        return real_merge(po, plse, *a, **kw)
+
+    monkeypatch.setattr(dec, "merge_partials", spy)
+    gen = torch.Generator().manual_seed(11)
+    lo = CacheLayout(2, 128, page_size=16, sink_tokens=5, recent_tokens=12)
+    lens = [3, 40, 90, 300]
+    cache, params, bt, ws, _, _ = fill_cache(lo, lens, gen, "kv_head", steps=2)
+    if impl == "gluon" and (why := gluon_unavailable_reason(cache)) is not None:
+        pytest.skip(f"Gluon kernel cannot run here: {why}")
+    wide = torch.zeros(len(lens), 64, dtype=bt.dtype, device=bt.device)  # a 1024-token table
+    wide[:, : bt.shape[1]] = bt
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 8, 128, generator=gen).bfloat16().to(DEVICE)
+    bn = 16 if impl == "tl" else 32
+    kw = dict(backend="triton", num_splits=24, block_n=bn, impl=impl)
+    out = decode_attention(q, cache, params, wide, sl, ws, **kw)
+    ref = decode_attention_ref(q, cache, params.expand(2, 128, cache.device), bt, sl, ws)
+    assert torch.isfinite(out).all()
+    for b in range(len(lens)):
+        assert rel(out[b], ref[b]) < 1e-2, (b, lens[b])
+    po, plse = seen["po"][:, :, :24], seen["plse"][:, :, :24]  # the INT2 splits
+    empty = torch.isinf(plse)
+    # the splits with keys: the INT2 range [5, L - 12) in whole tiles of the split's share
+    for b, n in enumerate(max(0, x - 17) for x in lens):
+        share = -(-n // 24)
+        per = -(-share // bn) * bn
+        live = -(-n // per) if n else 0
+        assert (~empty[b, :, :live]).all() and empty[b, :, live:].all(), (lens[b], live)
+    assert empty[0].all() and empty[3].any()  # 3 tokens: windows only; 300: 283 tokens, 9-18 splits
+    assert po[empty].isnan().all() and not po[~empty].isnan().any()
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU refusal of the Triton backend")
 def test_triton_backend_refused_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -429,7 +481,7 @@ def test_gluon_cp_async_ring_compiles_for_sm90():
 @needs_triton
 def test_merge_of_many_partials_in_chunks():
     """The merge kernel's one-pass online LSE merge over 150 partials in 64-partial chunks
-    (as a long-context split count makes it), with empty partials (lse = -inf, o = 0) among
+    (as a long-context split count makes it), with empty partials (lse = -inf, o NaN) among
     them and a whole empty row, against the closed-form merge in float64."""
     from oscar_kernels.kernels.attention import merge_splits_kernel
 
@@ -440,13 +492,13 @@ def test_merge_of_many_partials_in_chunks():
     lse[1, :70] = float("-inf")  # the first chunk (and part of the second) empty
     lse[2] = float("-inf")  # nothing at all: output 0
     po = torch.randn(rows, nt, d, generator=gen)
-    po[torch.isinf(lse)] = 0.0
+    po[torch.isinf(lse)] = float("nan")  # an empty split's o is not written: not to be read
     out = torch.empty(rows, d, device=DEVICE)
     merge_splits_kernel[(rows,)](
         po.to(DEVICE), lse.to(DEVICE), out, out, 0, 0, 0, nt, rows, 1, HEAD_DIM=d, CH=64, ROTATE=False, RC=32
     )  # fmt: skip
     w = torch.exp2(lse.double() - lse.double().amax(1, keepdim=True).clamp_min(-1e30))
-    want = (w[..., None] * po.double()).sum(1) / w.sum(1, keepdim=True).clamp_min(1e-300)
+    want = (w[..., None] * po.double().nan_to_num()).sum(1) / w.sum(1, keepdim=True).clamp_min(1e-300)
     want[2] = 0.0
     assert torch.isfinite(out).all()
     assert torch.allclose(out.double().cpu(), want, rtol=1e-5, atol=1e-6)
@@ -457,7 +509,7 @@ def _merge_want(po, plse, g, rot):
     query head ``h`` uses ``rot[h // g]``; a row with no partial is 0."""
     lse = plse.double()
     w = torch.exp2(lse - lse.amax(-1, keepdim=True).clamp_min(-1e300))
-    o = (w[..., None] * po.double()).sum(-2) / w.sum(-1, keepdim=True).clamp_min(1e-300)
+    o = (w[..., None] * po.double().nan_to_num()).sum(-2) / w.sum(-1, keepdim=True).clamp_min(1e-300)
     if rot is None:
         return o
     return torch.einsum("bhj,hij->bhi", o, rot.double().repeat_interleave(g, 0))
@@ -466,7 +518,8 @@ def _merge_want(po, plse, g, rot):
 def _merge_inputs(bsz, hkv, g, nt, d, rot, seed):
     """Random partials (``lse`` ±4σ, one sequence's rows shifted by +200 and one query head by -150
     in log2 units: a merge that skips its max subtraction overflows; empty partials: ``lse =
-    -inf``, ``o = 0``; a row with none at all) and a random ``R_V`` per layer or per KV head."""
+    -inf``, ``o`` NaN, as the split kernels leave it; a row with none at all) and a random ``R_V``
+    per layer or per KV head."""
     gen = torch.Generator().manual_seed(seed)
     hq = hkv * g
     plse = torch.randn(bsz, hq, nt, generator=gen) * 4
@@ -476,7 +529,7 @@ def _merge_inputs(bsz, hkv, g, nt, d, rot, seed):
         plse[-1, 0, ::3] = float("-inf")
     plse[-1, -1] = float("-inf")  # nothing at all: output 0
     po = torch.randn(bsz, hq, nt, d, generator=gen)
-    po[torch.isinf(plse)] = 0.0
+    po[torch.isinf(plse)] = float("nan")
     r = None
     if rot == "layer":  # one [d, d], stride 0 over the KV heads
         r = torch.linalg.qr(torch.randn(d, d, generator=gen))[0].expand(hkv, d, d)
@@ -524,7 +577,7 @@ def test_merge_v2_in_steps_matches_v1(nt, chunk):
     dec = importlib.import_module("oscar_kernels.decode_attention")
     po, plse, r = _merge_inputs(2, 2, 4, nt, 64, "head", nt)
     plse[1, 0, : nt // 2 + 5] = float("-inf")  # the first steps of a row empty
-    po[torch.isinf(plse)] = 0.0
+    po[torch.isinf(plse)] = float("nan")
     want = _merge_want(po, plse, 4, r)
     args = (po.to(DEVICE), plse.to(DEVICE), 4, r.to(DEVICE))
     v2 = replace(dec.DEFAULT_TUNING, merge_impl="v2")

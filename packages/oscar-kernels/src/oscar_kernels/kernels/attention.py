@@ -445,11 +445,12 @@ def _init_state(ROWS: tl.constexpr, Q4: tl.constexpr):
 @triton.jit
 def _store_partial(po_ptr, plse_ptr, prow, rmask, m_i, l_i, acc0, acc1, acc2, acc3, HEAD_DIM: tl.constexpr):
     """A split's normalised partial output (row ``prow`` of ``po``, ``HEAD_DIM`` wide) and its
-    log2-sum-exp (``-inf`` for a split without keys)."""
+    log2-sum-exp; a split without keys stores only ``lse = -inf`` (the merges do not read its
+    ``o``: most splits of a short sequence under a wide block table are empty)."""
     has = l_i > 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    _store_rows(po_ptr, prow.to(tl.int64) * HEAD_DIM, rmask, acc0, acc1, acc2, acc3, inv, HEAD_DIM // 4)
+    _store_rows(po_ptr, prow.to(tl.int64) * HEAD_DIM, rmask & has, acc0, acc1, acc2, acc3, inv, HEAD_DIM // 4)
     tl.store(plse_ptr + prow, lse, mask=rmask)
 
 
@@ -782,7 +783,9 @@ def merge_splits_kernel(
     for s0 in range(0, NT, CH):
         sm = s0 + s < NT
         lse = tl.load(plse_ptr + r * NT + s0 + s, mask=sm, other=float("-inf"))
-        o = tl.load(po_ptr + (r * NT + s0 + s)[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None], other=0.0)
+        live = lse > float("-inf")  # an empty partial's o is not written (any bits) nor read
+        prow = r * NT + s0 + s
+        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)  # 0 on the first non-empty chunk (m = -inf)
@@ -829,6 +832,7 @@ def merge_cols_kernel(
         live = s0 + s < NT
         lse = tl.load(plse_ptr + r * NT + s0 + s, mask=live, other=float("-inf"))
         prow = r * NT + s0 + s
+        live = lse > float("-inf")  # an empty partial's o is not written (any bits) nor read
         o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
         mx_new = tl.maximum(mx, tl.max(lse, 0))
         sub = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # the max subtracted (0 while all empty)

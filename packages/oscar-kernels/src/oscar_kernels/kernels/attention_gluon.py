@@ -699,11 +699,16 @@ if gluon is not None:
         a1 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
         a2 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
         a3 = gl.zeros([Q4, NP], gl.float32, layout=MMA)
-        if split < NUM_SPLITS:
+        # INT2 split `split`'s tokens [lo, hi) (empty for the window programs: lo >= end)
+        end = gl.maximum(length - RECENT, SINK)
+        per = gl.cdiv(gl.cdiv(end - SINK, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = SINK + split * per
+        hi = gl.minimum(end, lo + per)
+        if PDL:  # the rotated queries are the previous kernel's output
+            _griddep("wait", num_warps)
+        if (split < NUM_SPLITS) & (lo < hi):
             # Σ(p·z) per head: o_j = a_j·2^24/4^j + lpz (see module docstring)
             lpz = gl.zeros([NP], gl.float32, layout=COLL)
-            if PDL:  # the rotated queries are the previous kernel's output
-                _griddep("wait", num_warps)
             # q_j·2/4^j: quarter j's products are c·q·2^-23 (x = c·4^j·2^-24), all quarters alike
             qt0 = _load_qt(q_ptr, qrow, 0, 2.0, Q4, LB, gl.float16, True)
             qt1 = _load_qt(q_ptr, qrow, 1, 0.5, Q4, LB, gl.float16, True)
@@ -736,11 +741,6 @@ if gluon is not None:
                 r3 = 0
                 r4 = 0
                 r5 = 0
-            start = SINK
-            end = gl.maximum(length - RECENT, SINK)
-            per = gl.cdiv(gl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = start + split * per
-            hi = gl.minimum(end, lo + per)
             bt_row = b * stride_bt
             kw_ptr = kc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
             vw_ptr = vc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
@@ -846,9 +846,7 @@ if gluon is not None:
             a1 = a1 * (2.0**22) + lpz[None, :]
             a2 = a2 * (2.0**20) + lpz[None, :]
             a3 = a3 * (2.0**18) + lpz[None, :]
-        else:
-            if PDL:
-                _griddep("wait", num_warps)
+        elif split >= NUM_SPLITS:
             qb0 = _load_qt(q_ptr, qrow, 0, 1.0, Q4, LB, gl.bfloat16, False)
             qb1 = _load_qt(q_ptr, qrow, 1, 1.0, Q4, LB, gl.bfloat16, False)
             qb2 = _load_qt(q_ptr, qrow, 2, 1.0, Q4, LB, gl.bfloat16, False)
@@ -884,7 +882,10 @@ if gluon is not None:
         dm = _vrow(gl.arange(0, Q4, layout=gl.SliceLayout(1, MMA)), Q4)
         prow = (b * (H_KV * GQA) + h * GQA + n) * NT + split
         optr = po_ptr + prow.to(gl.int64)[None, :] * HEAD_DIM + dm[:, None]
-        om = (n < GQA)[None, :] & (dm >= 0)[:, None]
+        # an empty split (most of a short sequence's under a wide block table: the split count is
+        # planned for the table's width, the splits' length for the sequence's) skips its queries
+        # and stores only lse = -inf: the merges do not read its o
+        om = ((n < GQA) & has)[None, :] & (dm >= 0)[:, None]
         gl.store(optr, a0 * inv[None, :], mask=om)
         gl.store(optr + Q4, a1 * inv[None, :], mask=om)
         gl.store(optr + 2 * Q4, a2 * inv[None, :], mask=om)
