@@ -179,6 +179,69 @@ def test_record_launches_keys_what_triton_compiles_per_and_a_dry_run_launches_no
     assert not L._RECORDERS and not L._DRY
 
 
+def test_a_dry_run_keeps_each_keys_first_call_and_compile_launches_warms_each_once(monkeypatch):
+    """record_launches(dry=True, calls=...) keeps the first call of each compile key (kernel, grid,
+    args, kwargs); compile_launches hands each to ``kernel.warmup`` once, with its grid and launch
+    options, serially or from a thread pool; nothing under the interpreter."""
+    from oscar_kernels import _backend
+
+    k = _count_kernel()
+    x = torch.zeros(64, device=DEVICE)
+    calls: dict = {}
+    with L.record_launches(dry=True, calls=calls) as keys:
+        L.launch(k, (1,), x, 17, 3, BLOCK=64)
+        L.launch(k, (2,), x, 48, 5, BLOCK=64)  # the same key: not kept again
+        L.launch(k, (1,), x, 17, 32, BLOCK=64, num_warps=2)
+    assert keys == set(calls) and len(calls) == 2
+    first = calls[L.compile_key(k, (x, 17, 3), {"BLOCK": 64})]
+    assert first[1] == (1,) and first[2][1:] == (17, 3) and first[3] == {"BLOCK": 64}
+    assert not L._CALLS and not L._DRY
+
+    class Fake:
+        def __init__(self):
+            self.seen = []
+
+        def warmup(self, *args, grid, **kwargs):
+            self.seen.append((grid, args, kwargs))
+
+    monkeypatch.setattr(_backend, "interpreting", lambda: False)
+    for workers in (1, 3):
+        f = Fake()
+        assert (
+            L.compile_launches([(f, (1,), (x, 5), {"B": 1}), (f, (2, 3), (x, 6), {"num_warps": 2})], workers)
+            == 2
+        )
+        assert sorted(f.seen, key=str) == sorted(
+            [((1,), (x, 5), {"B": 1}), ((2, 3), (x, 6), {"num_warps": 2})], key=str
+        )
+    monkeypatch.setattr(_backend, "interpreting", lambda: True)
+    f = Fake()
+    assert L.compile_launches([(f, (1,), (x,), {})], 4) == 0 and not f.seen
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="compiles for a GPU: needs one")
+def test_compiled_ahead_kernels_launch_without_compiling(monkeypatch):
+    """compile_launches with threads (Triton's AsyncCompileMode) leaves each kernel in Triton's
+    in-memory cache: the real launches afterwards compile nothing (Triton's compile hook stays
+    silent) and compute what they should."""
+    from triton import knobs
+
+    k = _count_kernel()  # a new jit function: nothing in its in-memory cache
+    x = torch.zeros(64, device=DEVICE)
+    calls: dict = {}
+    with L.record_launches(dry=True, calls=calls):
+        for m in (3, 32, 1):
+            L.launch(k, (1,), x, 17, m, BLOCK=64)
+    assert L.compile_launches(calls.values(), 3) == 3
+    compiles = []  # Triton calls the hook before each compile or load from its disk cache
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **kw: compiles.append(kw) or False)
+    for m in (3, 32, 1):
+        L.launch(k, (1,), x, 17, m, BLOCK=64)
+    torch.cuda.synchronize()
+    assert not compiles
+    assert x[:17].tolist() == [36.0] * 17
+
+
 def test_a_launch_sequence_replays_the_first_pass_kernels_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step's further layers re-use the compiled kernels of the layer before, position by position,
     without keying; a different kernel at a position is keyed and recorded again."""

@@ -107,9 +107,16 @@ def test_after_the_warm_up_serving_compiles_nothing(device, request, monkeypatch
     backend = "triton" if device == "cpu" else "auto"  # auto: the engines' choice on a GPU
     cache, params, plan, pages = _layer(device, 64)
     steps = warmup_steps(PAGE, RECENT, MAX_TOKENS, MAX_SEQS, WIDTH * PAGE, dense_min_query=None)
+    took: dict = {}
     with record_launches() as warm:
-        ran = run_warmup(cache, params, 4, 0.125, steps, WIDTH, plan, _window_width(plan), backend=backend)
+        ran = run_warmup(
+            cache, params, 4, 0.125, steps, WIDTH, plan, _window_width(plan), backend=backend,
+            seconds=took, compile_workers=4,
+        )  # fmt: skip
     assert 0 < len(ran) < len(steps)  # steps that launch nothing new run dry only
+    # on a GPU every new kernel compiled side by side before the real steps (none under the
+    # interpreter); the real steps then launch what was compiled (checked below: nothing missing)
+    assert took["kernels"] == (len(warm) if device == "cuda" else 0), (took, len(warm))
     # what vLLM's monitor saw compiled during requests (rotations run in torch on a CPU), and the
     # write of K and V in one launch (decode steps)
     names = {"paged_write_kernel", "paged_write_kv_kernel", "window_records_kernel"} | (

@@ -19,6 +19,7 @@ own kernels (CUDA graphs), ``OSCAR_VLLM_WARMUP=1`` / ``0`` to choose.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -44,7 +45,15 @@ from .warmup_plans import WarmupPlans, cache_entries, triton_cache_dir
 
 log = logging.getLogger("oscar_vllm")
 
-__all__ = ["warmup_steps", "run_warmup", "warm_up_engine", "warmup_wanted", "WarmupPlans", "WARMUP_ENV"]
+__all__ = [
+    "warmup_steps",
+    "run_warmup",
+    "warm_up_engine",
+    "warmup_wanted",
+    "compile_workers",
+    "WarmupPlans",
+    "WARMUP_ENV",
+]
 
 #: ``1`` / ``0``: run the warm-up at engine start or not (unset: where vLLM warms its own kernels;
 #: without it each specialisation compiles at its first request)
@@ -169,15 +178,17 @@ def run_warmup(
     extend_splits: int | str = 1,
     only: Sequence[int] | None = None,
     seconds: dict[str, float] | None = None,
+    compile_workers: int = 1,
 ) -> list[int]:
     """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
 
-    Each step first runs dry (``oscar_kernels.launch.record_launches(dry=True)``: host work only,
-    its launches' compile keys recorded) and then for real only if it launches a key not in
-    ``done``: of a thousand decode batch sizes a handful compile differently. With ``only`` (the
-    indices an earlier, identical warm-up ran for real: :class:`WarmupPlans`) those steps run for
-    real and nothing runs dry (a few seconds of host work a start: ~1,400 dry steps with split
-    tails at the Qwen3-8B shape).
+    Every step first runs dry (``oscar_kernels.launch.record_launches(dry=True)``: host work only,
+    its launches' compile keys recorded); the kernels of keys not in ``done`` are then compiled
+    ``compile_workers`` at a time (``oscar_kernels.launch.compile_launches``), and only the steps
+    that launched a new key run for real: of a thousand decode batch sizes a handful compile
+    differently. With ``only`` (the indices an earlier, identical warm-up ran for real:
+    :class:`WarmupPlans`) those steps run for real and nothing runs dry (a few seconds of host work
+    a start: ~1,400 dry steps with split tails at the Qwen3-8B shape).
 
     Args:
         cache: the layer's cache (its layout and device; its pages are not written).
@@ -192,12 +203,14 @@ def run_warmup(
         done: compile keys already launched (shared between layers; updated).
         extend_splits: the layer's ``extend_splits`` (:func:`oscar_kernels.serving.run_layer`).
         only: indices of ``steps`` to run for real, without dry runs (None: choose by dry runs).
-        seconds: where given, host seconds of the dry and the real runs are added under ``"dry"``
-            and ``"real"`` (a real run's time is its launches and compiles, not its GPU work).
+        seconds: where given, host seconds of the dry runs, the compiles and the real runs are
+            added under ``"dry"``, ``"compile"`` and ``"real"`` (a real run's time is its launches
+            and any compile left, not its GPU work), the kernels compiled under ``"kernels"``.
+        compile_workers: kernels compiled at once after the dry runs (1: one after another).
     Returns:
         The indices of the steps run for real.
     """
-    from oscar_kernels.launch import record_launches
+    from oscar_kernels.launch import compile_launches, record_launches
 
     done = set() if done is None else done
     lo, dev = cache.layout, cache.device
@@ -234,27 +247,38 @@ def run_warmup(
             tables = torch.zeros(groups, b, window_table_width, dtype=torch.int32, device=dev)
             write_window_pages(scratch, params, k, v, md, pages, tables, backend)
 
-    ran: list[int] = []
-    took = {"dry": 0.0, "real": 0.0}
-    for i in range(len(steps)) if only is None else only:
-        t = time.perf_counter()
-        md = _step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS)
-        if only is None:
-            with record_launches(dry=True) as keys:
+    took = {"dry": 0.0, "compile": 0.0, "real": 0.0, "kernels": 0}
+    t = time.perf_counter()
+    todo = list(only) if only is not None else []
+    mds: dict[int, StepPlan] = {}  # the dry-run steps to run for real: their metadata, once built
+    if only is None:
+        # dry runs first: the steps that launch a new specialisation, and one call of each, which
+        # compile side by side before any step runs (a real launch compiles alone, ~3 s a kernel)
+        calls: dict[tuple, tuple] = {}
+        seen = set(done)
+        for i in range(len(steps)):
+            md = _step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS)
+            with record_launches(dry=True, calls=calls) as keys:
                 one(md)
-            t, took["dry"] = time.perf_counter(), took["dry"] + time.perf_counter() - t
-            if keys <= done:
-                continue
-            md = replace(md, bounds_checked=[False])
+            if not keys <= seen:
+                seen |= keys
+                todo.append(i)
+                mds[i] = replace(md, bounds_checked=[False])
+        took["dry"] = time.perf_counter() - t
+        t = time.perf_counter()
+        took["kernels"] = compile_launches((c for k, c in calls.items() if k not in done), compile_workers)
+        took["compile"] = time.perf_counter() - t
+        t = time.perf_counter()
+    for i in todo:
+        md = mds.pop(i, None) or _step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS)
         with record_launches() as keys:
             one(md)
-        took["real"] += time.perf_counter() - t
         done |= keys
-        ran.append(i)
+    took["real"] = time.perf_counter() - t
     if seconds is not None:
         for k, v in took.items():
-            seconds[k] = seconds.get(k, 0.0) + v
-    return ran
+            seconds[k] = seconds.get(k, 0) + v
+    return todo
 
 
 # ---- the engine's warm-up: every distinct layer configuration of a worker's model, once ---------
@@ -267,6 +291,17 @@ def _signature(params: object) -> tuple:
         for f in fields(params)  # type: ignore[arg-type]
         for v in [getattr(params, f.name)]
     )
+
+
+def compile_workers() -> int:
+    """Kernels the warm-up compiles at once: the CPUs this process may use, at most 8 (each
+    compile is one thread, mostly outside the GIL; more threads than kernels of one start gain
+    nothing, and tensor-parallel workers compile side by side on one host)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
 
 
 def warm_up_engine(worker: Any) -> None:
@@ -333,9 +368,15 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
     seconds: dict[str, float] = {}
     cached = cache_entries(triton_cache_dir())
+    workers = compile_workers()
     ran = [
         run_warmup(
-            *args, done=done, extend_splits=splits, only=None if known is None else known[i], seconds=seconds
+            *args,
+            done=done,
+            extend_splits=splits,
+            only=None if known is None else known[i],
+            seconds=seconds,
+            compile_workers=workers,
         )
         for i, (_, _, args, splits) in enumerate(jobs)
     ]
@@ -348,13 +389,16 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     compiled = cache_entries(triton_cache_dir()) - cached
     log.info(
         "OSCAR: warmed up its kernels (%d steps of %d layer configuration(s)%s) in %.1f s (dry runs "
-        "%.1f s, real steps %.1f s; %d new kernels in Triton's cache %s), so requests compile nothing "
-        "(%s=0 skips it)",
+        "%.1f s, %d kernels compiled %d at a time %.1f s, real steps %.1f s; %d new kernels in "
+        "Triton's cache %s), so requests compile nothing (%s=0 skips it)",
         sum(map(len, ran)),
         len(jobs),
         ", the steps an earlier start chose" if known is not None else "",
         time.perf_counter() - t0,
         seconds.get("dry", 0.0),
+        seconds.get("kernels", 0),
+        workers,
+        seconds.get("compile", 0.0),
         seconds.get("real", 0.0),
         compiled,
         triton_cache_dir(),
