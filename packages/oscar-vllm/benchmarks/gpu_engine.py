@@ -690,7 +690,9 @@ def _artifacts(a: argparse.Namespace) -> None:
 def _qwen_artifact(config: Path):  # noqa: ANN202 - Rotations
     """A format-3 artifact of the dummy model's shape with what the default serves: per-KV-head
     rotations (identity: dummy weights have no statistics), a key mean and a pre-RoPE key mean on
-    8 frequency pairs (the default's decode cost), clip 0.9."""
+    8 frequency pairs (the default's decode cost), key error-feedback matrices (``oscar calibrate``'s
+    default ``--feedback k``: the write's cost; strictly lower triangular, small random entries),
+    clip 0.9."""
     import dataclasses
 
     import torch
@@ -713,6 +715,7 @@ def _qwen_artifact(config: Path):  # noqa: ANN202 - Rotations
     )
     return dataclasses.replace(
         rot,
+        k_feedback=[0.05 * torch.randn(h, d, d, generator=g).tril(-1) for _ in range(n)],
         k_mean=[0.1 * torch.randn(h, d, generator=g) for _ in range(n)],
         k_rope_mean=rope,
         rope_inv_freq=inv_freq,
