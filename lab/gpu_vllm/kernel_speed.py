@@ -196,6 +196,26 @@ def write_case(n: int) -> dict:
     earlier ``oscar_kernels`` first on ``PYTHONPATH``)."""
     import hashlib
 
+    cache, params, plan, args = write_setup(n)
+    r = {"tokens": n, "in_bytes": 2 * n * 8 * 128 * 2, "out_bytes": n * 8 * (2 * 128 // 4 + 8 + 2 * 128 * 2)}
+
+    def run() -> None:
+        ok.run_write(plan, cache, params, *args)
+
+    run()
+    digest = hashlib.sha256()
+    for f in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "k_recent", "v_recent"):
+        digest.update(getattr(cache, f).view(torch.uint8).cpu().numpy().tobytes())
+    r["cache_sha256"] = digest.hexdigest()[:16]
+    r["us"] = us(run, rep_ms=40)
+    if DEV.type == "cuda":
+        r["kernels"] = profile_kernels(run)
+    r["oscar_kernels"] = os.path.dirname(ok.__file__)
+    return r
+
+
+def write_setup(n: int) -> tuple:
+    """``write_case``'s write of ``n`` tokens: ``(cache, params, plan, run_write's other arguments)``."""
     from oscar_math.feedback import feedback_matrix
 
     h, d, dev = 8, 128, DEV
@@ -218,24 +238,10 @@ def write_case(n: int) -> dict:
     slots = torch.arange(n, dtype=torch.int64, device=dev) * 64 + 64 + 7
     pos = 30_000 + 7 * torch.arange(n, dtype=torch.int32, device=dev)
     sidx = torch.arange(n, dtype=torch.int32, device=dev)
-    r = {"tokens": n, "in_bytes": 2 * n * h * d * 2, "out_bytes": n * h * (2 * d // 4 + 8 + 2 * d * 2)}
     cache = ok.allocate_cache(lo, n + 2, n, dev)
     ok.paged_write(cache, params, k, v, slots, pos, sidx, pos + 1, sidx, backend="triton")  # checks once
     plan = ok.plan_write(cache, params, n, "all", "triton")
-
-    def run() -> None:
-        ok.run_write(plan, cache, params, k, v, slots, pos, sidx, pos + 1, sidx)
-
-    run()
-    digest = hashlib.sha256()
-    for f in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "k_recent", "v_recent"):
-        digest.update(getattr(cache, f).view(torch.uint8).cpu().numpy().tobytes())
-    r["cache_sha256"] = digest.hexdigest()[:16]
-    r["us"] = us(run, rep_ms=40)
-    if DEV.type == "cuda":
-        r["kernels"] = profile_kernels(run)
-    r["oscar_kernels"] = os.path.dirname(ok.__file__)
-    return r
+    return cache, params, plan, (k, v, slots, pos, sidx, pos + 1, sidx)
 
 
 def main() -> int:

@@ -114,10 +114,16 @@ def compile_extend(
 
 
 def compile_write_kv(  # noqa: ANN201
-    arch: int = 90, num_warps: int = 8, block_t: int = 16, rope: bool = True, feedback: bool = False
+    arch: int = 90,
+    num_warps: int = 8,
+    block_t: int = 16,
+    rope: bool = True,
+    feedback: bool = False,
+    probe: bool = False,
 ):
     """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
-    (``feedback``: error feedback on the keys, the default artifact's case)."""
+    (``feedback``: error feedback on the keys, the default artifact's case; ``probe``: its phase
+    timer stamps, a diagnosis build)."""
     import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
 
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
@@ -125,11 +131,15 @@ def compile_write_kv(  # noqa: ANN201
     consts = dict(
         NUM_KV_HEADS=8, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, HAS_MEAN=True, K_FEEDBACK=feedback,
         V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True, BLOCK_T=block_t,
-        DOT_PRECISION="tf32",
+        DOT_PRECISION="tf32", PROBE=probe,
     )  # fmt: skip
     ptr = dict.fromkeys(
         ("krot_ptr", "vrot_ptr", "mean_ptr", "rmean_ptr", "freq_ptr", "kfb_ptr", "vfb_ptr"), "*fp32"
     )
+    if probe:
+        ptr["probe_ptr"] = "*i64"
+    else:
+        consts["probe_ptr"] = None
     ptr.update(dict.fromkeys(("kalpha_ptr", "valpha_ptr"), "*fp32"))
     ptr.update(dict.fromkeys(("kcodes_ptr", "vcodes_ptr"), "*u8"))
     ptr.update(dict.fromkeys(("pos_ptr", "seqidx_ptr", "seqlen_ptr", "wslot_ptr"), "*i32"))
@@ -160,6 +170,7 @@ def ptx_loops(ptx: str) -> list[dict]:
                     "bar.sync": sum("bar.sync" in x for x in body),
                     "shfl.sync": sum("shfl.sync" in x for x in body),
                     "ld.global": sum("ld.global" in x for x in body),
+                    "globaltimer": sum("%globaltimer" in x for x in body),
                 }
             )
     return loops

@@ -180,6 +180,26 @@ def test_the_feedback_loop_waits_on_no_block_barrier():
     loops = cc.ptx_loops(ptx)
     assert len(loops) == 4, loops  # one run-time loop per quarter
     assert all(lp["bar.sync"] == 0 and lp["shfl.sync"] > 0 for lp in loops), loops
+    assert "globaltimer" not in ptx  # the PROBE diagnosis stays out of the product build
+
+
+def test_the_probe_build_stamps_each_phase_outside_the_loops():
+    """``PROBE`` (``lab/gpu_vllm/write_phases.py``: where a decode write's time goes) reads the GPU
+    timer at each phase boundary — 9 in a key program with feedback (start, rotation, relayout,
+    group statistics, four quarters, end), 3 in a value program without — and never inside the
+    feedback loops, which stay barrier-free."""
+    import importlib.util
+    from pathlib import Path
+
+    call = "cc.compile_write_kv(num_warps=4, block_t=16, rope=True, feedback=True, probe=True)"
+    ptx = compile_check_ptx(call)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
+    spec = importlib.util.spec_from_file_location("compile_check", path)
+    cc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cc)
+    assert ptx.count("%globaltimer") == 12
+    loops = cc.ptx_loops(ptx)
+    assert len(loops) == 4 and all(lp["bar.sync"] == 0 and lp["globaltimer"] == 0 for lp in loops), loops
 
 
 @needs_triton

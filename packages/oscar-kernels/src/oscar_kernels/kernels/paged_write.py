@@ -19,6 +19,19 @@ def round_bf16(x):
 
 
 @triton.jit
+def _stamp(probe_ptr, i: tl.constexpr, dep):
+    """``PROBE`` only (a diagnosis, off in the product): the GPU's nanosecond timer into slot ``i``
+    of this program's probe row, read after ``dep`` (a value of the phase just ended) is ready,
+    so the stamp cannot move above that phase's last result."""
+    prog = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    d = dep.to(tl.int32, bitcast=True) if dep.dtype == tl.float32 else dep.to(tl.int32)
+    c = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [d], dtype=tl.int64, is_pure=False, pack=1
+    )
+    tl.store(probe_ptr + prog.to(tl.int64) * 16 + i, c)
+
+
+@triton.jit
 def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
     """Store four ``[BLOCK_T, Q4]`` quarters as bf16 rows starting at ``row_ptr``."""
     j = tl.arange(0, Q4)
@@ -215,7 +228,7 @@ def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, 
 @triton.jit
 def _feedback_codes(
     x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
 ):  # fmt: skip
     """Error-feedback codes, exactly as ``oscar_math.quantize_int2_feedback``.
 
@@ -287,6 +300,8 @@ def _feedback_codes(
                 k2 = kq
             if q == 3:
                 k3 = kq
+        if PROBE:  # after quarter q's coordinates: slots 4..7
+            _stamp(probe_ptr, 4 + q, tl.sum(tl.sum(_quarter(q, k0, k1, k2, k3), 1), 0))
     return k0, k1, k2, k3
 
 
@@ -345,6 +360,8 @@ def paged_write_kernel(
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     H_BASE: tl.constexpr = 0,
+    probe_ptr=None,
+    PROBE: tl.constexpr = False,
 ):
     """One program: ``BLOCK_T`` tokens (``program_id(0)``) of KV head ``program_id(1) - H_BASE`` of
     K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
@@ -359,9 +376,16 @@ def paged_write_kernel(
     time from a reload of the rows, only in blocks that hold a BF16 row (after the INT2
     stores, so the two rotated rows are never live together). Without it this is the
     kernel of format versions 1 and 2, unchanged.
+
+    ``PROBE`` (diagnosis only; ``probe_ptr``: int64, 16 slots per program, program ``pid ·
+    num_programs(1) + program_id(1)``): the GPU timer at the start (0), after the rotation (1), the
+    feedback relayout (2), the group statistics (3), each feedback quarter (4-7) and the end (8):
+    where a decode write's time goes (``lab/gpu_vllm/write_phases.py``).
     """
     pid = tl.program_id(0)
     h = tl.program_id(1) - H_BASE
+    if PROBE:
+        _stamp(probe_ptr, 0, pid)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
@@ -392,7 +416,11 @@ def paged_write_kernel(
     if HAS_FEEDBACK and WRITE_PAGES:
         # program (pid, head) of this launch's grid: its own BLOCK_T x HEAD_DIM floats of scratch
         scr = scr_ptr + (pid * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (BLOCK_T * HEAD_DIM)
+        if PROBE:
+            _stamp(probe_ptr, 1, tl.sum(tl.sum(x3, 1), 0))
         x0, x1, x2, x3 = _relayout(scr, x0, x1, x2, x3, BLOCK_T, Q4)
+        if PROBE:
+            _stamp(probe_ptr, 2, tl.sum(tl.sum(x3, 1), 0))
     j = tl.arange(0, Q4)
 
     if WRITE_PAGES:
@@ -460,10 +488,12 @@ def paged_write_kernel(
                 s1 = tl.where(c1[None, :], sc[:, None], s1)
                 s2 = tl.where(c2[None, :], sc[:, None], s2)
                 s3 = tl.where(c3[None, :], sc[:, None], s3)
+        if PROBE:
+            _stamp(probe_ptr, 3, tl.sum(tl.sum(i3, 1), 0))
         if HAS_FEEDBACK:
             k0, k1, k2, k3 = _feedback_codes(
                 x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
-                fb_ptr + h * stride_fh, stride_fr, HEAD_DIM,
+                fb_ptr + h * stride_fh, stride_fr, HEAD_DIM, probe_ptr, PROBE,
             )  # fmt: skip
         else:
             # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
@@ -501,6 +531,8 @@ def paged_write_kernel(
             _store_quarters(
                 ring_ptr + ws * stride_rs + h * stride_rgh + p * stride_rt, ring_m, x0, x1, x2, x3, Q4
             )
+    if PROBE:
+        _stamp(probe_ptr, 8, pid)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -519,7 +551,7 @@ def paged_write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, HAS_MEAN: tl.constexpr, K_FEEDBACK: tl.constexpr, V_FEEDBACK: tl.constexpr,
     HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
 ):  # fmt: skip
     """K and V in one launch: ``program_id(1)`` < ``NUM_KV_HEADS`` is a key head, the rest value heads.
 
@@ -536,7 +568,7 @@ def paged_write_kv_kernel(
             kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
             ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE,
         )  # fmt: skip
     else:
         paged_write_kernel(
@@ -547,5 +579,5 @@ def paged_write_kv_kernel(
             vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
             vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS, probe_ptr, PROBE,
         )  # fmt: skip
