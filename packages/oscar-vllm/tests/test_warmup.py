@@ -199,6 +199,32 @@ def test_the_warm_up_runs_before_vllms_jit_monitor_starts():
     assert calls == ["capture", "oscar", "monitor", "gc freeze"]
 
 
+def test_the_kernels_compile_ahead_once_the_profiling_kv_cache_exists():
+    """compat.after_profiling_kv_cache on a stand-in for vLLM's GPU model runner: the hook runs
+    right after the runner allocated its CUDA-graph memory profile's KV cache (before that
+    profile captures), with the runner, once however often installed; False where the runner has
+    no such method (nothing hooked)."""
+    from oscar_vllm import compat
+
+    calls = []
+
+    class Runner:
+        def _init_minimal_kv_cache_for_profiling(self):
+            calls.append("kv cache")
+
+        def profile_cudagraph_memory(self):
+            self._init_minimal_kv_cache_for_profiling()
+            calls.append("captures")
+
+    def hook(runner):
+        calls.append(("oscar", type(runner).__name__))
+
+    assert compat.after_profiling_kv_cache(hook, Runner) and compat.after_profiling_kv_cache(hook, Runner)
+    Runner().profile_cudagraph_memory()
+    assert calls == ["kv cache", ("oscar", "Runner"), "captures"]
+    assert not compat.after_profiling_kv_cache(hook, type("Older", (), {}))
+
+
 def test_the_warm_up_follows_vllms_jit_warm_up_unless_told(monkeypatch):
     """Default: on where vLLM warms its own kernels (graphs), off with ``enforce_eager``;
     ``OSCAR_VLLM_WARMUP`` 1 / 0 overrides; another value is one clear error."""
@@ -318,6 +344,42 @@ def test_a_start_like_an_earlier_one_runs_its_chosen_steps_without_dry_runs(
     assert second == first
     line = next(r.getMessage() for r in caplog.records if "warmed up" in r.getMessage())
     assert "the steps an earlier start chose" in line and "dry runs 0.0 s" in line
+
+
+def test_compiling_ahead_runs_only_dry_and_leaves_the_warm_up_its_steps(tmp_path, request, monkeypatch):
+    """``_warm_up(..., compile_only=True)`` (before vLLM's graph profile): every step dry, none for
+    real, no plan kept; the warm-up after it still runs its chosen steps for real and keeps its
+    plan. A start whose plan is known compiles nothing ahead (Triton's disk cache has the kernels)."""
+    if fresh_process_ran(request, interpret_on_gpu=True):
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import oscar_vllm.warmup as wu
+    from oscar_kernels.launch import record_launches
+
+    cache, params, plan, _ = _layer("cpu", 64)
+    took: list[dict] = []
+
+    def spy(*a, **kw):  # the interpreter's kernels; each call's host seconds kept
+        kw["seconds"] = {}
+        took.append(kw)
+        return run_warmup(*a, **dict(kw, backend="triton"))
+
+    monkeypatch.setattr(wu, "run_warmup", spy)
+    plans = wu.WarmupPlans(tmp_path)
+    with record_launches() as ahead:  # dry launches are recorded too
+        wu._warm_up(_worker(cache, params, plan), plans, compile_only=True)
+    assert [kw["compile_only"] for kw in took] == [True] and ahead and not list(tmp_path.glob("*.json"))
+    # dry runs took time, real steps none (real steps under the interpreter take much longer)
+    assert took[0]["seconds"]["dry"] > 0 and took[0]["seconds"]["real"] < 1e-3, took[0]["seconds"]
+    took.clear()
+    wu._warm_up(_worker(cache, params, plan), plans)
+    assert len(list(tmp_path.glob("*.json"))) == 1 and took[0]["seconds"]["real"] > 0.02, took[0]["seconds"]
+    called = []
+    monkeypatch.setattr(wu, "run_warmup", lambda *a, **kw: called.append(kw))
+    wu._warm_up(_worker(cache, params, plan), plans, compile_only=True)
+    assert called == []
+    with pytest.raises(ValueError, match="compile_only"):
+        run_warmup(cache, params, 4, 0.125, [((0, 2),)], WIDTH, only=[0], compile_only=True)
 
 
 def test_a_warm_up_plan_that_does_not_fit_is_not_used(tmp_path, monkeypatch):

@@ -77,7 +77,7 @@ from oscar_math.errors import OscarError
 
 from . import compat, startup
 from .settings import load_checked, settings_from
-from .warmup import warm_up_engine
+from .warmup import compile_ahead_engine, warm_up_engine
 
 _attn = compat.attention_api()  # vLLM's attention interface
 AttentionBackend, AttentionImpl, AttentionMetadataBuilder = (
@@ -444,6 +444,7 @@ class OscarAttentionImpl(AttentionImpl):
         self._splits: int | str = "auto" if engine_state(cfg).settings.split_extend else 1
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
+            compat.after_profiling_kv_cache(compile_ahead_engine)
 
     def _allocate_windows(self) -> None:
         # Allocated (and touched) while the model is loaded, so they count as non-KV memory.

@@ -870,6 +870,47 @@ def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
     return True
 
 
+#: the model runner's method that allocates the small KV cache its CUDA-graph memory profile
+#: captures with (0.33: in ``determine_available_memory``, before the engine's KV cache exists)
+_PROFILING_KV_CACHE = "_init_minimal_kv_cache_for_profiling"
+
+
+def _gpu_model_runner_class() -> type | None:
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:  # noqa: BLE001 - no GPU model runner in this build: nothing to hook
+        return None
+    return GPUModelRunner if callable(getattr(GPUModelRunner, _PROFILING_KV_CACHE, None)) else None
+
+
+def after_profiling_kv_cache(hook: Any, runner_class: type | None = None) -> bool:
+    """Run ``hook(model_runner)`` each time vLLM's GPU model runner has allocated the small KV
+    cache of its CUDA-graph memory profile, before that profile captures its graphs (whose first
+    launches would compile OSCAR's decode kernels one after another). Idempotent per hook. False
+    where the runner class or the method is missing (then nothing runs: the kernels compile in the
+    captures, as before)."""
+    cls = runner_class or _gpu_model_runner_class()
+    if cls is None or not callable(getattr(cls, _PROFILING_KV_CACHE, None)):
+        return False
+    orig = getattr(cls, _PROFILING_KV_CACHE)
+    hooks = getattr(orig, "_oscar_hooks", None)
+    if hooks is None:
+        hooks = []
+
+        @functools.wraps(orig)
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = orig(self, *args, **kwargs)
+            for h in hooks:
+                h(self)
+            return out
+
+        wrapped._oscar_hooks = hooks  # type: ignore[attr-defined]
+        setattr(cls, _PROFILING_KV_CACHE, wrapped)
+    if hook not in hooks:
+        hooks.append(hook)
+    return True
+
+
 def jit_warmup_enabled(vllm_config: Any) -> bool:
     """Whether vLLM warms its own JIT kernels at start (``kernel_config.enable_jit_warmup``: on by
     default, off with ``enforce_eager``); without that field, whether the engine is not eager."""

@@ -49,6 +49,7 @@ __all__ = [
     "warmup_steps",
     "run_warmup",
     "warm_up_engine",
+    "compile_ahead_engine",
     "warmup_wanted",
     "compile_workers",
     "WarmupPlans",
@@ -179,6 +180,7 @@ def run_warmup(
     only: Sequence[int] | None = None,
     seconds: dict[str, float] | None = None,
     compile_workers: int = 1,
+    compile_only: bool = False,
 ) -> list[int]:
     """Run one layer's step functions over ``steps`` on a scratch copy of ``cache``'s layout.
 
@@ -207,6 +209,9 @@ def run_warmup(
             added under ``"dry"``, ``"compile"`` and ``"real"`` (a real run's time is its launches
             and any compile left, not its GPU work), the kernels compiled under ``"kernels"``.
         compile_workers: kernels compiled at once after the dry runs (1: one after another).
+        compile_only: dry runs and compiles only, no step runs for real (what it would run is
+            returned; ``done`` takes the compiled keys): the kernels of a later warm-up, compiled
+            ahead (:func:`compile_ahead_engine`).
     Returns:
         The indices of the steps run for real.
     """
@@ -249,6 +254,8 @@ def run_warmup(
 
     took = {"dry": 0.0, "compile": 0.0, "real": 0.0, "kernels": 0}
     t = time.perf_counter()
+    if compile_only and only is not None:
+        raise ValueError("run_warmup: compile_only chooses its steps by dry runs (only must be None)")
     todo = list(only) if only is not None else []
     mds: dict[int, StepPlan] = {}  # the dry-run steps to run for real: their metadata, once built
     if only is None:
@@ -269,7 +276,9 @@ def run_warmup(
         took["kernels"] = compile_launches((c for k, c in calls.items() if k not in done), compile_workers)
         took["compile"] = time.perf_counter() - t
         t = time.perf_counter()
-    for i in todo:
+        if compile_only:
+            done |= seen
+    for i in todo if not compile_only else ():
         md = mds.pop(i, None) or _step_metadata(steps[i], table_width, page, dev, _SCRATCH_SLOTS)
         with record_launches() as keys:
             one(md)
@@ -327,7 +336,31 @@ def warmup_wanted(vllm_config: Any) -> bool:
     return compat.jit_warmup_enabled(vllm_config) if on is None else on
 
 
-def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
+def compile_ahead_engine(model_runner: Any) -> None:
+    """Compile the kernels :func:`warm_up_engine` will launch before vLLM's CUDA-graph memory
+    profile captures its graphs (``compat.after_profiling_kv_cache``): those captures launch OSCAR's
+    decode kernels first, and each compiled there alone (H100: ~34 s of a 121-s cold start). Dry
+    runs and a parallel compile only, on the profile's small KV cache (the layers' layouts and
+    table widths are the engine's); the warm-up after vLLM's own then finds every kernel in
+    Triton's in-memory cache. Where the warm-up is off, nothing; a failure is logged, never raised."""
+    cfg = model_runner.vllm_config
+    if not warmup_wanted(cfg):
+        return
+    try:
+        _warm_up(_RunnerWorker(cfg, model_runner), compile_only=True)
+    except Exception as e:  # noqa: BLE001 - an optimisation: serving must not depend on it
+        why = f"{type(e).__name__}: {e}"
+        log.warning("OSCAR: compiling the kernels ahead failed (%s); the warm-up compiles them", why)
+
+
+class _RunnerWorker:
+    """What :func:`_warm_up` reads of a worker, from its model runner."""
+
+    def __init__(self, vllm_config: Any, model_runner: Any) -> None:
+        self.vllm_config, self.model_runner = vllm_config, model_runner
+
+
+def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool = False) -> None:
     cfg = worker.vllm_config
     widths = compat.block_table_widths(worker.model_runner)
     sc, max_len = cfg.scheduler_config, int(cfg.model_config.max_model_len)
@@ -367,8 +400,25 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None) -> None:
     known = plans.load(plan_key, [len(s) for _, s, _, _ in jobs])
     done: set[tuple] = set()  # compile keys launched: layers that share kernels skip them
     seconds: dict[str, float] = {}
-    cached = cache_entries(triton_cache_dir())
     workers = compile_workers()
+    if compile_only:
+        if known is not None:  # a start like an earlier one: Triton's disk cache has the kernels
+            return
+        for _, _, args, splits in jobs:
+            run_warmup(
+                *args, done=done, extend_splits=splits, seconds=seconds, compile_workers=workers,
+                compile_only=True,
+            )  # fmt: skip
+        log.info(
+            "OSCAR: compiled %d kernels ahead of vLLM's CUDA-graph memory profile in %.1f s (dry runs "
+            "%.1f s, %d at a time)",
+            seconds.get("kernels", 0),
+            time.perf_counter() - t0,
+            seconds.get("dry", 0.0),
+            workers,
+        )
+        return
+    cached = cache_entries(triton_cache_dir())
     ran = [
         run_warmup(
             *args,
