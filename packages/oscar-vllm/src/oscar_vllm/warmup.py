@@ -409,6 +409,8 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool =
                 *args, done=done, extend_splits=splits, seconds=seconds, compile_workers=workers,
                 compile_only=True,
             )  # fmt: skip
+        if dev.type == "cuda":  # the dry runs' scratch back to the device before vLLM measures again
+            torch.cuda.empty_cache()
         log.info(
             "OSCAR: compiled %d kernels ahead of vLLM's CUDA-graph memory profile in %.1f s (dry runs "
             "%.1f s, %d at a time)",
