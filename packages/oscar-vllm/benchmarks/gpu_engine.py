@@ -605,11 +605,22 @@ def _cases(a: argparse.Namespace) -> list[dict]:
     return [c for c in cases if not only or c["name"] in only]
 
 
-def _run_one(spec: dict, timeout: float, log) -> dict:  # noqa: ANN001
+#: the compile caches a case's process writes (Triton's kernels, Inductor's, vLLM's torch.compile)
+CACHE_ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT")
+
+
+def case_cache_env(root: Path, name: str) -> dict[str, str]:
+    """The environment that gives case ``name`` compile caches of its own under ``root`` (empty at
+    its first start, whatever ran before it; the same folders at a second start)."""
+    return {k: str(root / name / k.lower()) for k in CACHE_ENV}
+
+
+def _run_one(spec: dict, timeout: float, log, env: dict | None = None) -> dict:  # noqa: ANN001
     cmd = [sys.executable, __file__, "case", json.dumps(spec)]
     t = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        full = None if env is None else {**os.environ, **env}
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full)
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -783,6 +794,9 @@ def _compare(results: dict) -> dict:
             r = results.get(name, {})
             if bf.get("log_kv_tokens") and r.get("log_kv_tokens"):
                 out[f"capacity_ratio[{name}]"] = round(r["log_kv_tokens"] / bf["log_kv_tokens"], 2)
+            for key in ("start_s", "start_warm_s"):  # LLM(...) time against the baseline's
+                if bf.get(key) and r.get(key):
+                    out[f"{key.replace('_s', '')}_ratio[{name}]"] = round(r[key] / bf[key], 2)
             for k, v in r.items():
                 if not isinstance(v, dict):
                     continue
@@ -833,7 +847,15 @@ def suite(a: argparse.Namespace) -> int:
                 spec = dict(spec, work=spec["work"] + [["shared", 100000, _shared_batch(spec, results), 64]])
             if a.work:  # a shorter run: only these workload kinds (e.g. "decode,shared")
                 spec = dict(spec, work=[w for w in spec["work"] if w[0] in a.work])
-            r = _run_one(spec, min(a.case_timeout, left), log)
+            env = None
+            if a.caches != "shared":  # its own empty caches: the start is cold whatever ran first
+                env = case_cache_env(Path(a.cache_root), spec["name"])
+            r = _run_one(spec, min(a.case_timeout, left), log, env)
+            left = a.budget_s - (time.perf_counter() - t0)
+            if a.caches == "cold+warm" and left >= 30:  # a second start on the caches of the first
+                w = _run_one(dict(spec, work=[]), min(a.case_timeout, left), log, env)
+                r["start_warm_s"] = w.get("start_s")
+                r["start_warm_samples"] = w.get("start_samples")
             if spec.get("expect_fail"):
                 r["ok"] = r["rc"] not in (0, "timeout")
             results[spec["name"]] = r
@@ -879,6 +901,8 @@ def _table(results: dict, summary: dict) -> None:
                 )
         if "ppl" in r:
             w.append(f"ppl={r['ppl']:.4f}")
+        if r.get("start_warm_s") is not None:
+            w.append(f"second start {r['start_warm_s']}s")
         if "repeat" in r:
             rp, dl = r["repeat"], "max_prompt_logprob_diff"
             w.append(f"repeat: cached={rp['cached_tokens']} equal={rp['tokens_equal']} dlp={rp[dl]:.3g}")
@@ -904,6 +928,16 @@ def main() -> int:
     s.add_argument("--case-timeout", type=float, default=300)
     s.add_argument("--capture-sizes", type=lambda x: [int(v) for v in x.split(",")], default=None)
     s.add_argument("--skip-triton", action="store_true")
+    s.add_argument(
+        "--caches",
+        choices=("shared", "cold", "cold+warm"),
+        default="shared",
+        help="shared: every case uses the process's compile caches (a later case may find kernels "
+        "an earlier one compiled); cold: each case its own empty ones (TRITON_CACHE_DIR, "
+        "TORCHINDUCTOR_CACHE_DIR, VLLM_CACHE_ROOT under --cache-root); cold+warm: also a second start "
+        "of each case on its caches (start_warm_s)",
+    )
+    s.add_argument("--cache-root", default="/tmp/oscar-bench-caches")
     s.add_argument(
         "--work",
         type=lambda x: set(x.split(",")),

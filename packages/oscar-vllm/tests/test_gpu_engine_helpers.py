@@ -60,3 +60,37 @@ def test_the_start_sampler_counts_inclusive_and_leaf_time():
     assert inclusive[f"{name}:spin"] == pytest.approx(0.4, abs=0.2)
     assert leaf[f"{name}:spin"] == pytest.approx(0.4, abs=0.2)
     assert leaf[f"{name}:outer"] == pytest.approx(0.4, abs=0.2)  # time.sleep is C: outer is the leaf
+
+
+def test_cold_cases_get_compile_caches_of_their_own_and_start_ratios(ge, tmp_path, monkeypatch):
+    """--caches cold: each case's process gets its own Triton, Inductor and vLLM cache folders (a
+    case run second must not find the kernels the first compiled), the same ones for its second
+    start; the summary holds cold and warm start ratios against FA3's."""
+    a, b = ge.case_cache_env(tmp_path, "qwen-oscar-cache"), ge.case_cache_env(tmp_path, "qwen-bf16-fa3")
+    assert set(a) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"}
+    assert len(set(a.values()) | set(b.values())) == 6
+    assert a == ge.case_cache_env(tmp_path, "qwen-oscar-cache")
+    seen = {}
+
+    class Done:
+        stdout, stderr, returncode = ge.RESULT + '{"start_s": 12.5}\n', "", 0
+
+    def run(cmd, **kw):
+        seen.update(kw)
+        return Done()
+
+    monkeypatch.setattr(ge.subprocess, "run", run)
+    import io
+
+    log = io.StringIO()
+    r = ge._run_one({"name": "x", "work": []}, 10, log, a)
+    assert r["start_s"] == 12.5 and seen["env"]["TRITON_CACHE_DIR"] == a["TRITON_CACHE_DIR"]
+    assert seen["env"]["PATH"]  # the rest of the environment passes through
+    ge._run_one({"name": "x", "work": []}, 10, log)
+    assert seen["env"] is None and "===== x rc=0" in log.getvalue()
+    res = {
+        "qwen-bf16-fa3": {"start_s": 60.0, "start_warm_s": 40.0},
+        "qwen-oscar-cache": {"start_s": 90.0, "start_warm_s": 50.0},
+    }
+    out = ge._compare(res)
+    assert out["start_ratio[qwen-oscar-cache]"] == 1.5 and out["start_warm_ratio[qwen-oscar-cache]"] == 1.25
