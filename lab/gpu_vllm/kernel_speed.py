@@ -24,7 +24,7 @@ PyTorch SDPA BF16 in the same run. Per decode shape (1 x 2k, 1 x 130k, 8 x 32k):
 
 The write: ``plan_write`` / ``run_write`` of 1, 8 and 64 decode tokens (K with error feedback and a
 pre-RoPE mean, the default artifact's case), graph replay, the kernels' device µs, and a digest of
-the cache written; ``write_ab.sh`` runs it against an earlier ``oscar_kernels`` (same digests:
+the cache written; ``ab.sh write`` runs it against an earlier ``oscar_kernels`` (same digests:
 bitwise the same caches).
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \\
@@ -192,7 +192,7 @@ def write_case(n: int) -> dict:
     """One decode write of ``n`` tokens (one per sequence), Qwen3-8B KV shape, K feedback + RoPE,
     through ``plan_write`` / ``run_write`` (launches only: a CUDA graph captures them, so the time is
     device time, not the validated op's host checks), its kernels' device µs (profiler) and a digest
-    of the cache it wrote (bitwise comparison across versions: ``write_ab.sh`` runs this file with an
+    of the cache it wrote (bitwise comparison across versions: ``ab.sh write`` runs this file with an
     earlier ``oscar_kernels`` first on ``PYTHONPATH``)."""
     import hashlib
 

@@ -13,13 +13,7 @@ OUT="${OUT:-/tmp/open-checks}"
 mkdir -p "$OUT"
 export PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src
 T=packages/oscar-kernels/tests
-PYT=(python3 -m pytest -q -p no:cacheprovider -p no:warnings)
-run_tests() {  # name, timeout (s), pytest arguments...
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "${PYT[@]}" "$@" >"$OUT/${name}_tests.log" 2>&1
-    echo "[$name rc=$?] $(tail -1 "$OUT/${name}_tests.log")"
-}
+source lab/gpu_vllm/lib.sh  # run_tests (the cwd is the repository root)
 run_tests empty_splits 40 "$T/test_decode_attention.py" -k "empty_splits or merge"
 run_tests launch 30 "$T/test_launch.py"
 run_tests decode 70 "$T/test_decode_attention.py"

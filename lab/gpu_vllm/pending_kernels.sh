@@ -14,12 +14,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src
 T=packages/oscar-kernels/tests
 PYT=(python3 -m pytest -q -x -p no:cacheprovider -p no:warnings)
-run_tests() {  # name, timeout (s), pytest arguments...
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "${PYT[@]}" "$@" >"$OUT/${name}_tests.log" 2>&1
-    echo "[$name rc=$?] $(tail -1 "$OUT/${name}_tests.log")"
-}
+source lab/gpu_vllm/lib.sh  # run_tests (the cwd is the repository root)
 run_tests extend_row_offset 30 "$T/test_extend_dense.py" -k "row_offset"
 run_tests write_feedback 30 "$T/test_paged_write.py" -k "feedback"
 run_tests rotate 20 "$T/test_rotate.py"

@@ -837,16 +837,9 @@ def _gpu_worker_class() -> type | None:
 _JIT_MONITOR_START = "_maybe_activate_jit_monitor"
 
 
-def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
-    """Run ``hook(worker)`` each time vLLM's GPU worker has finished its own warm-up and CUDA-graph
-    capture (``Worker.compile_or_warm_up_model``), before the engine serves: just before the worker
-    starts its JIT monitor where it has one (vLLM 0.33), else after the method. Idempotent per hook.
-    False where the worker class or the method is missing (then nothing runs)."""
-    cls = worker_class or _gpu_worker_class()
-    if cls is None:
-        return False
-    before = callable(getattr(cls, _JIT_MONITOR_START, None))
-    attr = _JIT_MONITOR_START if before else "compile_or_warm_up_model"
+def _hook_method(cls: type, attr: str, hook: Any, before: bool) -> None:
+    """Run ``hook(self)`` before or after ``cls.attr`` at every call: one wrapper per method holding
+    its hooks (installing a hook twice adds it once)."""
     orig = getattr(cls, attr)
     hooks = getattr(orig, "_oscar_hooks", None)
     if hooks is None:
@@ -867,6 +860,18 @@ def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
         setattr(cls, attr, wrapped)
     if hook not in hooks:
         hooks.append(hook)
+
+
+def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
+    """Run ``hook(worker)`` each time vLLM's GPU worker has finished its own warm-up and CUDA-graph
+    capture (``Worker.compile_or_warm_up_model``), before the engine serves: just before the worker
+    starts its JIT monitor where it has one (vLLM 0.33), else after the method. Idempotent per hook.
+    False where the worker class or the method is missing (then nothing runs)."""
+    cls = worker_class or _gpu_worker_class()
+    if cls is None:
+        return False
+    before = callable(getattr(cls, _JIT_MONITOR_START, None))
+    _hook_method(cls, _JIT_MONITOR_START if before else "compile_or_warm_up_model", hook, before)
     return True
 
 
@@ -880,7 +885,7 @@ def _gpu_model_runner_class() -> type | None:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except Exception:  # noqa: BLE001 - no GPU model runner in this build: nothing to hook
         return None
-    return GPUModelRunner if callable(getattr(GPUModelRunner, _PROFILING_KV_CACHE, None)) else None
+    return GPUModelRunner
 
 
 def after_profiling_kv_cache(hook: Any, runner_class: type | None = None) -> bool:
@@ -892,22 +897,7 @@ def after_profiling_kv_cache(hook: Any, runner_class: type | None = None) -> boo
     cls = runner_class or _gpu_model_runner_class()
     if cls is None or not callable(getattr(cls, _PROFILING_KV_CACHE, None)):
         return False
-    orig = getattr(cls, _PROFILING_KV_CACHE)
-    hooks = getattr(orig, "_oscar_hooks", None)
-    if hooks is None:
-        hooks = []
-
-        @functools.wraps(orig)
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig(self, *args, **kwargs)
-            for h in hooks:
-                h(self)
-            return out
-
-        wrapped._oscar_hooks = hooks  # type: ignore[attr-defined]
-        setattr(cls, _PROFILING_KV_CACHE, wrapped)
-    if hook not in hooks:
-        hooks.append(hook)
+    _hook_method(cls, _PROFILING_KV_CACHE, hook, before=False)
     return True
 
 

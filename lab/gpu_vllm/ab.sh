@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue #38: one kernel_speed.py case before and after a change, device time, one GPU call (~2 min).
+#   here:   git archive REV packages/oscar-kernels/src | tar -x -C lab/gpu_vllm/before   (e.g. REV=e1b9bdb)
+#   device: bash lab/gpu_vllm/ab.sh write|wide     (carry ["lab/gpu_vllm/before"]: git ignores it)
+# write: the one-token write (µs per write, the kernels' device µs, bitwise-equal caches);
+# wide:  the 2k decode under a 40k-wide block table (the engine suite's) and under a 2k-wide one.
+# Writes $OUT/<kind>_before.json, $OUT/<kind>_after.json and prints the comparison.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+KIND="${1:?usage: ab.sh write|wide}"
+OUT="${OUT:-/tmp/kernel-ab}"
+mkdir -p "$OUT"
+B=lab/gpu_vllm/before/packages/oscar-kernels/src
+[[ -d "$B/oscar_kernels" ]] || { echo "no $B: run the git archive line above here first" >&2; exit 3; }
+export PYTHONUNBUFFERED=1
+for which in before after; do
+    src=packages/oscar-kernels/src
+    [[ $which == before ]] && src=$B
+    PYTHONPATH="packages/oscar-math/src:$src" timeout 240 python3 lab/gpu_vllm/kernel_speed.py --only "$KIND" \
+        --out "$OUT/${KIND}_$which" >"$OUT/${KIND}_$which.log" 2>&1
+    echo "[$which rc=$?]"
+    cp "$OUT/${KIND}_$which/kernel_speed.json" "$OUT/${KIND}_$which.json" 2>/dev/null
+done
+python3 - "$OUT" "$KIND" <<'PY'
+import json, sys
+out, kind = sys.argv[1], sys.argv[2]
+key = "write" if kind == "write" else "decode"
+rows = {}
+for w in ("before", "after"):
+    try:
+        rows[w] = json.load(open(f"{out}/{kind}_{w}.json"))[key]
+    except OSError:
+        print(w, "no result")
+if kind == "write" and len(rows) == 2:
+    for x, y in zip(rows["before"], rows["after"]):
+        print(f"{x['tokens']:>3} tokens: {x['us']} -> {y['us']} us ({x['us'] / max(y['us'], 1e-9):.2f}x), "
+              f"bitwise {'same' if x['cache_sha256'] == y['cache_sha256'] else 'DIFFERENT'}; "
+              f"kernels {x.get('kernels')} -> {y.get('kernels')}")
+elif kind == "wide":
+    for w, rs in rows.items():
+        for r in rs:
+            k = {n.split("_kernel")[0]: v for n, v in (r.get("kernels_pdl") or {}).items()}
+            print(f"{w:6} table {r['table_tokens']:>6}: op {r['op_us']} us (v1 {r['op_v1_us']}, no PDL "
+                  f"{r['op_nopdl_us']}), partials {r['partials']}, kernels {k}")
+PY
