@@ -123,7 +123,9 @@ def compile_write_kv(  # noqa: ANN201
 ):
     """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
     (``feedback``: error feedback on the keys, the default artifact's case; ``probe``: its phase
-    timer stamps, a diagnosis build)."""
+    timer stamps, a diagnosis build), as a GPU launch builds it: ``PREFETCH`` on and, with
+    feedback, ``F``'s row stride 1 (``expand`` stores it column-major; Triton specialises an
+    integer argument equal to 1 as a constant)."""
     import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
 
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
@@ -131,8 +133,10 @@ def compile_write_kv(  # noqa: ANN201
     consts = dict(
         NUM_KV_HEADS=8, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, HAS_MEAN=True, K_FEEDBACK=feedback,
         V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True, BLOCK_T=block_t,
-        DOT_PRECISION="tf32", PROBE=probe,
+        DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True,
     )  # fmt: skip
+    if feedback:
+        consts["stride_kfr"] = 1
     ptr = dict.fromkeys(
         ("krot_ptr", "vrot_ptr", "mean_ptr", "rmean_ptr", "freq_ptr", "kfb_ptr", "vfb_ptr"), "*fp32"
     )

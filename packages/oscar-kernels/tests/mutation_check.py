@@ -459,8 +459,17 @@ MUTATIONS = (
     Mutation(
         "write-feedback-step-reads-the-wrong-F-entry",
         "src/oscar_kernels/kernels/paged_write.py",
-        "f31 = tl.load(f + 3 * stride_fr + 1)",
-        "f31 = tl.load(f + 3 * stride_fr + 2)",
+        "f31 = tl.load(f + 3 * stride_fr + stride_fc)",
+        "f31 = tl.load(f + 3 * stride_fr + 2 * stride_fc)",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # rows and columns of F swapped: F's transpose is read (strictly upper triangular, so
+        # no error reaches a later coordinate): the column-major layout's strides must be used
+        "write-feedback-reads-F-transposed",
+        "src/oscar_kernels/paged_write.py",
+        "(t.fb, *t.fb.stride())",
+        "(t.fb, t.fb.stride(0), t.fb.stride(2), t.fb.stride(1))",
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
     ),
     Mutation(

@@ -164,6 +164,38 @@ def test_triton_feedback_write_is_exact_when_the_rotation_is(
 
 
 @needs_triton
+@pytest.mark.parametrize("layout", ["column-major", "row-major"])
+def test_feedback_matrices_are_read_in_any_layout(layout, monkeypatch):
+    """``expand`` stores ``F`` column-major (the loop reads a column a step: one contiguous run);
+    an :class:`ExpandedParams` built by hand may hold it row-major. The kernel reads ``F`` through
+    both strides, so either layout gives the reference's codes bit for bit (a kernel that assumed
+    one layout reads ``Fᵀ`` — strictly upper triangular — in the other and fails here)."""
+    import dataclasses
+
+    from oscar_kernels import LayerQuantParams
+
+    expand = LayerQuantParams.expand
+
+    def expand_in(self, *a, **kw):
+        ep = expand(self, *a, **kw)
+        h, d = ep.k_feedback.shape[:2]
+        assert ep.k_feedback.stride() == (d * d, 1, d)  # the layout expand promises
+        if layout == "row-major":
+            ep = dataclasses.replace(ep, k_feedback=ep.k_feedback.contiguous())
+        return ep
+
+    monkeypatch.setattr(LayerQuantParams, "expand", expand_in)
+    gen = torch.Generator().manual_seed(5)
+    lo = CacheLayout(2, 16, page_size=4, group_size=8, sink_tokens=2, recent_tokens=3)
+    state = gen.get_state()
+    a = fill_cache(lo, [1, 11], gen, "kv_head", backend="triton", steps=1, exact=True, feedback="k")[0]
+    gen.set_state(state)
+    b = fill_cache(lo, [1, 11], gen, "kv_head", backend="torch", steps=1, exact=True, feedback="k")[0]
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@needs_triton
 def test_the_feedback_loop_waits_on_no_block_barrier():
     """The error-feedback loop is a one-token decode write's latency (15.6 µs a layer on the H100,
     FA3's cache write 2.2). In the ``tl.dot`` (MMA) layout a quarter's columns lie in several warps
@@ -181,6 +213,11 @@ def test_the_feedback_loop_waits_on_no_block_barrier():
     assert len(loops) == 4, loops  # one run-time loop per quarter
     assert all(lp["bar.sync"] == 0 and lp["shfl.sync"] > 0 for lp in loops), loops
     assert "globaltimer" not in ptx  # the PROBE diagnosis stays out of the product build
+    # F is asked for before the rotation (a 128-byte line per request: 512 over 128 threads), never
+    # inside the loops, whose column loads are vectors of a column-major F (a step's first
+    # quarter: 22 global loads; row-major scalar column loads made it 70)
+    assert ptx.count("prefetch.global.L1") == 4, ptx.count("prefetch.global.L1")
+    assert loops[0]["ld.global"] <= 24, loops
 
 
 def test_the_probe_build_stamps_each_phase_outside_the_loops():

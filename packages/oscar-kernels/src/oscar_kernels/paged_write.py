@@ -314,7 +314,7 @@ def _launch_kv(
     from .kernels.paged_write import paged_write_kv_kernel
 
     lo = cache.layout
-    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
+    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": True}
     codes, scale, sink, ring = cache.k_codes, cache.k_scale, cache.k_sink, cache.k_recent
     LAST_COMPILED["paged_write"] = launch(
         paged_write_kv_kernel,
@@ -349,7 +349,7 @@ def _rope_args(ep: ExpandedParams, has_rope: bool) -> tuple:
 
 def _fb_args(t: _Tensor) -> tuple:
     # a valid pointer either way; read only with HAS_FEEDBACK
-    return (t.rot, 0, 0) if t.fb is None else (t.fb, t.fb.stride(0), t.fb.stride(1))
+    return (t.rot, 0, 0, 0) if t.fb is None else (t.fb, *t.fb.stride())
 
 
 def _launch_one(
@@ -361,7 +361,7 @@ def _launch_one(
     from .kernels.paged_write import paged_write_kernel
 
     lo = cache.layout
-    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps}
+    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": True}
     codes, scale, zero, sink, ring = (t.field(f) for f in ("codes", "scale", "zero", "sink", "recent"))
     LAST_COMPILED["paged_write"] = launch(
         paged_write_kernel,

@@ -29,7 +29,9 @@ class ExpandedParams:
         k_mean: ``[H_kv, d]`` (zeros when absent).
         k_clip, v_clip: ``[H_kv]`` ratios in ``(0, 1]``.
         k_feedback, v_feedback: ``[H_kv, d, d]`` strictly lower-triangular error-feedback
-            matrices in the rotated basis, or None (plain rounding).
+            matrices in the rotated basis, or None (plain rounding); :meth:`LayerQuantParams.expand`
+            stores them column-major per head (strides ``(d², 1, d)``), the layout the write reads
+            fastest (any strides are read correctly).
         k_rope_mean: ``[H_kv, d]`` dense pre-RoPE key mean of the INT2 rows
             (:mod:`oscar_math.rope_center`), or None (no position-dependent centering).
         k_rope_inv_freq: ``[d/2]`` RoPE inverse frequencies (with ``k_rope_mean``).
@@ -177,7 +179,9 @@ class LayerQuantParams:
                 "strictly lower triangular",
                 "nonzero entries on/above the diagonal",
             )
-            fbs.append(f.expand(h, d, d).contiguous())
+            # column-major per head (row stride 1): the write's feedback loop reads F a column at a
+            # time, four columns a step; row-major, each column is d/4 cache lines a quarter
+            fbs.append(f.expand(h, d, d).transpose(1, 2).contiguous().transpose(1, 2))
         return ExpandedParams(
             rots[0], rots[1], mean, clips[0], clips[1], self.k_mean is not None, fbs[0], fbs[1],
             **self._expand_rope(h, d, device),

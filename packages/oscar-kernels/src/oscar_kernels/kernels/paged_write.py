@@ -32,6 +32,21 @@ def _stamp(probe_ptr, i: tl.constexpr, dep):
 
 
 @triton.jit
+def _prefetch_f(fb_ptr, stride_fr, stride_fc, HEAD_DIM: tl.constexpr):
+    """``PREFETCH`` (GPU builds; the interpreter runs no PTX): ask for this head's ``F`` into L1
+    before the rotation, one request per 32 rows of each column (a 128-byte line of a column-major
+    ``F``). The feedback loop's ``d/4`` steps each wait on their columns' loads; from the memory
+    (``F`` is evicted from L2 between layers by the weights) that latency was most of a decode
+    write. A prefetch never faults, writes no register and changes no value."""
+    r = tl.arange(0, HEAD_DIM // 32) * 32
+    c = tl.arange(0, HEAD_DIM)
+    ptrs = fb_ptr + r[:, None] * stride_fr + c[None, :] * stride_fc
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _store_quarters(row_ptr, m, x0, x1, x2, x3, Q4: tl.constexpr):
     """Store four ``[BLOCK_T, Q4]`` quarters as bf16 rows starting at ``row_ptr``."""
     j = tl.arange(0, Q4)
@@ -212,7 +227,8 @@ def _code_err(tc, zc, ic, xc, sc):
 def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, Q4: tl.constexpr):
     """Coordinate ``c`` (lane ``sel`` of quarter ``Q``) done: its code into ``k`` (that quarter's
     codes) and its error times column ``c`` of ``F`` (``col``: ``F[j, c]`` for the lanes ``j`` of
-    quarter 0) added to the targets of the quarters that still hold later coordinates."""
+    quarter 0; ``stride_fr``: F's row stride) added to the targets of the quarters that still hold
+    later coordinates."""
     k = tl.where(sel, code.to(tl.int32)[:, None], k)
     e = err[:, None]
     if Q == 0:
@@ -227,7 +243,7 @@ def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, 
 
 @triton.jit
 def _feedback_codes(
-    x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr,
+    x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr, stride_fc,
     HEAD_DIM: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
 ):  # fmt: skip
     """Error-feedback codes, exactly as ``oscar_math.quantize_int2_feedback``.
@@ -236,8 +252,10 @@ def _feedback_codes(
     ``c % (d/4)``); after each, its error ``e_c = x_c − x̂_c`` is added to the targets of the
     later coordinates times column ``c`` of the strictly lower-triangular ``F`` (entries on and
     above the diagonal are zero, so adding to every coordinate changes only the later ones).
-    ``fb_ptr`` points at ``F`` of this head, row stride ``stride_fr``, column stride 1.
-    Returns the four quarters' int32 codes.
+    ``fb_ptr`` points at ``F`` of this head, row stride ``stride_fr``, column stride
+    ``stride_fc``. Each step reads four columns of ``F``: stored column-major (``stride_fr`` 1,
+    as :meth:`LayerQuantParams.expand` keeps it) a column is one contiguous run, not ``d/4``
+    lines a quarter. Returns the four quarters' int32 codes.
 
     Four coordinates a step (``d`` is a multiple of 16, so a quarter of 4): their targets are
     picked out of the quarter at once (cross-lane sums, side by side), the four roundings run on
@@ -266,13 +284,13 @@ def _feedback_codes(
             tq = _quarter(q, t0, t1, t2, t3)
             ta, tb, tc, td = _lane(sa, tq), _lane(sb, tq), _lane(sc, tq), _lane(sd, tq)
             # F[c + r, c + i] for the picked targets (r > i)
-            f = fb_ptr + c * stride_fr + c
+            f = fb_ptr + c * stride_fr + c * stride_fc
             f10 = tl.load(f + stride_fr).to(tl.float32)
             f20 = tl.load(f + 2 * stride_fr).to(tl.float32)
-            f21 = tl.load(f + 2 * stride_fr + 1).to(tl.float32)
+            f21 = tl.load(f + 2 * stride_fr + stride_fc).to(tl.float32)
             f30 = tl.load(f + 3 * stride_fr).to(tl.float32)
-            f31 = tl.load(f + 3 * stride_fr + 1).to(tl.float32)
-            f32 = tl.load(f + 3 * stride_fr + 2).to(tl.float32)
+            f31 = tl.load(f + 3 * stride_fr + stride_fc).to(tl.float32)
+            f32 = tl.load(f + 3 * stride_fr + 2 * stride_fc).to(tl.float32)
             # the four share a quantisation group (groups are >= 4 aligned coordinates): one
             # zero, inverse scale and scale for the step
             zg, ig, sg = _lane(sa, zq), _lane(sa, iq), _lane(sa, sq)
@@ -286,12 +304,12 @@ def _feedback_codes(
             cc, ec = _code_err(tc, zg, ig, _lane(sc, xq), sg)
             td = td + ec * f32
             cd, ed = _code_err(td, zg, ig, _lane(sd, xq), sg)
-            col = fb_ptr + j * stride_fr + c  # F[j, c] for the lanes of quarter 0
+            col = fb_ptr + j * stride_fr + c * stride_fc  # F[j, c] for the lanes of quarter 0
             kq = _quarter(q, k0, k1, k2, k3)
             kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, stride_fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + 1, stride_fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2, stride_fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3, stride_fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + stride_fc, stride_fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * stride_fc, stride_fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * stride_fc, stride_fr, kq, t0, t1, t2, t3, Q4)
             if q == 0:
                 k0 = kq
             if q == 1:
@@ -323,6 +341,7 @@ def paged_write_kernel(
     fb_ptr,
     stride_fh,
     stride_fr,
+    stride_fc,
     slot_ptr,
     pos_ptr,
     seqidx_ptr,
@@ -362,6 +381,7 @@ def paged_write_kernel(
     H_BASE: tl.constexpr = 0,
     probe_ptr=None,
     PROBE: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """One program: ``BLOCK_T`` tokens (``program_id(0)``) of KV head ``program_id(1) - H_BASE`` of
     K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
@@ -381,11 +401,16 @@ def paged_write_kernel(
     num_programs(1) + program_id(1)``): the GPU timer at the start (0), after the rotation (1), the
     feedback relayout (2), the group statistics (3), each feedback quarter (4-7) and the end (8):
     where a decode write's time goes (``lab/gpu_vllm/write_phases.py``).
+
+    ``PREFETCH`` (every GPU launch; off under the interpreter): the feedback matrix's prefetch
+    (:func:`_prefetch_f`).
     """
     pid = tl.program_id(0)
     h = tl.program_id(1) - H_BASE
     if PROBE:
         _stamp(probe_ptr, 0, pid)
+    if PREFETCH and HAS_FEEDBACK and WRITE_PAGES:
+        _prefetch_f(fb_ptr + h * stride_fh, stride_fr, stride_fc, HEAD_DIM)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
@@ -493,7 +518,7 @@ def paged_write_kernel(
         if HAS_FEEDBACK:
             k0, k1, k2, k3 = _feedback_codes(
                 x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
-                fb_ptr + h * stride_fh, stride_fr, HEAD_DIM, probe_ptr, PROBE,
+                fb_ptr + h * stride_fh, stride_fr, stride_fc, HEAD_DIM, probe_ptr, PROBE,
             )  # fmt: skip
         else:
             # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
@@ -541,7 +566,7 @@ def paged_write_kv_kernel(
     krot_ptr, vrot_ptr, stride_rh, stride_rr,
     mean_ptr, stride_mh, rmean_ptr, stride_rmh, freq_ptr,
     kalpha_ptr, valpha_ptr,
-    kfb_ptr, stride_kfh, stride_kfr, vfb_ptr, stride_vfh, stride_vfr,
+    kfb_ptr, stride_kfh, stride_kfr, stride_kfc, vfb_ptr, stride_vfh, stride_vfr, stride_vfc,
     slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
     kcodes_ptr, vcodes_ptr, stride_cp, stride_ch, stride_ct,
     kscale_ptr, kzero_ptr, vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
@@ -551,7 +576,7 @@ def paged_write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, HAS_MEAN: tl.constexpr, K_FEEDBACK: tl.constexpr, V_FEEDBACK: tl.constexpr,
     HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, BLOCK_T: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """K and V in one launch: ``program_id(1)`` < ``NUM_KV_HEADS`` is a key head, the rest value heads.
 
@@ -562,22 +587,22 @@ def paged_write_kv_kernel(
     if tl.program_id(1) < NUM_KV_HEADS:
         paged_write_kernel(
             k_ptr, stride_kxt, stride_kxh, krot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh,
-            rmean_ptr, stride_rmh, freq_ptr, kalpha_ptr, kfb_ptr, stride_kfh, stride_kfr,
+            rmean_ptr, stride_rmh, freq_ptr, kalpha_ptr, kfb_ptr, stride_kfh, stride_kfr, stride_kfc,
             slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
             kcodes_ptr, stride_cp, stride_ch, stride_ct,
             kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
             ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE, PREFETCH,
         )  # fmt: skip
     else:
         paged_write_kernel(
             v_ptr, stride_vxt, stride_vxh, vrot_ptr, stride_rh, stride_rr, mean_ptr,
-            stride_mh, rmean_ptr, stride_rmh, freq_ptr, valpha_ptr, vfb_ptr, stride_vfh, stride_vfr,
+            stride_mh, rmean_ptr, stride_rmh, freq_ptr, valpha_ptr, vfb_ptr, stride_vfh, stride_vfr, stride_vfc,
             slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
             vcodes_ptr, stride_cp, stride_ch, stride_ct,
             vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
             vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS, probe_ptr, PROBE,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS, probe_ptr, PROBE, PREFETCH,
         )  # fmt: skip
