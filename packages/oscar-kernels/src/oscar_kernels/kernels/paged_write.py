@@ -306,10 +306,11 @@ def _feedback_codes(
             cd, ed = _code_err(td, zg, ig, _lane(sd, xq), sg)
             col = fb_ptr + j * stride_fr + c * stride_fc  # F[j, c] for the lanes of quarter 0
             kq = _quarter(q, k0, k1, k2, k3)
-            kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, stride_fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + stride_fc, stride_fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * stride_fc, stride_fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * stride_fc, stride_fr, kq, t0, t1, t2, t3, Q4)
+            fr, fc = stride_fr, stride_fc
+            kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
             if q == 0:
                 k0 = kq
             if q == 1:
@@ -597,8 +598,8 @@ def paged_write_kv_kernel(
         )  # fmt: skip
     else:
         paged_write_kernel(
-            v_ptr, stride_vxt, stride_vxh, vrot_ptr, stride_rh, stride_rr, mean_ptr,
-            stride_mh, rmean_ptr, stride_rmh, freq_ptr, valpha_ptr, vfb_ptr, stride_vfh, stride_vfr, stride_vfc,
+            v_ptr, stride_vxt, stride_vxh, vrot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh,
+            rmean_ptr, stride_rmh, freq_ptr, valpha_ptr, vfb_ptr, stride_vfh, stride_vfr, stride_vfc,
             slot_ptr, pos_ptr, seqidx_ptr, seqlen_ptr, wslot_ptr,
             vcodes_ptr, stride_cp, stride_ch, stride_ct,
             vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
