@@ -120,6 +120,7 @@ def compile_write_kv(  # noqa: ANN201
     rope: bool = True,
     feedback: bool = False,
     probe: bool = False,
+    head_dim: int = 128,
 ):
     """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
     (``feedback``: error feedback on the keys, the default artifact's case; ``probe``: its phase
@@ -131,9 +132,9 @@ def compile_write_kv(  # noqa: ANN201
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
 
     consts = dict(
-        NUM_KV_HEADS=8, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, HAS_MEAN=True, K_FEEDBACK=feedback,
-        V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True, BLOCK_T=block_t,
-        DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True,
+        NUM_KV_HEADS=8, HEAD_DIM=head_dim, GROUP=head_dim, SINK=64, RECENT=256, HAS_MEAN=True,
+        K_FEEDBACK=feedback, V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True,
+        BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True,
     )  # fmt: skip
     if feedback:
         consts["stride_kfr"] = 1

@@ -317,7 +317,7 @@ MUTATIONS = (
         "src/oscar_kernels/kernels/attention.py",
         "d[None, :], mask=live[:, None], other=0.0)",
         "d[None, :], mask=sm[:, None], other=0.0)",
-        ("tests/test_decode_attention.py", "-k", "many_partials or merge_matches_torch and v1 and none"),
+        ("tests/test_decode_attention.py", "-k", "many_partials or merge_matches_torch and v1 and head"),
     ),
     Mutation(
         "merge-v2-reads-empty-partials",
@@ -462,6 +462,38 @@ MUTATIONS = (
         "f31 = tl.load(f + 3 * stride_fr + stride_fc)",
         "f31 = tl.load(f + 3 * stride_fr + 2 * stride_fc)",
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # R_V folded transposed into the output projection (o_rot R_V, not o_rot R_Vᵀ, reaches W)
+        "fold-uses-the-transposed-rotation",
+        "src/oscar_kernels/fold.py",
+        "@ rot[h // g]).to(weight.dtype)",
+        "@ rot[h // g].t()).to(weight.dtype)",
+        ("tests/test_fold.py", "-k", "folded_weight"),
+    ),
+    Mutation(
+        # the decode op un-rotates although the engine folded R_V into its output projection
+        "decode-ignores-rotated-output",
+        "src/oscar_kernels/decode_attention.py",
+        "unrotate=None if params.rotated_output else params.v_rotation,",
+        "unrotate=params.v_rotation,",
+        ("tests/test_fold.py", "-k", "decode_leaves"),
+    ),
+    Mutation(
+        # the prefill merge un-rotates although the engine folded R_V
+        "prefill-merge-ignores-rotated-output",
+        "src/oscar_kernels/kernels/rotate.py",
+        "    if ROTATE:\n        for n0",
+        "    if True:\n        for n0",
+        ("tests/test_rotate.py", "-k", "merge_unrotate_matches"),
+    ),
+    Mutation(
+        # the prefetch's row blocks as d // 32: none at d = 16, which compiles only on a GPU
+        "write-prefetch-no-row-block-at-small-d",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "NR: tl.constexpr = (HEAD_DIM + 31) // 32",
+        "NR: tl.constexpr = HEAD_DIM // 32",
+        ("tests/test_paged_write.py", "-k", "prefetch_compiles"),
     ),
     Mutation(
         # rows and columns of F swapped: F's transpose is read (strictly upper triangular, so

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import torch
 from conftest import DEVICE, fill_cache
 
@@ -18,9 +20,15 @@ def test_custom_op_matches_and_passes_opcheck():
     q = torch.randn(3, 4, D, generator=gen).bfloat16().to(DEVICE)
     out = decode_attention_op(q, cache, ep, bt, sl, ws)
     assert torch.equal(out, decode_attention(q, cache, ep, bt, sl, ws))
+    # the flag crosses the op (R_V folded into the caller's output projection: rotated outputs)
+    kept = replace(ep, rotated_output=True)
+    rotated = decode_attention_op(q, cache, kept, bt, sl, ws)
+    assert torch.equal(rotated, decode_attention(q, cache, kept, bt, sl, ws)) and not torch.equal(
+        rotated, out
+    )
     register_ops()
     cl, pl = ops._cache_list(cache), ops._params_list(ep)
-    args = (q, cl, pl, ep.has_mean, bt, sl, ws, lo.group, D**-0.5)
+    args = (q, cl, pl, ep.has_mean, ep.rotated_output, bt, sl, ws, lo.group, D**-0.5)
     torch.library.opcheck(
         torch.ops.oscar.decode_attention.default, args, test_utils=("test_schema", "test_faketensor")
     )
@@ -49,6 +57,10 @@ def test_extend_op_matches_and_passes_opcheck():
     lo, cache, ep, q, k, v, cu, prefix, bt, ws, mq = _extend_case()
     out = extend_attention_op(q, k, v, cache, ep, cu, prefix, bt, ws, mq)
     assert torch.equal(out, extend_attention(q, k, v, cache, ep, cu, prefix, bt, ws, mq))
+    kept = replace(ep, rotated_output=True)
+    rotated = extend_attention_op(q, k, v, cache, kept, cu, prefix, bt, ws, mq)
+    assert torch.equal(rotated, extend_attention(q, k, v, cache, kept, cu, prefix, bt, ws, mq))
+    assert not torch.equal(rotated, out)
     args = (
         q,
         k,
@@ -56,6 +68,7 @@ def test_extend_op_matches_and_passes_opcheck():
         _cache_list(cache),
         _params_list(ep),
         ep.has_mean,
+        ep.rotated_output,
         cu,
         prefix,
         bt,

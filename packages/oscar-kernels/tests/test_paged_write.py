@@ -220,6 +220,17 @@ def test_the_feedback_loop_waits_on_no_block_barrier():
     assert loops[0]["ld.global"] <= 24, loops
 
 
+@needs_triton
+@pytest.mark.parametrize("d", [16, 32, 64])
+def test_the_feedback_prefetch_compiles_at_every_head_dim(d):
+    """The prefetch (GPU launches only: the interpreter never builds it) asks for one line per 32
+    rows of each column, at least one row block: d = 16 once built ``arange(0, 0)`` and failed to
+    compile on the GPU while every CPU test passed."""
+    call = f"cc.compile_write_kv(num_warps=4, block_t=16, rope=False, feedback=True, head_dim={d})"
+    ptx = compile_check_ptx(call)
+    assert ptx.count("prefetch.global.L1") >= 1
+
+
 def test_the_probe_build_stamps_each_phase_outside_the_loops():
     """``PROBE`` (``lab/gpu_vllm/write_phases.py``: where a decode write's time goes) reads the GPU
     timer at each phase boundary — 9 in a key program with feedback (start, rotation, relayout,

@@ -6,6 +6,8 @@ float64 merge and its torch form, with empty key sets in either or both sets."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import DEVICE, compile_check_ptx, make_params, needs_triton
@@ -148,6 +150,12 @@ def test_merge_unrotate_matches_float64(t, h, g, d):
     one = merge_unrotate(o1, l1, None, None, ep, torch.float32, backend="triton")
     want_one = unrot(torch.where(torch.isfinite(l1).t()[..., None], o1.double(), 0.0))
     assert (one.double() - want_one).abs().max() < 2e-5
+    # R_V folded into the engine's output projection: the merge alone, in the output dtype
+    kept = replace(ep, rotated_output=True)
+    merged = merge_unrotate(o1, l1, o2, l2, kept, torch.bfloat16, backend="triton")
+    assert merged.dtype == torch.bfloat16
+    assert (merged.double() - _merge_f64(o1, l1, o2, l2)).abs().max() < 2e-2
+    torch.testing.assert_close(merged, merge_unrotate(o1, l1, o2, l2, kept, torch.bfloat16, backend="torch"))
 
 
 @needs_triton

@@ -108,6 +108,13 @@ def _run_core(llm, texts) -> dict:
     }
 
 
+def _rotated_layers(worker) -> int:  # runs in the worker
+    """How many of the model's attention layers return rotated outputs (R_V folded into o_proj)."""
+    model = worker.model_runner.get_model()
+    impls = [getattr(getattr(m, "attn", None), "impl", None) for _, m in model.named_modules()]
+    return sum(bool(getattr(getattr(i, "_params", None), "rotated_output", False)) for i in impls)
+
+
 def _run_all(llm, texts) -> dict:
     """Everything the OSCAR engine without caching is asked (_run_core + prefix-cache probes)."""
     return {**_run_core(llm, texts), **_run_prefix(llm, texts)}
@@ -245,6 +252,7 @@ def _run_transient(llm, texts) -> dict:
     from vllm.v1.core.kv_cache_utils import get_group_id
 
     out = _run_prefix(llm, texts)
+    out["rotated_layers"] = sum(llm.collective_rpc(_rotated_layers))  # in-process: no serialisation
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0)
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     cache = pool.cached_block_hash_to_block._cache  # insertion order: a request's blocks by position
@@ -317,6 +325,14 @@ def test_greedy_tokens_agree_with_bf16(bf16, oscar, texts):
     assert sum(agree) / len(agree) >= 0.4
     # the long prompts really read INT2 (more than sink + recent cached tokens)
     assert sum(n > 320 for n in PROMPT_LENS) >= 3
+
+
+def test_every_layer_serves_with_r_v_folded_into_o_proj(oscar_cached):
+    """SmolLM2's LlamaAttention feeds attention straight into an unquantised o_proj: every INT2
+    layer folds R_V there (oscar_vllm.fold) and returns rotated outputs; the perplexity and greedy
+    tests check the outputs are the model's own (counted in the in-process engine: a function
+    reaches the worker of a multi-process engine only through pickling, which vLLM refuses)."""
+    assert oscar_cached["rotated_layers"] == NUM_LAYERS
 
 
 def test_engine_perplexity_matches_the_harness(bf16, oscar, texts, model_dir, artifact):

@@ -17,6 +17,7 @@ from .decode_attention import (
 from .dense_kernels import check_dense_attention, pick_dense_attention, torch_flash_attention
 from .extend_attention import extend_attention, extend_block_m, run_extend
 from .extend_dense import DenseAttention, dense_attention_ref, extend_attention_dense
+from .fold import fold_output_rotation
 from .layout import (
     CacheLayout,
     PagedKVCache,
@@ -82,4 +83,5 @@ __all__ = [
     "rotate_chunk",
     "rotate_queries",
     "unrotate_output",
+    "fold_output_rotation",
 ]

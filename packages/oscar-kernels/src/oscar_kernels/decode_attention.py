@@ -523,7 +523,7 @@ def run_decode(
         plan.gqa,
         plan.split,
         impl=plan.impl,
-        unrotate=params.v_rotation,
+        unrotate=None if params.rotated_output else params.v_rotation,
         out_dtype=q.dtype,
         rope=rope,
         tuning=plan.tuning,
@@ -727,8 +727,8 @@ def merge_partials(
     tuning: DecodeTuning | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]``; with
-    ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ`` in ``out_dtype``, else float32. ``pdl``:
+    """LSE-merge of a split kernel's partials ``po [B, H_q, NT, d]`` / ``plse [B, H_q, NT]`` in
+    ``out_dtype``; with ``unrotate`` (``[H_kv, d, d]``) also ``o @ R_Vᵀ``. ``pdl``:
     launched as a programmatic dependent of the split kernel. ``chunk``: partials per step (a
     power of two; default: v2 ``tuning.merge_chunk``, v1 ``NT``'s, at most 64).
 
@@ -737,10 +737,12 @@ def merge_partials(
     on ``(H_kv, d / cols, ⌈B·GQA / rows⌉)`` programs (a programmatic dependent of the merge where
     PDL is available): both kernels' grids fill the SMs at batch 1 and ``R_V`` is read per KV
     head and row block, not per query row. ``"v1"``: ``merge_splits_kernel``, one program per
-    query row (merge and un-rotation in one launch)."""
+    query row (merge and un-rotation in one launch). Without ``unrotate`` (the engine folded
+    ``R_V`` into its output projection) always ``merge_cols_kernel`` alone: ``merge_impl`` picks
+    between two ways of un-rotating."""
     tuning = _tuning(tuning)
     check(tuning.merge_impl in ("v1", "v2"), "merge_impl", "'v1' or 'v2'", tuning.merge_impl)
-    if tuning.merge_impl == "v1":
+    if tuning.merge_impl == "v1" and unrotate is not None:
         return _merge_partials_v1(po, plse, gqa, unrotate, out_dtype, out, pdl, tuning, chunk)
     from ._backend import interpreting
     from .kernels.attention import merge_cols_kernel, unrotate_rows_kernel
@@ -750,7 +752,7 @@ def merge_partials(
     bd, oc, bm = min(tuning.merge_block_d, d), min(tuning.merge_rotate_cols, d), tuning.merge_rotate_rows
     check(d % bd == 0 and d % oc == 0, "merge head dim", f"a multiple of {bd} and {oc}", d)
     if out is None:
-        out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=po.device)
+        out = _empty(bsz, hq, d, dtype=out_dtype, device=po.device)
     opts = {} if interpreting() else {"num_warps": tuning.merge_num_warps}
     # the un-rotation chained by PDL where the device has it (also where the merge itself is not a
     # dependent of a split kernel: extend)
@@ -784,7 +786,7 @@ def _merge_partials_v1(po, plse, gqa, unrotate, out_dtype, out, pdl, tuning, chu
     rot = plse if unrotate is None else unrotate  # not read without ROTATE
     rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
     if out is None:
-        out = _empty(bsz, hq, d, dtype=torch.float32 if unrotate is None else out_dtype, device=po.device)
+        out = _empty(bsz, hq, d, dtype=out_dtype, device=po.device)
     preload = unrotate is not None and d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     launch(merge_splits_kernel, (bsz * hq,),

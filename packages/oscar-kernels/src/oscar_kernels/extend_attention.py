@@ -252,7 +252,8 @@ def run_extend(
     if splits > 1:
         # one merge chunk for every split count (<= 64): one compile, where the count's own power
         # of two would compile per count
-        return merge_partials(po, plse, g, ep.v_rotation, q.dtype, chunk=64)
+        unrotate = None if ep.rotated_output else ep.v_rotation
+        return merge_partials(po, plse, g, unrotate, q.dtype, chunk=64)
     return unrotate_output(out, ep, q.dtype)
 
 

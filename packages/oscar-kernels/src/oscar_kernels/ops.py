@@ -47,11 +47,13 @@ def _cache_from(tensors: list[torch.Tensor], group_size: int) -> PagedKVCache:
     return PagedKVCache(lo, *tensors)
 
 
-def _params_from(tensors: list[torch.Tensor | None], has_mean: bool) -> ExpandedParams:
+def _params_from(
+    tensors: list[torch.Tensor | None], has_mean: bool, rotated_output: bool = False
+) -> ExpandedParams:
     named = dict(zip(PARAM_FIELDS, tensors, strict=True))
     return ExpandedParams(
         named.pop("k_rotation"), named.pop("v_rotation"), named.pop("k_mean"), named.pop("k_clip"),
-        named.pop("v_clip"), has_mean, **named,
+        named.pop("v_clip"), has_mean, **named, rotated_output=rotated_output,
     )  # fmt: skip
 
 
@@ -66,6 +68,7 @@ def register_ops() -> None:
         cache: list[torch.Tensor],
         params: list[torch.Tensor | None],
         has_mean: bool,
+        rotated_output: bool,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         window_slots: torch.Tensor,
@@ -75,8 +78,8 @@ def register_ops() -> None:
         from .decode_attention import decode_attention
 
         return decode_attention(
-            q, _cache_from(cache, group_size), _params_from(params, has_mean), block_table, seq_lens,
-            window_slots, softmax_scale,
+            q, _cache_from(cache, group_size), _params_from(params, has_mean, rotated_output),
+            block_table, seq_lens, window_slots, softmax_scale,
         )  # fmt: skip
 
     @_decode.register_fake
@@ -91,6 +94,7 @@ def register_ops() -> None:
         cache: list[torch.Tensor],
         params: list[torch.Tensor | None],
         has_mean: bool,
+        rotated_output: bool,
         cu_seqlens_q: torch.Tensor,
         prefix_lens: torch.Tensor,
         block_table: torch.Tensor,
@@ -102,8 +106,8 @@ def register_ops() -> None:
         from .extend_attention import extend_attention
 
         return extend_attention(
-            q, k, v, _cache_from(cache, group_size), _params_from(params, has_mean), cu_seqlens_q,
-            prefix_lens, block_table, window_slots, max_query_len, softmax_scale,
+            q, k, v, _cache_from(cache, group_size), _params_from(params, has_mean, rotated_output),
+            cu_seqlens_q, prefix_lens, block_table, window_slots, max_query_len, softmax_scale,
         )  # fmt: skip
 
     @_extend.register_fake
@@ -150,8 +154,8 @@ def decode_attention_op(
     register_ops()
     scale = softmax_scale if softmax_scale is not None else cache.layout.head_dim**-0.5
     return torch.ops.oscar.decode_attention(
-        q, _cache_list(cache), _params_list(params), params.has_mean, block_table, seq_lens,
-        window_slots, cache.layout.group, float(scale),
+        q, _cache_list(cache), _params_list(params), params.has_mean, params.rotated_output,
+        block_table, seq_lens, window_slots, cache.layout.group, float(scale),
     )  # fmt: skip
 
 
@@ -171,8 +175,9 @@ def extend_attention_op(
     cu_seqlens_q, prefix_lens, block_table, window_slots, max_query_len = batch
     scale = softmax_scale if softmax_scale is not None else cache.layout.head_dim**-0.5
     return torch.ops.oscar.extend_attention(
-        q, k, v, _cache_list(cache), _params_list(params), params.has_mean, cu_seqlens_q, prefix_lens,
-        block_table, window_slots, int(max_query_len), cache.layout.group, float(scale),
+        q, k, v, _cache_list(cache), _params_list(params), params.has_mean, params.rotated_output,
+        cu_seqlens_q, prefix_lens, block_table, window_slots, int(max_query_len), cache.layout.group,
+        float(scale),
     )  # fmt: skip
 
 

@@ -38,6 +38,10 @@ class ExpandedParams:
         k_rope_ab, k_rope_theta, k_rope_pairs: the compact form the kernels read,
             ``[H_kv, 2, R]`` / ``[R]`` float32 / ``[R]`` int64 (``R`` a power of two; see
             :func:`oscar_math.rope_center.compact_rope_mean`), or None.
+        rotated_output: the attention outputs stay in the rotated value basis (``o_rot``, no
+            ``o_rot @ R_Vᵀ``): the engine folded ``R_V`` into its output projection
+            (``W_o[:, head h] ← W_o[:, head h] @ R_V[kv(h)]``; :func:`fold_output_rotation`),
+            which spares every layer the un-rotation. Default False: outputs in the model's basis.
     """
 
     k_rotation: torch.Tensor
@@ -53,6 +57,7 @@ class ExpandedParams:
     k_rope_ab: torch.Tensor | None = None
     k_rope_theta: torch.Tensor | None = None
     k_rope_pairs: torch.Tensor | None = None
+    rotated_output: bool = False
 
     @property
     def rope_pairs(self) -> int:

@@ -112,7 +112,10 @@ def rotate_chunk(
 def unrotate_output(
     o: torch.Tensor, ep: ExpandedParams, dtype: torch.dtype, backend: Backend | str = "auto"
 ) -> torch.Tensor:
-    """``[..., H_q, d]`` float32 rotated output → ``o @ R_Vᵀ`` in ``dtype``."""
+    """``[..., H_q, d]`` float32 rotated output → ``o @ R_Vᵀ`` in ``dtype`` (``o`` itself where
+    ``ep.rotated_output``: the engine's output projection holds ``R_V``)."""
+    if ep.rotated_output:
+        return o.to(dtype)
     h = ep.v_rotation.shape[0]
     *lead, hq, d = o.shape
     x = o.reshape(*lead, h, hq // h, d)
@@ -152,7 +155,8 @@ def merge_unrotate(
     strides); ``o2 = l2 = None``: one key set. On CUDA one Triton launch
     (``kernels/rotate.py``'s ``merge_unrotate_kernel``): the merged float32 rows never reach memory
     (the torch form writes and re-reads ``[T, H_q, d]`` float32 about eight times: the prefill's
-    largest elementwise cost, H200 profile of 2026-12-04). Returns ``[T, H_q, d]`` in ``dtype``."""
+    largest elementwise cost, H200 profile of 2026-12-04). Returns ``[T, H_q, d]`` in ``dtype``
+    (merged only, not un-rotated, where ``ep.rotated_output``)."""
     h = ep.v_rotation.shape[0]
     t, hq, d = o1.shape
     pow2 = d >= 16 and d & (d - 1) == 0
@@ -179,7 +183,7 @@ def merge_unrotate(
             o2, o2.stride(0), o2.stride(1), l2, l2.stride(0), l2.stride(1),
             rot, rot.stride(0), rot.stride(1), rot.stride(2),
             out, rows, g,
-            H=h, D=d, BLOCK_M=_BLOCK_M, BLOCK_N=min(_BLOCK_N, d), TWO=two,
+            H=h, D=d, BLOCK_M=_BLOCK_M, BLOCK_N=min(_BLOCK_N, d), TWO=two, ROTATE=not ep.rotated_output,
             num_warps=_WARPS,
         )  # fmt: skip
     return out

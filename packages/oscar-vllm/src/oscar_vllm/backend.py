@@ -428,6 +428,7 @@ class OscarAttentionImpl(AttentionImpl):
         self._cache: PagedKVCache | None = None
         self._cache_src: int | None = None
         self._params = None
+        self._rotated = False  # R_V folded into o_proj (fold.py): outputs stay rotated
         # prefill chunks through vLLM's own FlashAttention (oscar_kernels.extend_dense), else torch's,
         # whichever passes the start-up check first (dense_prefill: false keeps the Triton kernel)
         self._dense = None
@@ -482,7 +483,21 @@ class OscarAttentionImpl(AttentionImpl):
         idx = compat.layer_index(layer_name)
         with torch.device("cpu"):
             params = shard_params(LayerQuantParams.from_rotations(self.rotations, idx), self.heads)
-        self._params = params.expand(self.num_kv_heads, self.head_size, self.device)
+        ep = params.expand(self.num_kv_heads, self.head_size, self.device)
+        self._params = replace(ep, rotated_output=self._rotated)
+
+    def value_rotation(self) -> torch.Tensor:
+        """This rank's ``R_V`` (``[H_kv, d, d]`` float32 on the device), which :mod:`oscar_vllm.fold`
+        folds into the layer's output projection."""
+        if self._params is None:
+            self._prepare_params(compat.layer_of_impl(self._cfg, self)[0])
+        return self._params.v_rotation
+
+    def serve_rotated_output(self, on: bool) -> None:
+        """Return ``o_rot`` (``on``: the output projection holds ``R_V``) or ``o_rot @ R_Vᵀ``."""
+        self._rotated = on
+        if self._params is not None and self._params.rotated_output != on:
+            self._params = replace(self._params, rotated_output=on)
 
     def _add_window_layers(self) -> None:
         """Register this layer's window layers (docs/vllm.md, "Prefix caching").

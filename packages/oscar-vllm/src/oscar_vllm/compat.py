@@ -875,6 +875,29 @@ def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
     return True
 
 
+#: the worker's methods after which the model holds newly loaded weights (0.33; those present)
+_WEIGHT_LOADS = ("load_model", "reload_weights", "update_weights")
+
+
+def after_weights_loaded(hook: Any, worker_class: type | None = None) -> bool:
+    """Run ``hook(worker)`` each time vLLM's GPU worker (the CPU worker inherits it) has loaded
+    weights into its model: the first load and every ``reload_weights`` / ``update_weights``.
+    Install before the worker loads its model (the plugin's ``register``). Idempotent per hook.
+    False where the worker class or ``load_model`` is missing (then nothing runs)."""
+    cls = worker_class or _gpu_worker_class()
+    if cls is None or not callable(getattr(cls, "load_model", None)):
+        return False
+    for attr in _WEIGHT_LOADS:
+        if callable(getattr(cls, attr, None)):
+            _hook_method(cls, attr, hook, before=False)
+    return True
+
+
+def model_of_worker(worker: Any) -> Any:
+    """The worker's model itself (CUDA-graph and micro-batch wrappers taken off)."""
+    return worker.model_runner.get_model()
+
+
 #: the model runner's method that allocates the small KV cache its CUDA-graph memory profile
 #: captures with (0.33: in ``determine_available_memory``, before the engine's KV cache exists)
 _PROFILING_KV_CACHE = "_init_minimal_kv_cache_for_profiling"

@@ -38,7 +38,8 @@ def _prefetch_f(fb_ptr, stride_fr, stride_fc, HEAD_DIM: tl.constexpr):
     ``F``). The feedback loop's ``d/4`` steps each wait on their columns' loads; from the memory
     (``F`` is evicted from L2 between layers by the weights) that latency was most of a decode
     write. A prefetch never faults, writes no register and changes no value."""
-    r = tl.arange(0, HEAD_DIM // 32) * 32
+    NR: tl.constexpr = (HEAD_DIM + 31) // 32  # at least one row block (d = 16: one)
+    r = tl.arange(0, NR) * 32
     c = tl.arange(0, HEAD_DIM)
     ptrs = fb_ptr + r[:, None] * stride_fr + c[None, :] * stride_fc
     tl.inline_asm_elementwise(

@@ -60,14 +60,16 @@ def merge_unrotate_kernel(
     rot_ptr, sr_h, sr_i, sr_j,
     out_ptr, ROWS, G,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TWO: tl.constexpr,
+    TWO: tl.constexpr, ROTATE: tl.constexpr = True,
 ):  # fmt: skip
     """Program ``(m, h)``: rows ``r = m·BLOCK_M + [0, BLOCK_M)`` of KV head ``h`` (row ``r`` is
     token ``r // G``, query head ``h·G + r % G``). Joins two partial attentions over disjoint key
     sets, ``o1/o2 [N, H·G, D]`` with log-sum-exps ``l1/l2 [H·G, N]`` (natural log; a set without
     keys for a row has an infinite or NaN ``l`` and is dropped), in float32, then multiplies the
     row by ``rot[h]`` as :func:`rotate_tiles_kernel` does (same tiles, 3×TF32) into the contiguous
-    ``out [N, H·G, D]``. ``TWO = False``: one set only (``o2``/``l2`` are not read)."""
+    ``out [N, H·G, D]``. ``TWO = False``: one set only (``o2``/``l2`` are not read).
+    ``ROTATE = False``: the merged rows as they are (the engine folded ``R_V`` into its output
+    projection; ``rot`` is not read)."""
     h = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = r < ROWS
@@ -96,8 +98,11 @@ def merge_unrotate_kernel(
         w1 = tl.exp(m1 - tl.where(ok1, m1, 0.0))  # 1 with keys, 0 without
         x = x * w1[:, None] / tl.maximum(w1, 1e-30)[:, None]
     out_row = (tok * (H * G) + hq) * D
-    for n0 in tl.static_range(0, D, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        w = tl.load(rot_ptr + h * sr_h + n[None, :] * sr_j + k[:, None] * sr_i)
-        z = tl.dot(x, w, input_precision="tf32x3")
-        _round_store_masked(out_ptr + out_row[:, None] + n[None, :], z, live[:, None])
+    if ROTATE:
+        for n0 in tl.static_range(0, D, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            w = tl.load(rot_ptr + h * sr_h + n[None, :] * sr_j + k[:, None] * sr_i)
+            z = tl.dot(x, w, input_precision="tf32x3")
+            _round_store_masked(out_ptr + out_row[:, None] + n[None, :], z, live[:, None])
+    else:
+        _round_store_masked(out_ptr + out_row[:, None] + k[None, :], x, live[:, None])

@@ -17,6 +17,7 @@ reads ``OSCAR_*`` variables.
 | ``warmup`` | bool | the engine's own JIT warm-up setting | ``OSCAR_VLLM_WARMUP`` (0/1) |
 | ``identity_restores`` | bool | ``true`` | ``OSCAR_VLLM_V2_IDENTITY_RESTORES`` (0/1) |
 | ``step_log`` | path | none | ``OSCAR_VLLM_STEP_LOG`` |
+| ``fold_output`` | bool | ``true`` | ``OSCAR_FOLD_OUTPUT`` (0/1) |
 
 A key in the section wins over its variable. Every bad value is one :class:`OscarError` line that
 names the key (or variable), what it accepts and what it got.
@@ -60,6 +61,7 @@ ENV = {
     "warmup": "OSCAR_VLLM_WARMUP",
     "identity_restores": "OSCAR_VLLM_V2_IDENTITY_RESTORES",
     "step_log": "OSCAR_VLLM_STEP_LOG",
+    "fold_output": "OSCAR_FOLD_OUTPUT",
 }
 
 
@@ -79,6 +81,10 @@ class ServingSettings:
     warmup: bool | None = None
     identity_restores: bool = True
     step_log: str | None = None
+    #: R_V folded into each INT2 layer's output projection at load time where its weight is a plain
+    #: floating-point matrix (oscar_kernels.fold_output_rotation): the attention returns o_rot and
+    #: no layer un-rotates; false (or a projection it cannot fold) keeps the un-rotation
+    fold_output: bool = True
 
     def __post_init__(self) -> None:
         _exclude_list(list(self.exclude_layers), "exclude_layers")
@@ -132,7 +138,7 @@ class ServingSettings:
         got = raw("window_snapshots")
         if got:
             kw["window_snapshots"] = _positive_int(*got)
-        for key in ("split_extend", "dense_prefill", "warmup", "identity_restores"):
+        for key in ("split_extend", "dense_prefill", "warmup", "identity_restores", "fold_output"):
             got = raw(key)
             if got:
                 kw[key] = _switch(*got)
@@ -154,6 +160,7 @@ KEYS = frozenset(
         "warmup",
         "identity_restores",
         "step_log",
+        "fold_output",
     }
 )
 
