@@ -21,6 +21,13 @@ class _Impl:
     def serve_rotated_output(self, on: bool) -> None:
         self.rotated = on
 
+    def serves_int2(self) -> bool:
+        return True
+
+    @property
+    def rotated_output(self) -> bool:
+        return bool(self.rotated)
+
 
 class _Attn(torch.nn.Module):
     def __init__(self, impl: _Impl) -> None:
@@ -102,27 +109,47 @@ def test_fold_output_off_and_unfoldable_projections_keep_the_unrotation(caplog):
     assert torch.equal(a.o_proj.weight, before[0])
 
 
-def test_the_fold_runs_after_each_weight_load_of_the_worker():
-    """compat.after_weights_loaded on a stand-in for vLLM's worker: the hook runs after the first
-    load and after each reload / update (not before), once however often installed; a worker
-    without ``update_weights`` still gets the others; False without ``load_model``."""
+def test_the_fold_runs_before_weight_processing_and_after_each_reload(monkeypatch):
+    """compat.before_weight_processing wraps the loaders' process_weights_after_loading (the model
+    is folded before vLLM packs or quantises its weights), once however often installed;
+    compat.after_weights_reloaded runs after a worker's reload_weights / update_weights."""
+    import types
+
     from oscar_vllm import compat
 
     calls = []
+    loader = types.ModuleType("fake_loader")
+
+    def process_weights_after_loading(model, model_config, target_device):
+        calls.append(("process", model))
+
+    loader.process_weights_after_loading = process_weights_after_loading
+    monkeypatch.setitem(__import__("sys").modules, "fake_loader", loader)
+    monkeypatch.setattr(compat, "_WEIGHT_PROCESSING_CALLERS", ("fake_loader", "no_such_loader"))
+    hook = lambda model: calls.append(("fold", model))  # noqa: E731
+    assert compat.before_weight_processing(hook) and compat.before_weight_processing(hook)
+    loader.process_weights_after_loading("m", None, None)
+    assert calls == [("fold", "m"), ("process", "m")]
 
     class Worker:
-        def load_model(self, *, load_dummy_weights=False):
-            calls.append("load")
-
         def reload_weights(self, *a, **kw):
             calls.append("reload")
 
-    def hook(worker):
-        calls.append("fold")
+    calls.clear()
+    assert compat.after_weights_reloaded(lambda w: calls.append("refold"), Worker)
+    Worker().reload_weights()
+    assert calls == ["reload", "refold"]
+    assert not compat.after_weights_reloaded(hook, type("Older", (), {}))
 
-    assert compat.after_weights_loaded(hook, Worker) and compat.after_weights_loaded(hook, Worker)
-    w = Worker()
-    w.load_model(load_dummy_weights=True)
-    w.reload_weights()
-    assert calls == ["load", "fold", "reload", "fold"]
-    assert not compat.after_weights_loaded(hook, type("Older", (), {}))
+
+def test_a_folded_layer_that_cannot_be_checked_after_a_reload_stops_the_engine():
+    import pytest
+
+    from oscar_math.errors import OscarError
+
+    m = _model()
+    fold_model(m)
+    a = m.layers[0]
+    a.o_proj.quant_method = type("CPUPackedMethod", (), {})()  # e.g. packed after the reload
+    with pytest.raises(OscarError, match="fold_output: false"):
+        fold_model(m, reload=True)

@@ -493,6 +493,17 @@ class OscarAttentionImpl(AttentionImpl):
             self._prepare_params(compat.layer_of_impl(self._cfg, self)[0])
         return self._params.v_rotation
 
+    def serves_int2(self) -> bool:
+        """Whether this layer stays with OSCAR (not one ``exclude_layers`` hands to vLLM's backend)."""
+        if not self.excluded:
+            return True
+        return compat.layer_index(compat.layer_of_impl(self._cfg, self)[0]) not in self.excluded
+
+    @property
+    def rotated_output(self) -> bool:
+        """Whether this layer returns ``o_rot`` (its output projection holds ``R_V``)."""
+        return self._rotated
+
     def serve_rotated_output(self, on: bool) -> None:
         """Return ``o_rot`` (``on``: the output projection holds ``R_V``) or ``o_rot @ R_Vᵀ``."""
         self._rotated = on

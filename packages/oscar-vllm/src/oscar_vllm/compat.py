@@ -875,22 +875,63 @@ def after_model_warm_up(hook: Any, worker_class: type | None = None) -> bool:
     return True
 
 
-#: the worker's methods after which the model holds newly loaded weights (0.33; those present)
-_WEIGHT_LOADS = ("load_model", "reload_weights", "update_weights")
+#: modules that call vLLM's ``process_weights_after_loading`` on a freshly loaded model (0.33:
+#: every model loader's ``load_model``, the weight-cache loaders)
+_WEIGHT_PROCESSING_CALLERS = (
+    "vllm.model_executor.model_loader.base_loader",
+    "vllm.model_executor.model_loader.weight_cache.daemon",
+    "vllm.model_executor.model_loader.weight_cache.ipc_loader",
+)
+_PROCESSING = "process_weights_after_loading"
 
 
-def after_weights_loaded(hook: Any, worker_class: type | None = None) -> bool:
-    """Run ``hook(worker)`` each time vLLM's GPU worker (the CPU worker inherits it) has loaded
-    weights into its model: the first load and every ``reload_weights`` / ``update_weights``.
-    Install before the worker loads its model (the plugin's ``register``). Idempotent per hook.
-    False where the worker class or ``load_model`` is missing (then nothing runs)."""
+def before_weight_processing(hook: Any) -> bool:
+    """Run ``hook(model)`` each time a model loader has loaded a model's weights, before vLLM turns
+    them into their kernels' formats (quantisation, the CPU build's packed GEMM weights) and before
+    the attention layers' own ``process_weights_after_loading``. Install before the model loads (the
+    plugin's ``register``). Idempotent. False where no loader module calls that function."""
+    import importlib
+
+    hooked = False
+    for name in _WEIGHT_PROCESSING_CALLERS:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a loader this build lacks
+            continue
+        orig = getattr(mod, _PROCESSING, None)
+        if not callable(orig):
+            continue
+        hooks = getattr(orig, "_oscar_hooks", None)
+        if hooks is None:
+            hooks = []
+
+            def wrapped(model: Any, *args: Any, _orig: Any = orig, _hooks: list = hooks, **kw: Any) -> Any:
+                for h in _hooks:
+                    h(model)
+                return _orig(model, *args, **kw)
+
+            w = functools.wraps(orig)(wrapped)
+            w._oscar_hooks = hooks  # type: ignore[attr-defined]
+            setattr(mod, _PROCESSING, w)
+        if hook not in hooks:
+            hooks.append(hook)
+        hooked = True
+    return hooked
+
+
+#: the worker's methods after which the model holds reloaded weights (0.33; those present)
+_WEIGHT_RELOADS = ("reload_weights", "update_weights")
+
+
+def after_weights_reloaded(hook: Any, worker_class: type | None = None) -> bool:
+    """Run ``hook(worker)`` each time vLLM's GPU worker (the CPU worker inherits it) has reloaded or
+    updated its model's weights (``reload_weights`` / ``update_weights``). Idempotent per hook. False
+    where the worker class has neither method (then nothing runs)."""
     cls = worker_class or _gpu_worker_class()
-    if cls is None or not callable(getattr(cls, "load_model", None)):
-        return False
-    for attr in _WEIGHT_LOADS:
-        if callable(getattr(cls, attr, None)):
-            _hook_method(cls, attr, hook, before=False)
-    return True
+    found = [a for a in _WEIGHT_RELOADS if cls is not None and callable(getattr(cls, a, None))]
+    for attr in found:
+        _hook_method(cls, attr, hook, before=False)
+    return bool(found)
 
 
 def model_of_worker(worker: Any) -> Any:

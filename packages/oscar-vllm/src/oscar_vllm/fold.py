@@ -1,4 +1,4 @@
-"""``R_V`` folded into each OSCAR layer's output projection once the weights are loaded.
+"""``R_V`` folded into each OSCAR layer's output projection as the weights are loaded.
 
 With ``W_o``'s head blocks multiplied by ``R_V`` (:func:`oscar_kernels.fold_output_rotation`),
 the layer's attention returns ``o_rot`` (:attr:`oscar_kernels.ExpandedParams.rotated_output`)
@@ -7,10 +7,14 @@ and no decode or prefill step un-rotates: a ``[d, d]`` product per query row and
 Folded only where that is exact: the attention module's class feeds ``self.attn``'s output
 straight into ``self.o_proj`` (:data:`DIRECT_O_PROJ`: no gate or norm between them), and
 ``o_proj`` is a plain floating-point matrix (vLLM's unquantised linear, no LoRA wrapper). Any
-other layer keeps its un-rotation, with one start-up line saying why. The pass runs after every
-weight load (:func:`oscar_vllm.compat.after_weights_loaded`: first load, ``reload_weights``,
-``update_weights``) and refolds only a weight that no longer carries its fold's fingerprint, so a
-weight reloaded in full is folded again and one left untouched is not folded twice.
+other layer keeps its un-rotation, with one start-up line saying why. The fold runs once the
+loader has the checkpoint's weights, before vLLM turns them into kernel formats (the CPU build
+packs them for its GEMM) and before the layers prepare themselves
+(:func:`oscar_vllm.compat.before_weight_processing`); after ``reload_weights`` /
+``update_weights`` (:func:`oscar_vllm.compat.after_weights_reloaded`) it refolds only a weight
+that no longer carries its fold's fingerprint, so a weight reloaded in full is folded again and one
+left untouched is not folded twice. A folded layer whose weight cannot be read back after a reload
+stops the engine with one line (never a silently wrong projection).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from typing import Any
 import torch
 
 from oscar_kernels import fold_output_rotation
+from oscar_math.errors import OscarError
 
-__all__ = ["DIRECT_O_PROJ", "fold_model", "fold_refusal", "fold_after_load"]
+__all__ = ["DIRECT_O_PROJ", "fold_model", "fold_refusal", "fold_on_load", "fold_after_reload"]
 
 log = logging.getLogger("oscar_vllm")
 
@@ -64,21 +69,30 @@ def _mark(w: torch.Tensor) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def fold_model(model: torch.nn.Module, enabled: bool = True) -> int:
+def fold_model(model: torch.nn.Module, enabled: bool = True, reload: bool = False) -> int:
     """Fold ``R_V`` into the output projection of every attention module whose ``attn`` runs an
-    OSCAR layer (its implementation has ``oscar_layer``), and tell that layer its outputs stay
-    rotated; ``enabled=False`` (``fold_output: false``) leaves every layer un-rotating. Returns
-    the number of layers that serve rotated outputs. One log line per reason a layer was refused."""
+    OSCAR INT2 layer (its implementation has ``oscar_layer`` and serves the layer: not one that
+    ``exclude_layers`` hands to vLLM's backend), and tell that layer its outputs stay rotated;
+    ``enabled=False`` (``fold_output: false``) leaves every layer un-rotating. ``reload``: after a
+    weight reload (a folded layer that cannot be checked any more is an error). Returns the number
+    of layers that serve rotated outputs. One log line per reason a layer was refused."""
     served, refused = 0, {}
-    for _, module in model.named_modules():
+    for name, module in model.named_modules():
         impl = getattr(getattr(module, "attn", None), "impl", None)
         if not getattr(impl, "oscar_layer", False) or not hasattr(impl, "serve_rotated_output"):
+            continue
+        if not impl.serves_int2():
             continue
         o_proj = getattr(module, "o_proj", None)
         why = "fold_output is off"
         if enabled:
             why = fold_refusal(module, o_proj, impl.num_heads, impl.head_size)
         if why is not None:
+            if reload and impl.rotated_output:
+                raise OscarError(
+                    f"OSCAR: {name}.o_proj holds R_V (fold_output) but after the weight reload it cannot "
+                    f"be checked ({why}); serve with fold_output: false to reload weights this way"
+                )
             refused[why] = refused.get(why, 0) + 1
             impl.serve_rotated_output(False)
             continue
@@ -95,14 +109,31 @@ def fold_model(model: torch.nn.Module, enabled: bool = True) -> int:
     return served
 
 
-def fold_after_load(worker: Any) -> None:
-    """:func:`fold_model` on a worker that has just loaded weights, where OSCAR serves it (the
-    plugin installs this in every vLLM process: :func:`oscar_vllm.compat.after_weights_loaded`)."""
+def _enabled(cfg: Any) -> bool | None:
+    """``fold_output`` where ``cfg`` selects OSCAR, else ``None`` (nothing to fold)."""
     from . import compat
     from .settings import settings_from
 
-    cfg = getattr(worker, "vllm_config", None)
     if cfg is None or not compat.oscar_selected(cfg):
-        return
-    enabled = settings_from(getattr(cfg, "additional_config", None), require_rotations=False).fold_output
-    fold_model(compat.model_of_worker(worker), enabled)
+        return None
+    return settings_from(getattr(cfg, "additional_config", None), require_rotations=False).fold_output
+
+
+def fold_on_load(model: torch.nn.Module) -> None:
+    """:func:`fold_model` on a model whose loader has just read the checkpoint, where OSCAR serves it
+    (installed in every vLLM process by the plugin: :func:`oscar_vllm.compat.before_weight_processing`;
+    vLLM's configuration is current while a worker loads its model)."""
+    from . import compat
+
+    enabled = _enabled(compat.current_config())
+    if enabled is not None:
+        fold_model(model, enabled)
+
+
+def fold_after_reload(worker: Any) -> None:
+    """:func:`fold_model` after a worker reloaded or updated weights (``reload=True``)."""
+    from . import compat
+
+    enabled = _enabled(getattr(worker, "vllm_config", None))
+    if enabled is not None:
+        fold_model(compat.model_of_worker(worker), enabled, reload=True)

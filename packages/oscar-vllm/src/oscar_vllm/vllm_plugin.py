@@ -22,7 +22,7 @@ log = logging.getLogger("oscar_vllm")
 
 def register() -> None:
     """Register the OSCAR backend, its CPU stand-in, the prefix-caching guard and the output
-    rotation's fold into ``o_proj`` after weight loads (:mod:`oscar_vllm.fold`)."""
+    rotation's fold into ``o_proj`` as weights load (:mod:`oscar_vllm.fold`)."""
     global _done
     if _done:
         return
@@ -44,9 +44,10 @@ def register() -> None:
             compat.default_max_num_seqs()
             compat.default_block_size()
             startup.install_kv_report()
-            from .fold import fold_after_load  # R_V into o_proj once weights are loaded
+            from .fold import fold_after_reload, fold_on_load  # R_V into o_proj as weights load
 
-            compat.after_weights_loaded(fold_after_load)
+            compat.before_weight_processing(fold_on_load)
+            compat.after_weights_reloaded(fold_after_reload)
     except Exception as e:  # an unexpected vLLM: OSCAR unavailable, everything else untouched
         log.warning(
             "oscar-vllm could not register the OSCAR backend with vLLM %s: %s", compat.vllm_version(), e
