@@ -851,6 +851,9 @@ def suite(a: argparse.Namespace) -> int:
             if a.caches != "shared":  # its own empty caches: the start is cold whatever ran first
                 env = case_cache_env(Path(a.cache_root), spec["name"])
             r = _run_one(spec, min(a.case_timeout, left), log, env)
+            results[spec["name"]] = r
+            # on disk before the second start: a device call cut by its limit keeps this case's rows
+            (out / "gpu_engine.json").write_text(json.dumps({"results": results}, indent=1))
             left = a.budget_s - (time.perf_counter() - t0)
             if a.caches == "cold+warm" and left >= 30:  # a second start on the caches of the first
                 w = _run_one(dict(spec, work=[]), min(a.case_timeout, left), log, env)
