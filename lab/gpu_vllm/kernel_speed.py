@@ -135,6 +135,13 @@ def decode_shape(ctx: int, bsz: int, width: int | None = None) -> dict:
     nopdl_v1 = replace(nopdl, merge_impl="v1")
     r["merge_impl_default"] = dec.DEFAULT_TUNING.merge_impl
     r["op_us"] = us(lambda: ok.decode_attention(*args))
+    # R_V folded into the engine's o_proj (oscar_vllm.fold): the op returns o_rot, merge_cols alone
+    folded = (*args[:2], replace(s["ep"], rotated_output=True), *args[3:])
+    r["op_folded_us"] = us(lambda: ok.decode_attention(*folded))
+    try:
+        r["kernels_pdl_folded"] = profile_kernels(lambda: ok.decode_attention(*folded))
+    except Exception as e:  # noqa: BLE001 - the timing above stands without the profile
+        r["kernels_pdl_folded_error"] = f"{type(e).__name__}: {e}"
     r["op_v1_us"] = us(lambda: ok.decode_attention(*args, tuning=v1))
     r["op_nopdl_us"] = us(lambda: ok.decode_attention(*args, tuning=nopdl))
     r["op_nopdl_v1_us"] = us(lambda: ok.decode_attention(*args, tuning=nopdl_v1))
@@ -271,7 +278,7 @@ def main() -> int:
             brief = {k: v for k, v in r.items() if not isinstance(v, dict)}
             print(kind, json.dumps(brief), flush=True)
             for k in (
-                "kernels_pdl", "kernels_nopdl", "kernels_pdl_v1", "kernels_nopdl_v1",
+                "kernels_pdl", "kernels_pdl_folded", "kernels_nopdl", "kernels_pdl_v1", "kernels_nopdl_v1",
                 "merge_profile_v2", "merge_profile_v1", "merge_v2_vs_v1",
             ):  # fmt: skip
                 if k in r:
