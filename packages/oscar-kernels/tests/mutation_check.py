@@ -488,22 +488,6 @@ MUTATIONS = (
         ("tests/test_rotate.py", "-k", "merge_unrotate_matches"),
     ),
     Mutation(
-        # the next step's targets miss the second error of this step (the off-chain picks)
-        "write-feedback-next-targets-miss-an-error",
-        "src/oscar_kernels/kernels/paged_write.py",
-        "    t = t + eb * tl.load(frow + stride_fc).to(tl.float32)\n",
-        "",
-        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
-    ),
-    Mutation(
-        # the next step's targets picked one lane too far (the off-chain picks)
-        "write-feedback-next-targets-picked-off-by-one",
-        "src/oscar_kernels/kernels/paged_write.py",
-        "na, nb = _lane((j == l0 + 4)[None, :], tq)",
-        "na, nb = _lane((j == l0 + 5)[None, :], tq)",
-        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
-    ),
-    Mutation(
         # the prefetch's row blocks as d // 32: none at d = 16, which compiles only on a GPU
         "write-prefetch-no-row-block-at-small-d",
         "src/oscar_kernels/kernels/paged_write.py",

@@ -243,16 +243,6 @@ def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, 
 
 
 @triton.jit
-def _take_errors(t, ea, eb, ec, ed, frow, stride_fr, stride_fc):
-    """A later coordinate's target ``t`` (per token) plus the step's four errors times its row of
-    ``F`` (``frow``: ``F[r, c]``), in coordinate order: what the quarter's tile receives."""
-    t = t + ea * tl.load(frow).to(tl.float32)
-    t = t + eb * tl.load(frow + stride_fc).to(tl.float32)
-    t = t + ec * tl.load(frow + 2 * stride_fc).to(tl.float32)
-    return t + ed * tl.load(frow + 3 * stride_fc).to(tl.float32)
-
-
-@triton.jit
 def _feedback_codes(
     x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr, stride_fc,
     HEAD_DIM: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
@@ -275,13 +265,7 @@ def _feedback_codes(
     coordinate order. Every target receives the same float32 products in the same order as
     before (the reference's order), so the codes are the same bits; the serial chain loses three
     cross-lane picks of four (one pick per coordinate made a one-token decode write 15.6 µs on
-    the H100, the loop's latency).
-
-    The next step's four targets are picked at the start of a step, from the tile as it is before
-    this step's errors reach it, and those four errors are then added to them as scalars
-    (:func:`_take_errors`, coordinate order: the additions the tile's lanes receive), so no pick
-    waits on the step before it: the serial chain is the four roundings and their scalar updates
-    (the H100 probe: ~0.5 µs a step with the picks on it)."""
+    the H100, the loop's latency)."""
     Q4: tl.constexpr = HEAD_DIM // 4
     j = tl.arange(0, Q4)
     t0, t1, t2, t3 = x0, x1, x2, x3
@@ -294,21 +278,12 @@ def _feedback_codes(
         zq = _quarter(q, z0, z1, z2, z3)
         iq = _quarter(q, i0, i1, i2, i3)
         sq = _quarter(q, s0, s1, s2, s3)
-        tq = _quarter(q, t0, t1, t2, t3)
-        # the quarter's first step's targets (every earlier error is in the quarter's tile)
-        na, nb = _lane((j == 0)[None, :], tq), _lane((j == 1)[None, :], tq)
-        nc, nd = _lane((j == 2)[None, :], tq), _lane((j == 3)[None, :], tq)
         for l0 in range(0, Q4, 4):
             c = q * Q4 + l0  # the step's first coordinate
             sa, sb = (j == l0)[None, :], (j == l0 + 1)[None, :]
             sc, sd = (j == l0 + 2)[None, :], (j == l0 + 3)[None, :]
-            ta, tb, tc, td = na, nb, nc, nd
-            # the next step's targets, picked before this step's errors reach the tile: the
-            # picks (cross-lane sums) leave the serial chain; the four errors are added to them
-            # below as scalars, in coordinate order (the tile's own order)
             tq = _quarter(q, t0, t1, t2, t3)
-            na, nb = _lane((j == l0 + 4)[None, :], tq), _lane((j == l0 + 5)[None, :], tq)
-            nc, nd = _lane((j == l0 + 6)[None, :], tq), _lane((j == l0 + 7)[None, :], tq)
+            ta, tb, tc, td = _lane(sa, tq), _lane(sb, tq), _lane(sc, tq), _lane(sd, tq)
             # F[c + r, c + i] for the picked targets (r > i)
             f = fb_ptr + c * stride_fr + c * stride_fc
             f10 = tl.load(f + stride_fr).to(tl.float32)
@@ -337,11 +312,6 @@ def _feedback_codes(
             kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
             kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
             kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
-            if l0 + 4 < Q4:  # the next step is in this quarter: its targets get this step's errors
-                na = _take_errors(na, ea, eb, ec, ed, f + 4 * fr, fr, fc)
-                nb = _take_errors(nb, ea, eb, ec, ed, f + 5 * fr, fr, fc)
-                nc = _take_errors(nc, ea, eb, ec, ed, f + 6 * fr, fr, fc)
-                nd = _take_errors(nd, ea, eb, ec, ed, f + 7 * fr, fr, fc)
             if q == 0:
                 k0 = kq
             if q == 1:
