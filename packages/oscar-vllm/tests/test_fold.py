@@ -69,44 +69,20 @@ def _rotated_output_gives_the_same_y(layer: LlamaAttention, original: torch.Tens
     return torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_known_layers_fold_once_and_again_after_a_reload(caplog):
+def test_the_fold_finds_the_oscar_layers_vllm_serves(caplog):
+    """oscar_vllm.fold finds attention modules whose ``attn.impl`` is an OSCAR layer that stays INT2
+    (an excluded layer, handed to vLLM's backend later, keeps its weight) and folds through the
+    serving core (which decides per class: oscar-kernels' test_serving_fold.py)."""
     m = _model()
     before = [lay.o_proj.weight.detach().clone() for lay in m.layers]
-    with caplog.at_level(logging.INFO, logger="oscar_vllm"):
-        assert fold_model(m) == 2
-    a, gated, b = m.layers
-    assert a.attn.impl.rotated is True and b.attn.impl.rotated is True and gated.attn.impl.rotated is False
-    assert _rotated_output_gives_the_same_y(a, before[0]) and _rotated_output_gives_the_same_y(b, before[2])
-    assert torch.equal(gated.o_proj.weight, before[1])  # refused: untouched
-    assert "GatedAttention is not known to feed its attention output straight into o_proj" in caplog.text
-    # a second pass (a reload that left these weights alone) folds nothing twice
-    folded = a.o_proj.weight.detach().clone()
-    assert fold_model(m) == 2
-    assert torch.equal(a.o_proj.weight, folded)
-    # a reload wrote the unfolded weight again: folded again
-    with torch.no_grad():
-        a.o_proj.weight.copy_(before[0])
-    fold_model(m)
-    assert torch.equal(a.o_proj.weight, folded)
-
-
-def test_fold_output_off_and_unfoldable_projections_keep_the_unrotation(caplog):
-    m = _model()
-    before = [lay.o_proj.weight.detach().clone() for lay in m.layers]
-    assert fold_model(m, enabled=False) == 0
-    assert all(lay.attn.impl.rotated is False for lay in m.layers)
-    assert all(torch.equal(lay.o_proj.weight, w) for lay, w in zip(m.layers, before, strict=True))
-    a = m.layers[0]
-    a.o_proj.quant_method = type("Fp8LinearMethod", (), {})()
-    a.o_proj.base_layer = None
+    m.layers[2].attn.impl.serves_int2 = lambda: False  # in exclude_layers
     with caplog.at_level(logging.INFO, logger="oscar_vllm"):
         assert fold_model(m) == 1
-    assert a.attn.impl.rotated is False and "o_proj is wrapped by LoRA" in caplog.text
-    del a.o_proj.base_layer
-    with caplog.at_level(logging.INFO, logger="oscar_vllm"):
-        fold_model(m)
-    assert "o_proj is quantised (Fp8LinearMethod)" in caplog.text
-    assert torch.equal(a.o_proj.weight, before[0])
+    a, gated, excluded = m.layers
+    assert a.attn.impl.rotated is True and gated.attn.impl.rotated is False
+    assert excluded.attn.impl.rotated is None and torch.equal(excluded.o_proj.weight, before[2])
+    assert _rotated_output_gives_the_same_y(a, before[0])
+    assert "R_V folded into o_proj of 1 layer(s)" in caplog.text
 
 
 def test_the_fold_runs_before_weight_processing_and_after_each_reload(monkeypatch):
@@ -140,16 +116,3 @@ def test_the_fold_runs_before_weight_processing_and_after_each_reload(monkeypatc
     Worker().reload_weights()
     assert calls == ["reload", "refold"]
     assert not compat.after_weights_reloaded(hook, type("Older", (), {}))
-
-
-def test_a_folded_layer_that_cannot_be_checked_after_a_reload_stops_the_engine():
-    import pytest
-
-    from oscar_math.errors import OscarError
-
-    m = _model()
-    fold_model(m)
-    a = m.layers[0]
-    a.o_proj.quant_method = type("CPUPackedMethod", (), {})()  # e.g. packed after the reload
-    with pytest.raises(OscarError, match="fold_output: false"):
-        fold_model(m, reload=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -27,6 +29,7 @@ from oscar_kernels.serving import (
     shard_params,
 )
 from oscar_kernels.serving import window_bytes_per_slot as _slot_bytes
+from oscar_kernels.serving.fold import FoldTarget, fold_output_projections
 from oscar_kernels.serving.settings import RadixCache, ServingSettings
 from oscar_math.errors import OscarError
 
@@ -51,6 +54,7 @@ __all__ = [
     "snapshot_count",
     "prefix_digests",
     "SnapshotStore",
+    "fold_outputs",
 ]
 
 #: environment variable that carries the artifact path to every SGLang process
@@ -91,6 +95,34 @@ def prefill_options() -> tuple[bool, bool]:
     more programs (``$OSCAR_VLLM_SPLIT_EXTEND``, the one switch both engines share; on by default)."""
     s = _settings()
     return s.dense_prefill, s.split_extend
+
+
+def _fold_targets(model: torch.nn.Module, params: dict[int, ExpandedParams]) -> Iterator[FoldTarget]:
+    """SGLang's attention modules whose ``attn`` (a ``RadixAttention``) is a layer of ``params``."""
+    for name, module in model.named_modules():
+        attn = getattr(module, "attn", None)
+        lid = getattr(attn, "layer_id", None)
+        if lid not in params:
+            continue
+
+        def serve(on: bool, lid: int = lid) -> None:
+            if params[lid].rotated_output != on:
+                params[lid] = replace(params[lid], rotated_output=on)
+
+        yield FoldTarget(
+            name, module, int(attn.tp_q_head_num), int(attn.head_dim),
+            lambda lid=lid: params[lid].v_rotation, params[lid].rotated_output, serve,
+        )  # fmt: skip
+
+
+def fold_outputs(model: Any, params: dict[int, ExpandedParams], logger: Any = None) -> int:
+    """``R_V`` into the output projections of ``model``'s OSCAR layers where exact
+    (:mod:`oscar_kernels.serving.fold`; ``fold_output``, on by default, ``$OSCAR_FOLD_OUTPUT``):
+    those layers' ``params`` then return rotated outputs. Run when the backend is built (the model
+    is loaded, nothing captured yet). Returns the number of layers folded."""
+    if model is None:
+        return 0
+    return fold_output_projections(_fold_targets(model, params), _settings().fold_output, logger)
 
 
 def snapshot_count(mode: str, request_slots: int) -> int:

@@ -27,7 +27,10 @@ Hook targets (dotted paths, the same in both releases unless noted):
   policy (``--oscar-radix-cache``): hits cut back to prefixes with a BF16 window snapshot,
   snapshots published where the tree takes a request's tokens and planted at branch points
   (``exact``, the default), or the tree built disabled (``off``). See docs/sglang.md,
-  "Radix (prefix) cache".
+  "Radix (prefix) cache";
+* ``TpModelWorker.update_weights_from_{disk,tensor,distributed,ipc}`` (after): ``R_V`` folded again
+  into the output projections a weight update rewrote (the backend folds them when it is built:
+  :func:`oscar_sglang.core.fold_outputs`); a release without one of them logs that hook's failure.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from .core import (
     SnapshotStore,
     WindowTracker,
     block_table,
+    fold_outputs,
     int2_bytes_per_token,
     load_rank_quant,
     prefill_options,
@@ -107,6 +111,9 @@ __all__ = ["register", "OscarTokenToKVPool", "OscarAttnBackend", "oscar_selected
 _T_ARGS = "sglang.srt.server_args.ServerArgs"
 _T_CELL = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
 _T_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_T_WORKER = "sglang.srt.managers.tp_worker.TpModelWorker"
+#: TpModelWorker.update_weights_from_<how>: where a running server's weights change
+_WEIGHT_UPDATES = ("disk", "tensor", "distributed", "ipc")
 _T_TREES = (
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache",
     "sglang.srt.mem_cache.radix_cache.RadixCache",
@@ -381,6 +388,9 @@ class OscarAttnBackend(AttentionBackend):
         # the ReqToTokenPool.alloc hook finds the OSCAR pool here (branch-point snapshots)
         self.req_to_token_pool._oscar_pool = pool
         self.device = model_runner.device
+        # R_V into o_proj where exact (the model is loaded, no graph captured yet): those layers'
+        # attention returns o_rot and skips the un-rotation (docs/sglang.md)
+        fold_outputs(getattr(model_runner, "model", None), pool.quant.params, logger)
         #: this step's plan (the serving core's StepPlan), shared by every layer's forward
         self.plan: StepPlan | None = None
         #: oscar_kernels' backend: Triton on CUDA, the torch references elsewhere ("triton" runs the
@@ -929,6 +939,15 @@ def _publish(tree: Any, req: Any, slot: Any, k_len: int, token_ids: Any) -> None
             pool.store.publish(int(slot), gen, n, digests[n // page - 1])
 
 
+def _refold(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    """After a TP worker updated its model's weights: fold ``R_V`` into the projections the update
+    rewrote (a fingerprint tells them from those it left folded; :mod:`oscar_kernels.serving.fold`)."""
+    runner = getattr(self, "model_runner", None)
+    pool = getattr(runner, "token_to_kv_pool", None)
+    if isinstance(pool, OscarTokenToKVPool):
+        fold_outputs(getattr(runner, "model", None), pool.quant.params, logger)
+
+
 def _req_alloc(result: Any, self: Any, reqs: Any, *args: Any, **kwargs: Any) -> Any:
     """Hand a branch point the match asked to snapshot (``_match_prefix``) to the request's slot."""
     pool = getattr(self, "_oscar_pool", None)
@@ -968,5 +987,7 @@ def register() -> None:
         for method, hook in _compat.publish_hooks(_publish):
             HookRegistry.register(f"{tree}.{method}", hook, HookType.AROUND)
     HookRegistry.register("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc", _req_alloc, HookType.AFTER)
+    for how in _WEIGHT_UPDATES:  # R_V folded again into what a weight update rewrote
+        HookRegistry.register(f"{_T_WORKER}.update_weights_from_{how}", _refold, HookType.AFTER)
     for target, hook, kind in _compat.extra_hooks():
         HookRegistry.register(target, hook, kind)
