@@ -472,6 +472,22 @@ MUTATIONS = (
         ("tests/test_fold.py", "-k", "folded_weight"),
     ),
     Mutation(
+        # any attention class folded: one that gates its output before o_proj would be wrong
+        "serving-fold-ignores-the-class",
+        "src/oscar_kernels/serving/fold.py",
+        "    if cls not in DIRECT_O_PROJ:",
+        "    if False:",
+        ("tests/test_serving_fold.py",),
+    ),
+    Mutation(
+        # no fingerprint: a second pass (a reload that left the weight alone) folds it twice
+        "serving-fold-folds-twice",
+        "src/oscar_kernels/serving/fold.py",
+        "if getattr(o_proj, _FOLD_MARK, None) != _mark(w):",
+        "if True:",
+        ("tests/test_serving_fold.py",),
+    ),
+    Mutation(
         # the decode op un-rotates although the engine folded R_V into its output projection
         "decode-ignores-rotated-output",
         "src/oscar_kernels/decode_attention.py",
