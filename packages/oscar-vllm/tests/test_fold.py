@@ -116,3 +116,23 @@ def test_the_fold_runs_before_weight_processing_and_after_each_reload(monkeypatc
     Worker().reload_weights()
     assert calls == ["reload", "refold"]
     assert not compat.after_weights_reloaded(hook, type("Older", (), {}))
+
+
+def test_weights_from_vllms_weight_cache_are_refused_with_the_fold_on(monkeypatch):
+    """Pre-processed weights (vLLM's weight cache) may hold R_V already: with fold_output on that is
+    one clear error at load, never a second fold or an un-rotated read of a folded weight."""
+    import pytest
+
+    from oscar_math.errors import OscarError
+    from oscar_vllm import compat, fold
+
+    cfg = type("Cfg", (), {"additional_config": None})()
+    monkeypatch.setattr(compat, "current_config", lambda: cfg)
+    monkeypatch.setattr(compat, "oscar_selected", lambda c: True)
+    monkeypatch.setattr(compat, "weights_pre_processed", lambda: True)
+    m = _model()
+    with pytest.raises(OscarError, match="fold_output"):
+        fold.fold_on_load(m)
+    monkeypatch.setattr(compat, "weights_pre_processed", lambda: False)
+    fold.fold_on_load(m)
+    assert m.layers[0].attn.impl.rotated is True

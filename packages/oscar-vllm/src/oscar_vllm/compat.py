@@ -919,6 +919,17 @@ def before_weight_processing(hook: Any) -> bool:
     return hooked
 
 
+def weights_pre_processed() -> bool:
+    """Whether the weights being loaded come already processed (vLLM's weight-cache loaders: the
+    process that cached them ran every post-load step, an OSCAR fold included); False where this
+    vLLM has no such loaders."""
+    try:
+        from vllm.model_executor.utils import is_weights_pre_processed
+    except ImportError:
+        return False
+    return bool(is_weights_pre_processed())
+
+
 #: the worker's methods after which the model holds reloaded weights (0.33; those present)
 _WEIGHT_RELOADS = ("reload_weights", "update_weights")
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from oscar_kernels.serving.fold import FoldTarget, fold_output_projections
+from oscar_math.errors import OscarError
 
 __all__ = ["fold_model", "fold_on_load", "fold_after_reload"]
 
@@ -61,6 +62,13 @@ def fold_on_load(model: torch.nn.Module) -> None:
     from . import compat
 
     enabled = _enabled(compat.current_config())
+    if enabled and compat.weights_pre_processed():
+        # a cached model may hold R_V already (its fingerprint does not travel with the weights)
+        raise OscarError(
+            "OSCAR: fold_output cannot tell whether weights from vLLM's weight cache hold R_V already; "
+            'serve them with additional_config {"oscar": {"fold_output": false}} (or OSCAR_FOLD_OUTPUT=0) '
+            "in the caching process too"
+        )
     if enabled is not None:
         fold_model(model, enabled)
 
