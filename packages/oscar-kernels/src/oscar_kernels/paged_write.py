@@ -20,6 +20,9 @@ LAST_COMPILED: dict = {}
 
 __all__ = ["paged_write", "WritePlan", "plan_write", "run_write", "WRITE_PARTS", "FUSE_MAX_TOKENS"]
 
+#: the write's feedback prefetch is PTX (``prefetch.global.L1``): NVIDIA builds only
+_PTX = torch.version.hip is None
+
 #: what one :func:`paged_write` call stores: everything, the INT2 pages + sink rows, or the ring rows
 WRITE_PARTS = ("all", "pages", "ring")
 
@@ -314,7 +317,7 @@ def _launch_kv(
     from .kernels.paged_write import paged_write_kv_kernel
 
     lo = cache.layout
-    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": True}
+    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": _PTX}
     codes, scale, sink, ring = cache.k_codes, cache.k_scale, cache.k_sink, cache.k_recent
     LAST_COMPILED["paged_write"] = launch(
         paged_write_kv_kernel,
@@ -361,7 +364,7 @@ def _launch_one(
     from .kernels.paged_write import paged_write_kernel
 
     lo = cache.layout
-    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": True}
+    kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": _PTX}
     codes, scale, zero, sink, ring = (t.field(f) for f in ("codes", "scale", "zero", "sink", "recent"))
     LAST_COMPILED["paged_write"] = launch(
         paged_write_kernel,
