@@ -190,6 +190,20 @@ def fill_cache(
     return finish()
 
 
+def extend_batch(lens, chunks, keys, values, query_heads: int, gen):
+    """The packed extend batch of :func:`fill_cache`'s ``pending=chunks`` sequences: each sequence's
+    last ``chunks[b]`` tokens as this step's chunk. Returns ``(q, k, v, cu_seqlens_q, prefix_lens)``
+    (random bf16 queries drawn from ``gen`` after everything ``fill_cache`` drew)."""
+    d = keys[0].shape[-1]
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
+    pre = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(chunks), query_heads, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    return q, k, v, cu, pre
+
+
 def assert_one_step_rarely(name: str, x: torch.Tensor, y: torch.Tensor, frac: float) -> None:
     """At most ``frac`` of the elements differ, each by one code / one bf16 step."""
     if name.endswith("codes"):

@@ -285,8 +285,8 @@ MUTATIONS = (
     Mutation(
         "merge-unrotation-transposed",
         "src/oscar_kernels/decode_attention.py",
-        "rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))",
-        "rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(2), rot.stride(1))",
+        "rs = (rot.stride(0), rot.stride(1), rot.stride(2))",
+        "rs = (rot.stride(0), rot.stride(2), rot.stride(1))",
         ("tests/test_decode_attention.py", "-k", "merge_matches_torch and v1 and head"),
     ),
     Mutation(

@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import DEVICE, compile_check_ptx, fill_cache, needs_triton, record_triton_specialisations
+from conftest import (
+    DEVICE,
+    compile_check_ptx,
+    extend_batch,
+    fill_cache,
+    needs_triton,
+    record_triton_specialisations,
+)
 
 from oscar_kernels import (
     CacheLayout,
@@ -95,12 +102,7 @@ def test_dense_extend_matches_reference(case, sink, recent, rope, granularity, d
     if rope:
         params = _with_rope(params, h, d, rope, gen)
     ep = params.expand(h, d, cache.device)
-    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
-    pre = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
-    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
-    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    q, k, v, cu, pre = extend_batch(lens, chunks, keys, values, h * g, gen)
     ref = extend_attention_ref(q, k, v, cache, ep, cu, pre, bt, ws, max(chunks))
     out = extend_attention(
         q, k, v, cache, ep, cu, pre, bt, ws, max(chunks), backend="triton",

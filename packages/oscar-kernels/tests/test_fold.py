@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import DEVICE, fill_cache, needs_triton
+from conftest import DEVICE, extend_batch, fill_cache, needs_triton
 
 from oscar_kernels import (
     CacheLayout,
@@ -73,12 +73,7 @@ def _case(seed: int = 3, d: int = 64):
     lens, chunks = [7, 45, 70], [7, 1, 33]
     cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
     ep = params.expand(h, d, cache.device)
-    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    prefix = [n - c for n, c in zip(lens, chunks, strict=True)]
-    prefix = torch.tensor(prefix, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
-    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
-    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    q, k, v, cu, prefix = extend_batch(lens, chunks, keys, values, h * g, gen)
     return (q, k, v, cache, ep, cu, prefix, bt, ws, max(chunks)), lens
 
 

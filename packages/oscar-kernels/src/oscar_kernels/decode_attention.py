@@ -778,20 +778,21 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _merge_partials_v1(po, plse, gqa, unrotate, out_dtype, out, pdl, tuning, chunk) -> torch.Tensor:
-    """:func:`merge_partials` with ``merge_impl="v1"`` (``merge_splits_kernel``): the A/B baseline."""
+    """:func:`merge_partials` with ``merge_impl="v1"`` (``merge_splits_kernel``), un-rotating
+    (``merge_partials`` sends merges without ``unrotate`` to ``merge_cols_kernel``): the A/B baseline."""
     from ._backend import interpreting
     from .kernels.attention import merge_splits_kernel
 
     bsz, hq, nt, d = po.shape
-    rot = plse if unrotate is None else unrotate  # not read without ROTATE
-    rs = (0, 0, 0) if unrotate is None else (rot.stride(0), rot.stride(1), rot.stride(2))
+    rot = unrotate
+    rs = (rot.stride(0), rot.stride(1), rot.stride(2))
     if out is None:
         out = _empty(bsz, hq, d, dtype=out_dtype, device=po.device)
-    preload = unrotate is not None and d <= tuning.merge_preload_max_d
+    preload = d <= tuning.merge_preload_max_d
     mopts = {"num_warps": 8} if preload and not interpreting() else {}  # [d, d] in registers
     launch(merge_splits_kernel, (bsz * hq,),
         po, plse, out, rot, *rs, nt, hq, gqa, HEAD_DIM=d, CH=chunk or min(64, triton_next_pow2(nt)),
-        ROTATE=unrotate is not None, RC=min(32, d), PDL=pdl, PRELOAD=preload,
+        ROTATE=True, RC=min(32, d), PDL=pdl, PRELOAD=preload,
         **({"launch_pdl": True} if pdl else {}), **mopts,
     )  # fmt: skip
     return out
