@@ -452,7 +452,7 @@ MUTATIONS = (
         # the look-ahead: the second coordinate's error never reaches the third's picked target
         "write-feedback-step-drops-an-error-inside-the-step",
         "src/oscar_kernels/kernels/paged_write.py",
-        "            tc = tc + eb * f21\n",
+        "    tc = tc + eb * f21\n",
         "",
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
     ),
@@ -461,6 +461,38 @@ MUTATIONS = (
         "src/oscar_kernels/kernels/paged_write.py",
         "f31 = tl.load(f + 3 * stride_fr + stride_fc)",
         "f31 = tl.load(f + 3 * stride_fr + 2 * stride_fc)",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # eight coordinates a step: the second run's targets miss the first run's errors
+        "write-feedback-step8-skips-the-cross-update",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "                tf = _cross(tf, ea, eb, ec, ed, f + 5 * fr, fc)\n",
+        "",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # the cross update reads the second error's F entry from the third column
+        "write-feedback-step8-cross-reads-the-wrong-column",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "    t = t + eb * tl.load(f + stride_fc).to(tl.float32)",
+        "    t = t + eb * tl.load(f + 2 * stride_fc).to(tl.float32)",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # the second run's own F block taken from the first run's columns
+        "write-feedback-step8-second-run-reads-the-first-block",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "zg2, ig2, sgs2, f + 4 * fr + 4 * fc, fr, fc,",
+        "zg2, ig2, sgs2, f + 4 * fr, fr, fc,",
+        ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
+    ),
+    Mutation(
+        # a step over two groups of four rounds its second run with the first group's scale/zero
+        "write-feedback-step8-one-group-a-step",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "SPLIT_GROUP: tl.constexpr = GROUP % 8 != 0",
+        "SPLIT_GROUP: tl.constexpr = False",
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
     ),
     Mutation(

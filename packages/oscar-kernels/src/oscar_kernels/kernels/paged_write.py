@@ -243,9 +243,57 @@ def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, 
 
 
 @triton.jit
+def _chain4(ta, tb, tc, td, xa, xb, xc, xd, zg, ig, sg, f, stride_fr, stride_fc):
+    """Four consecutive coordinates ``c .. c+3`` of one quantisation group rounded in order from
+    their picked targets ``ta .. td`` (per token), each error added to the later three's targets
+    with the scalar ``F`` entries (``f``: ``F[c, c]``). Returns the four codes and errors."""
+    f10 = tl.load(f + stride_fr).to(tl.float32)
+    f20 = tl.load(f + 2 * stride_fr).to(tl.float32)
+    f21 = tl.load(f + 2 * stride_fr + stride_fc).to(tl.float32)
+    f30 = tl.load(f + 3 * stride_fr).to(tl.float32)
+    f31 = tl.load(f + 3 * stride_fr + stride_fc).to(tl.float32)
+    f32 = tl.load(f + 3 * stride_fr + 2 * stride_fc).to(tl.float32)
+    ca, ea = _code_err(ta, zg, ig, xa, sg)
+    tb = tb + ea * f10
+    tc = tc + ea * f20
+    td = td + ea * f30
+    cb, eb = _code_err(tb, zg, ig, xb, sg)
+    tc = tc + eb * f21
+    td = td + eb * f31
+    cc, ec = _code_err(tc, zg, ig, xc, sg)
+    td = td + ec * f32
+    cd, ed = _code_err(td, zg, ig, xd, sg)
+    return ca, cb, cc, cd, ea, eb, ec, ed
+
+
+@triton.jit
+def _cross(t, ea, eb, ec, ed, f, stride_fc):
+    """A later coordinate's picked target ``t`` (row of ``F`` at ``f``: ``F[r, c]``) after the
+    errors of coordinates ``c .. c+3``, added one at a time in coordinate order."""
+    t = t + ea * tl.load(f).to(tl.float32)
+    t = t + eb * tl.load(f + stride_fc).to(tl.float32)
+    t = t + ec * tl.load(f + 2 * stride_fc).to(tl.float32)
+    return t + ed * tl.load(f + 3 * stride_fc).to(tl.float32)
+
+
+@triton.jit
+def _set_quarter(q: tl.constexpr, kq, k0, k1, k2, k3):
+    """``k0 .. k3`` with quarter ``q`` (a compile-time index) replaced by ``kq``."""
+    if q == 0:
+        k0 = kq
+    if q == 1:
+        k1 = kq
+    if q == 2:
+        k2 = kq
+    if q == 3:
+        k3 = kq
+    return k0, k1, k2, k3
+
+
+@triton.jit
 def _feedback_codes(
     x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr, stride_fc,
-    HEAD_DIM: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
 ):  # fmt: skip
     """Error-feedback codes, exactly as ``oscar_math.quantize_int2_feedback``.
 
@@ -254,72 +302,86 @@ def _feedback_codes(
     later coordinates times column ``c`` of the strictly lower-triangular ``F`` (entries on and
     above the diagonal are zero, so adding to every coordinate changes only the later ones).
     ``fb_ptr`` points at ``F`` of this head, row stride ``stride_fr``, column stride
-    ``stride_fc``. Each step reads four columns of ``F``: stored column-major (``stride_fr`` 1,
+    ``stride_fc``. Each step reads its columns of ``F``: stored column-major (``stride_fr`` 1,
     as :meth:`LayerQuantParams.expand` keeps it) a column is one contiguous run, not ``d/4``
     lines a quarter. Returns the four quarters' int32 codes.
 
-    Four coordinates a step (``d`` is a multiple of 16, so a quarter of 4): their targets are
-    picked out of the quarter at once (cross-lane sums, side by side), the four roundings run on
-    the picked per-token values, each adding its error to the later picked targets with the
-    scalar ``F`` entries, and only then do the four errors reach the quarters' targets, in
-    coordinate order. Every target receives the same float32 products in the same order as
-    before (the reference's order), so the codes are the same bits; the serial chain loses three
-    cross-lane picks of four (one pick per coordinate made a one-token decode write 15.6 µs on
-    the H100, the loop's latency)."""
+    Several coordinates a step — eight where a quarter holds a multiple of eight (``d`` a
+    multiple of 32), else four (``d`` is a multiple of 16): their targets are picked out of the
+    quarter at once (cross-lane sums, side by side), the roundings run on the picked per-token
+    values in runs of four (:func:`_chain4`, the scalar ``F`` entries between them; a second run's
+    targets first take the first run's errors, :func:`_cross`), and only then do the step's errors
+    reach the quarters' targets, in coordinate order. Every target receives the same float32
+    products in the same order as the reference, so the codes are the same bits; the serial chain
+    loses the cross-lane picks of all but one coordinate a step (one pick per coordinate made a
+    one-token decode write 15.6 µs on the H100; four a step ~0.5 µs a step there)."""
     Q4: tl.constexpr = HEAD_DIM // 4
+    STEP: tl.constexpr = 8 if Q4 % 8 == 0 else 4
+    # eight coordinates of a step span two groups when groups hold four
+    SPLIT_GROUP: tl.constexpr = GROUP % 8 != 0
     j = tl.arange(0, Q4)
     t0, t1, t2, t3 = x0, x1, x2, x3
     k0 = tl.zeros(x0.shape, tl.int32)
     k1 = tl.zeros(x0.shape, tl.int32)
     k2 = tl.zeros(x0.shape, tl.int32)
     k3 = tl.zeros(x0.shape, tl.int32)
+    fr, fc = stride_fr, stride_fc
     for q in tl.static_range(4):
         xq = _quarter(q, x0, x1, x2, x3)
         zq = _quarter(q, z0, z1, z2, z3)
         iq = _quarter(q, i0, i1, i2, i3)
         sq = _quarter(q, s0, s1, s2, s3)
-        for l0 in range(0, Q4, 4):
+        for l0 in range(0, Q4, STEP):
             c = q * Q4 + l0  # the step's first coordinate
             sa, sb = (j == l0)[None, :], (j == l0 + 1)[None, :]
             sc, sd = (j == l0 + 2)[None, :], (j == l0 + 3)[None, :]
             tq = _quarter(q, t0, t1, t2, t3)
             ta, tb, tc, td = _lane(sa, tq), _lane(sb, tq), _lane(sc, tq), _lane(sd, tq)
-            # F[c + r, c + i] for the picked targets (r > i)
-            f = fb_ptr + c * stride_fr + c * stride_fc
-            f10 = tl.load(f + stride_fr).to(tl.float32)
-            f20 = tl.load(f + 2 * stride_fr).to(tl.float32)
-            f21 = tl.load(f + 2 * stride_fr + stride_fc).to(tl.float32)
-            f30 = tl.load(f + 3 * stride_fr).to(tl.float32)
-            f31 = tl.load(f + 3 * stride_fr + stride_fc).to(tl.float32)
-            f32 = tl.load(f + 3 * stride_fr + 2 * stride_fc).to(tl.float32)
             # the four share a quantisation group (groups are >= 4 aligned coordinates): one
-            # zero, inverse scale and scale for the step
+            # zero, inverse scale and scale for them
             zg, ig, sg = _lane(sa, zq), _lane(sa, iq), _lane(sa, sq)
-            ca, ea = _code_err(ta, zg, ig, _lane(sa, xq), sg)
-            tb = tb + ea * f10
-            tc = tc + ea * f20
-            td = td + ea * f30
-            cb, eb = _code_err(tb, zg, ig, _lane(sb, xq), sg)
-            tc = tc + eb * f21
-            td = td + eb * f31
-            cc, ec = _code_err(tc, zg, ig, _lane(sc, xq), sg)
-            td = td + ec * f32
-            cd, ed = _code_err(td, zg, ig, _lane(sd, xq), sg)
+            f = fb_ptr + c * stride_fr + c * stride_fc  # F[c, c]
             col = fb_ptr + j * stride_fr + c * stride_fc  # F[j, c] for the lanes of quarter 0
             kq = _quarter(q, k0, k1, k2, k3)
-            fr, fc = stride_fr, stride_fc
-            kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
-            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
-            if q == 0:
-                k0 = kq
-            if q == 1:
-                k1 = kq
-            if q == 2:
-                k2 = kq
-            if q == 3:
-                k3 = kq
+            if STEP == 8:
+                se, sf = (j == l0 + 4)[None, :], (j == l0 + 5)[None, :]
+                sg2, sh = (j == l0 + 6)[None, :], (j == l0 + 7)[None, :]
+                te, tf, tg, th = _lane(se, tq), _lane(sf, tq), _lane(sg2, tq), _lane(sh, tq)
+                if SPLIT_GROUP:
+                    zg2, ig2, sgs2 = _lane(se, zq), _lane(se, iq), _lane(se, sq)
+                else:
+                    zg2, ig2, sgs2 = zg, ig, sg
+                ca, cb, cc, cd, ea, eb, ec, ed = _chain4(
+                    ta, tb, tc, td, _lane(sa, xq), _lane(sb, xq), _lane(sc, xq), _lane(sd, xq),
+                    zg, ig, sg, f, fr, fc,
+                )  # fmt: skip
+                # the second run's targets after the first run's errors (F[c+4+r, c .. c+3])
+                te = _cross(te, ea, eb, ec, ed, f + 4 * fr, fc)
+                tf = _cross(tf, ea, eb, ec, ed, f + 5 * fr, fc)
+                tg = _cross(tg, ea, eb, ec, ed, f + 6 * fr, fc)
+                th = _cross(th, ea, eb, ec, ed, f + 7 * fr, fc)
+                ce, cf, cg, ch, ee, ef, eg, eh = _chain4(
+                    te, tf, tg, th, _lane(se, xq), _lane(sf, xq), _lane(sg2, xq), _lane(sh, xq),
+                    zg2, ig2, sgs2, f + 4 * fr + 4 * fc, fr, fc,
+                )  # fmt: skip
+                kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, se, ce, ee, col + 4 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sf, cf, ef, col + 5 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sg2, cg, eg, col + 6 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sh, ch, eh, col + 7 * fc, fr, kq, t0, t1, t2, t3, Q4)
+            else:
+                ca, cb, cc, cd, ea, eb, ec, ed = _chain4(
+                    ta, tb, tc, td, _lane(sa, xq), _lane(sb, xq), _lane(sc, xq), _lane(sd, xq),
+                    zg, ig, sg, f, fr, fc,
+                )  # fmt: skip
+                kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
+            k0, k1, k2, k3 = _set_quarter(q, kq, k0, k1, k2, k3)
         if PROBE:  # after quarter q's coordinates: slots 4..7
             _stamp(probe_ptr, 4 + q, tl.sum(tl.sum(_quarter(q, k0, k1, k2, k3), 1), 0))
     return k0, k1, k2, k3
@@ -520,7 +582,7 @@ def paged_write_kernel(
         if HAS_FEEDBACK:
             k0, k1, k2, k3 = _feedback_codes(
                 x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
-                fb_ptr + h * stride_fh, stride_fr, stride_fc, HEAD_DIM, probe_ptr, PROBE,
+                fb_ptr + h * stride_fh, stride_fr, stride_fc, HEAD_DIM, GROUP, probe_ptr, PROBE,
             )  # fmt: skip
         else:
             # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
