@@ -35,7 +35,7 @@ if kind == "write" and len(rows) == 2:
     for x, y in zip(rows["before"], rows["after"]):
         print(f"{x['tokens']:>3} tokens: {x['us']} -> {y['us']} us ({x['us'] / max(y['us'], 1e-9):.2f}x), "
               f"bitwise {'same' if x['cache_sha256'] == y['cache_sha256'] else 'DIFFERENT'}; "
-              f"kernels {x.get('kernels')} -> {y.get('kernels')}")
+              f"kernels {x.get('kernels')} -> {y.get('kernels')}; after, whole tile: {y.get('us_whole_tile')} us")
 elif kind == "wide":
     for w, rs in rows.items():
         for r in rs:

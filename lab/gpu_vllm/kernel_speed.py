@@ -24,8 +24,9 @@ PyTorch SDPA BF16 in the same run. Per decode shape (1 x 2k, 1 x 130k, 8 x 32k):
 
 The write: ``plan_write`` / ``run_write`` of 1, 8 and 64 decode tokens (K with error feedback and a
 pre-RoPE mean, the default artifact's case), graph replay, the kernels' device µs, and a digest of
-the cache written; ``ab.sh write`` runs it against an earlier ``oscar_kernels`` (same digests:
-bitwise the same caches).
+the cache written; where the plan runs the feedback loop in row chunks (``feedback_rows``), also
+``us_whole_tile``: the same write over the whole token tile; ``ab.sh write`` runs it against an
+earlier ``oscar_kernels`` (same digests: bitwise the same caches).
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \\
         python3 lab/gpu_vllm/kernel_speed.py --out $OUT
@@ -217,6 +218,11 @@ def write_case(n: int) -> dict:
     r["us"] = us(run, rep_ms=40)
     if DEV.type == "cuda":
         r["kernels"] = profile_kernels(run)
+    r["feedback_rows"] = getattr(plan, "feedback_rows", None)
+    if r["feedback_rows"]:
+        # the same write with the feedback loop over the whole token tile (the rule's alternative)
+        whole = replace(plan, feedback_rows=0)
+        r["us_whole_tile"] = us(lambda: ok.run_write(whole, cache, params, *args), rep_ms=40)
     r["oscar_kernels"] = os.path.dirname(ok.__file__)
     return r
 

@@ -121,12 +121,14 @@ def compile_write_kv(  # noqa: ANN201
     feedback: bool = False,
     probe: bool = False,
     head_dim: int = 128,
+    fb_rows: int = 4,
 ):
     """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
     (``feedback``: error feedback on the keys, the default artifact's case; ``probe``: its phase
     timer stamps, a diagnosis build), as a GPU launch builds it: ``PREFETCH`` on and, with
     feedback, ``F``'s row stride 1 (``expand`` stores it column-major; Triton specialises an
-    integer argument equal to 1 as a constant)."""
+    integer argument equal to 1 as a constant); ``fb_rows``: the feedback loop's rows at a time (a
+    decode write's ``FEEDBACK_CHUNK_ROWS``; 0: the whole tile)."""
     import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
 
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
@@ -134,7 +136,7 @@ def compile_write_kv(  # noqa: ANN201
     consts = dict(
         NUM_KV_HEADS=8, HEAD_DIM=head_dim, GROUP=head_dim, SINK=64, RECENT=256, HAS_MEAN=True,
         K_FEEDBACK=feedback, V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True,
-        BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True,
+        BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True, FB_ROWS=fb_rows,
     )  # fmt: skip
     if feedback:
         consts["stride_kfr"] = 1
@@ -154,8 +156,9 @@ def compile_write_kv(  # noqa: ANN201
 
 
 def ptx_loops(ptx: str) -> list[dict]:
-    """Every loop of ``ptx`` (a backward branch to a label): its length in lines and how many
-    ``bar.sync``, ``shfl.sync`` and global loads its body holds (what one iteration issues)."""
+    """Every loop of ``ptx`` (a backward branch to a label): its length in lines, how many
+    ``bar.sync``, ``shfl.sync`` and global loads its body holds (what one iteration issues) and
+    whether it holds another loop (``inner``)."""
     import re
 
     lines = ptx.splitlines()
@@ -164,11 +167,12 @@ def ptx_loops(ptx: str) -> list[dict]:
         m = re.match(r"^\$(L__BB\d+_\d+):", line.strip())
         if m:
             labels[m.group(1)] = i
-    loops = []
+    loops, spans = [], []
     for i, line in enumerate(lines):
         m = re.search(r"bra(?:\.uni)?\s+\$(L__BB\d+_\d+);", line)
         if m and labels.get(m.group(1), i) < i:
             body = lines[labels[m.group(1)] : i + 1]
+            spans.append((labels[m.group(1)], i))
             loops.append(
                 {
                     "lines": len(body),
@@ -178,6 +182,9 @@ def ptx_loops(ptx: str) -> list[dict]:
                     "globaltimer": sum("%globaltimer" in x for x in body),
                 }
             )
+    for lp, (a, b) in zip(loops, spans, strict=True):
+        # an outer loop's counts include its inner loops' lines
+        lp["inner"] = any(a < c and d < b for c, d in spans)
     return loops
 
 

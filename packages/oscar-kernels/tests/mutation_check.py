@@ -496,6 +496,22 @@ MUTATIONS = (
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
     ),
     Mutation(
+        # the feedback loop's row chunks: only the first chunk of a tile is quantised
+        "write-feedback-chunks-stop-after-the-first",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "            for r0 in range(0, rows, FBR):",
+        "            for r0 in range(0, FBR, FBR):",
+        ("tests/test_paged_write.py", "-k", "chunks_are_exact"),
+    ),
+    Mutation(
+        # every chunk reads the tile's first rows back from the scratch
+        "write-feedback-chunks-read-the-first-rows",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "_unstage(scr + r0 * Q4, BLOCK_T, FBR, Q4)",
+        "_unstage(scr, BLOCK_T, FBR, Q4)",
+        ("tests/test_paged_write.py", "-k", "chunks_are_exact"),
+    ),
+    Mutation(
         # R_V folded transposed into the output projection (o_rot R_V, not o_rot R_Vᵀ, reaches W)
         "fold-uses-the-transposed-rotation",
         "src/oscar_kernels/fold.py",
@@ -556,8 +572,8 @@ MUTATIONS = (
         # the quarters stay in the dot's layout: the loop's picks wait on block barriers again
         "write-feedback-loop-in-the-dot-layout",
         "src/oscar_kernels/kernels/paged_write.py",
-        "        x0, x1, x2, x3 = _relayout(scr, x0, x1, x2, x3, BLOCK_T, Q4)\n",
-        "",
+        "                y0, y1, y2, y3 = _unstage(scr + r0 * Q4, BLOCK_T, FBR, Q4)\n",
+        "                y0, y1, y2, y3 = x0, x1, x2, x3\n",
         ("tests/test_paged_write.py", "-k", "no_block_barrier"),
     ),
     Mutation(

@@ -167,6 +167,27 @@ def test_triton_feedback_write_is_exact_when_the_rotation_is(
 
 
 @needs_triton
+def test_feedback_rows_in_chunks_are_exact(monkeypatch):
+    """Every write runs its feedback loop in chunks of ``FEEDBACK_CHUNK_ROWS`` rows (a decode
+    write's way, here for the prefill too): 37-token sequences in 16- and 32-token tiles, so
+    chunks over the tile's real rows only, a partial last chunk, page boundaries; bit for bit the
+    reference's codes."""
+    import importlib
+
+    pw = importlib.import_module("oscar_kernels.paged_write")  # the module (the package exports the op)
+    monkeypatch.setattr(pw, "FEEDBACK_CHUNK_MAX_TOKENS", 10**6)
+    gen = torch.Generator().manual_seed(11)
+    lo = CacheLayout(2, 16, page_size=5, group_size=8, sink_tokens=3, recent_tokens=4)
+    lens = [1, 8, 37]
+    state = gen.get_state()
+    a = fill_cache(lo, lens, gen, "kv_head", backend="triton", steps=2, exact=True, feedback="kv")[0]
+    gen.set_state(state)
+    b = fill_cache(lo, lens, gen, "kv_head", backend="torch", steps=2, exact=True, feedback="kv")[0]
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@needs_triton
 @pytest.mark.parametrize("layout", ["column-major", "row-major"])
 def test_feedback_matrices_are_read_in_any_layout(layout, monkeypatch):
     """``expand`` stores ``F`` column-major (the loop reads a column a step: one contiguous run);
@@ -199,7 +220,8 @@ def test_feedback_matrices_are_read_in_any_layout(layout, monkeypatch):
 
 
 @needs_triton
-def test_the_feedback_loop_waits_on_no_block_barrier():
+@pytest.mark.parametrize("fb_rows", [4, 0])
+def test_the_feedback_loop_waits_on_no_block_barrier(fb_rows):
     """The error-feedback loop is a one-token decode write's latency (15.6 µs a layer on the H100,
     FA3's cache write 2.2). In the ``tl.dot`` (MMA) layout a quarter's columns lie in several warps
     and each cross-lane pick cost two block barriers (sm_90 PTX: 10 ``bar.sync`` per coordinate);
@@ -207,13 +229,16 @@ def test_the_feedback_loop_waits_on_no_block_barrier():
     import importlib.util
     from pathlib import Path
 
-    ptx = compile_check_ptx("cc.compile_write_kv(num_warps=4, block_t=16, rope=True, feedback=True)")
+    # a decode write's chunks of four rows, and the whole tile (larger writes)
+    call = f"cc.compile_write_kv(num_warps=4, block_t=16, rope=True, feedback=True, fb_rows={fb_rows})"
+    ptx = compile_check_ptx(call)
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
     spec = importlib.util.spec_from_file_location("compile_check", path)
     cc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cc)
-    loops = cc.ptx_loops(ptx)
-    assert len(loops) == 4, loops  # one run-time loop per quarter
+    # one run-time loop per quarter, inside the loop over row chunks
+    loops = [lp for lp in cc.ptx_loops(ptx) if not lp["inner"]]
+    assert len(loops) == 4, loops
     assert all(lp["bar.sync"] == 0 and lp["shfl.sync"] > 0 for lp in loops), loops
     assert "globaltimer" not in ptx  # the PROBE diagnosis stays out of the product build
     # F is asked for before the rotation (a 128-byte line per request: 512 over 128 threads), never
@@ -250,7 +275,8 @@ def test_the_probe_build_stamps_each_phase_outside_the_loops():
     cc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cc)
     assert ptx.count("%globaltimer") == 12
-    loops = cc.ptx_loops(ptx)
+    # the four quarters' step loops (inside the loop over row chunks, one chunk in a decode write)
+    loops = [lp for lp in cc.ptx_loops(ptx) if not lp["inner"]]
     assert len(loops) == 4 and all(lp["bar.sync"] == 0 and lp["globaltimer"] == 0 for lp in loops), loops
 
 

@@ -28,6 +28,12 @@ WRITE_PARTS = ("all", "pages", "ring")
 
 #: token counts up to which K and V are written in one launch by default (decode steps, small batches)
 FUSE_MAX_TOKENS = 64
+#: a write of at most this many tokens runs its error-feedback loop on FEEDBACK_CHUNK_ROWS rows at a
+#: time (the program's real rows only) instead of its whole token tile: the loop's cost is its
+#: instructions, and with one row per warp each thread holds one element of a quarter, not four
+#: of mostly padding rows (a decode step writes one token a sequence into a 16-token tile)
+FEEDBACK_CHUNK_MAX_TOKENS = 8
+FEEDBACK_CHUNK_ROWS = 4
 
 
 def _validate(cache: PagedKVCache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots):
@@ -177,8 +183,10 @@ class WritePlan(NamedTuple):
     v_tile: tuple[int, int]
     fuse: bool  # K and V in one launch (requested; :func:`run_write` also needs shared strides)
     #: float32 scratch of the error-feedback programs (a BLOCK_T x d tile each; ``kernels/
-    #: paged_write.py``'s ``_relayout``), one per step: its layers write one after another
+    #: paged_write.py``'s ``_stage``), one per step: its layers write one after another
     scratch: torch.Tensor | None = None
+    #: rows of the feedback loop at a time (0: the whole token tile; FEEDBACK_CHUNK_ROWS for small writes)
+    feedback_rows: int = 0
 
 
 def plan_write(
@@ -208,13 +216,14 @@ def plan_write(
         # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
         fuse = parts == "all" and num_tokens <= FUSE_MAX_TOKENS
     scratch = None
+    fb_rows = FEEDBACK_CHUNK_ROWS if num_tokens <= FEEDBACK_CHUNK_MAX_TOKENS else 0
     if (params.k_feedback is not None or params.v_feedback is not None) and parts != "ring":
         # every program of the larger launch (K and V side by side) its own tile of the padded tokens
         bt = max(kcfg[0], vcfg[0])
         rows = -(-num_tokens // bt) * bt
         size = rows * 2 * lo.num_kv_heads * lo.head_dim
         scratch = torch.empty(size, dtype=torch.float32, device=cache.device)
-    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse), scratch)
+    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse), scratch, fb_rows)
 
 
 def run_write(
@@ -248,10 +257,12 @@ def run_write(
     if plan.fuse and _shared_strides(cache, kt, vt):
         # one launch, K and V programs side by side: the smaller tile, the larger warp count
         bt, warps = min(plan.k_tile[0], plan.v_tile[0]), max(plan.k_tile[1], plan.v_tile[1])
-        _launch_kv(cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts, plan.scratch)
+        _launch_kv(
+            cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts, plan.scratch, plan.feedback_rows
+        )
         return
     for t, (bt, warps) in ((kt, plan.k_tile), (vt, plan.v_tile)):
-        _launch_one(cache, ep, t, idx, n, bt, warps, plan.precision, parts, plan.scratch)
+        _launch_one(cache, ep, t, idx, n, bt, warps, plan.precision, parts, plan.scratch, plan.feedback_rows)
 
 
 class _Tensor(NamedTuple):
@@ -310,7 +321,7 @@ def _shared_strides(cache: PagedKVCache, kt: _Tensor, vt: _Tensor) -> bool:
 
 def _launch_kv(
     cache: PagedKVCache, ep: ExpandedParams, kt: _Tensor, vt: _Tensor, idx: tuple, n: int, bt: int,
-    warps: int, prec: str, parts: str, scratch: torch.Tensor | None,
+    warps: int, prec: str, parts: str, scratch: torch.Tensor | None, fb_rows: int,
 ) -> None:  # fmt: skip
     import triton
 
@@ -339,7 +350,7 @@ def _launch_kv(
         RECENT=lo.recent_tokens, HAS_MEAN=kt.has_mean,
         K_FEEDBACK=kt.fb is not None, V_FEEDBACK=vt.fb is not None,
         HAS_ROPE=kt.has_rope, WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt,
-        DOT_PRECISION=prec, **kwargs,
+        DOT_PRECISION=prec, FB_ROWS=min(fb_rows, bt), **kwargs,
     )  # fmt: skip
 
 
@@ -357,7 +368,7 @@ def _fb_args(t: _Tensor) -> tuple:
 
 def _launch_one(
     cache: PagedKVCache, ep: ExpandedParams, t: _Tensor, idx: tuple, n: int, bt: int, warps: int, prec: str,
-    parts: str, scratch: torch.Tensor | None,
+    parts: str, scratch: torch.Tensor | None, fb_rows: int,
 ) -> None:  # fmt: skip
     import triton
 
@@ -383,5 +394,6 @@ def _launch_one(
         n, lo.page_size, t.rot if scratch is None else scratch,
         HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens, RECENT=lo.recent_tokens,
         HAS_MEAN=t.has_mean, HAS_FEEDBACK=t.fb is not None, HAS_ROPE=t.has_rope,
-        WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt, DOT_PRECISION=prec, **kwargs,
+        WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt, DOT_PRECISION=prec,
+        FB_ROWS=min(fb_rows, bt), **kwargs,
     )  # fmt: skip

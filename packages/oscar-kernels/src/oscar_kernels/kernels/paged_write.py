@@ -200,19 +200,28 @@ def _lane(sel, x):
 
 
 @triton.jit
-def _relayout(scr_ptr, x0, x1, x2, x3, BLOCK_T: tl.constexpr, Q4: tl.constexpr):
-    """The four ``[BLOCK_T, Q4]`` quarters through this program's float32 scratch, back in a load's
-    layout: the ``tl.dot`` (MMA) layout spreads a quarter's columns over warps, so each of the
-    feedback loop's cross-lane picks cost two block barriers (sm_90 PTX: 10 ``bar.sync`` per
-    coordinate); a load's layout keeps a row's columns in one warp (shuffles only, none)."""
+def _stage(scr_ptr, x0, x1, x2, x3, BLOCK_T: tl.constexpr, Q4: tl.constexpr):
+    """The four ``[BLOCK_T, Q4]`` quarters into this program's float32 scratch (quarter ``i`` at
+    ``i·BLOCK_T·Q4``, rows of ``Q4``), every warp's stores before any warp's loads: the feedback
+    loop reads them back (:func:`_unstage`) in a load's layout. The ``tl.dot`` (MMA) layout
+    spreads a quarter's columns over warps, so each of the loop's cross-lane picks cost two block
+    barriers there (sm_90 PTX: 10 ``bar.sync`` per coordinate); a load's layout keeps a row's
+    columns in one warp (shuffles only, none)."""
     T: tl.constexpr = BLOCK_T * Q4
     w = tl.arange(0, BLOCK_T)[:, None] * Q4 + tl.arange(0, Q4)[None, :]
     tl.store(scr_ptr + w, x0)
     tl.store(scr_ptr + T + w, x1)
     tl.store(scr_ptr + 2 * T + w, x2)
     tl.store(scr_ptr + 3 * T + w, x3)
-    tl.debug_barrier()  # every warp's stores before any warp's loads
-    r = tl.arange(0, BLOCK_T)[:, None] * Q4 + tl.arange(0, Q4)[None, :]  # its own layout, not w's
+    tl.debug_barrier()
+
+
+@triton.jit
+def _unstage(scr_ptr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, Q4: tl.constexpr):
+    """``ROWS`` staged rows from ``scr_ptr`` (a row of quarter 0) as four ``[ROWS, Q4]`` quarters.
+    With ``ROWS`` = the warps, each thread holds one element of a quarter."""
+    T: tl.constexpr = BLOCK_T * Q4
+    r = tl.arange(0, ROWS)[:, None] * Q4 + tl.arange(0, Q4)[None, :]
     y0, y1 = tl.load(scr_ptr + r), tl.load(scr_ptr + T + r)
     return y0, y1, tl.load(scr_ptr + 2 * T + r), tl.load(scr_ptr + 3 * T + r)
 
@@ -387,6 +396,99 @@ def _feedback_codes(
     return k0, k1, k2, k3
 
 
+@triton.jit
+def _int2_rows(
+    x0, x1, x2, x3, slot, valid, h, alpha_ptr, fb_ptr, stride_fr, stride_fc, codes_ptr, stride_cp, stride_ch,
+    stride_ct, scale_ptr, zero_ptr, stride_sp, stride_sh, stride_st, page_size, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, HAS_FEEDBACK: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
+):  # fmt: skip
+    """The INT2 rows of rotated ``[rows, d]`` quarters ``x0 .. x3`` (tokens whose cache slot is
+    ``slot``, stored where ``valid``): per-group clipped min/max → bf16 scale/zero, codes (plain
+    rounding or error feedback with this head's ``F`` at ``fb_ptr``), strided packing."""
+    Q4: tl.constexpr = HEAD_DIM // 4
+    j = tl.arange(0, Q4)
+    alpha = tl.load(alpha_ptr + h).to(tl.float32)
+    # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
+    page = slot // page_size
+    off = slot % page_size
+    mrow = page * stride_sp + h * stride_sh + off * stride_st
+    NG: tl.constexpr = HEAD_DIM // GROUP
+    z0 = tl.zeros(x0.shape, tl.float32)
+    z1 = tl.zeros(x0.shape, tl.float32)
+    z2 = tl.zeros(x0.shape, tl.float32)
+    z3 = tl.zeros(x0.shape, tl.float32)
+    i0 = tl.zeros(x0.shape, tl.float32)
+    i1 = tl.zeros(x0.shape, tl.float32)
+    i2 = tl.zeros(x0.shape, tl.float32)
+    i3 = tl.zeros(x0.shape, tl.float32)
+    s0 = tl.zeros(x0.shape, tl.float32)
+    s1 = tl.zeros(x0.shape, tl.float32)
+    s2 = tl.zeros(x0.shape, tl.float32)
+    s3 = tl.zeros(x0.shape, tl.float32)
+    for g in tl.static_range(NG):
+        # column masks of group g inside each quarter
+        c0 = (j // GROUP) == g
+        c1 = ((j + Q4) // GROUP) == g
+        c2 = ((j + 2 * Q4) // GROUP) == g
+        c3 = ((j + 3 * Q4) // GROUP) == g
+        mn = tl.minimum(
+            tl.minimum(
+                tl.min(tl.where(c0[None, :], x0, float("inf")), 1),
+                tl.min(tl.where(c1[None, :], x1, float("inf")), 1),
+            ),
+            tl.minimum(
+                tl.min(tl.where(c2[None, :], x2, float("inf")), 1),
+                tl.min(tl.where(c3[None, :], x3, float("inf")), 1),
+            ),
+        )
+        mx = tl.maximum(
+            tl.maximum(
+                tl.max(tl.where(c0[None, :], x0, -float("inf")), 1),
+                tl.max(tl.where(c1[None, :], x1, -float("inf")), 1),
+            ),
+            tl.maximum(
+                tl.max(tl.where(c2[None, :], x2, -float("inf")), 1),
+                tl.max(tl.where(c3[None, :], x3, -float("inf")), 1),
+            ),
+        )
+        lo = tl.where(mn < 0, mn * alpha, mn)
+        hi = tl.where(mx > 0, mx * alpha, mx)
+        z = round_bf16(lo)
+        sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
+        inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
+        tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
+        tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
+        z0 = tl.where(c0[None, :], z[:, None], z0)
+        z1 = tl.where(c1[None, :], z[:, None], z1)
+        z2 = tl.where(c2[None, :], z[:, None], z2)
+        z3 = tl.where(c3[None, :], z[:, None], z3)
+        i0 = tl.where(c0[None, :], inv[:, None], i0)
+        i1 = tl.where(c1[None, :], inv[:, None], i1)
+        i2 = tl.where(c2[None, :], inv[:, None], i2)
+        i3 = tl.where(c3[None, :], inv[:, None], i3)
+        if HAS_FEEDBACK:
+            s0 = tl.where(c0[None, :], sc[:, None], s0)
+            s1 = tl.where(c1[None, :], sc[:, None], s1)
+            s2 = tl.where(c2[None, :], sc[:, None], s2)
+            s3 = tl.where(c3[None, :], sc[:, None], s3)
+    if PROBE:
+        _stamp(probe_ptr, 3, tl.sum(tl.sum(i3, 1), 0))
+    if HAS_FEEDBACK:
+        k0, k1, k2, k3 = _feedback_codes(
+            x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
+            fb_ptr, stride_fr, stride_fc, HEAD_DIM, GROUP, probe_ptr, PROBE,
+        )  # fmt: skip
+    else:
+        # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
+        k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
+        k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
+        k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
+        k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
+    packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
+    row = page * stride_cp + h * stride_ch + off * stride_ct
+    tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
+
+
 # n_tokens only bounds the tiles: one compile for every token count of a tile size
 @triton.jit(do_not_specialize=["n_tokens"])
 def paged_write_kernel(
@@ -446,6 +548,7 @@ def paged_write_kernel(
     probe_ptr=None,
     PROBE: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    FB_ROWS: tl.constexpr = 0,
 ):
     """One program: ``BLOCK_T`` tokens (``program_id(0)``) of KV head ``program_id(1) - H_BASE`` of
     K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
@@ -463,7 +566,8 @@ def paged_write_kernel(
 
     ``PROBE`` (diagnosis only; ``probe_ptr``: int64, 16 slots per program, program ``pid ·
     num_programs(1) + program_id(1)``): the GPU timer at the start (0), after the rotation (1), the
-    feedback relayout (2), the group statistics (3), each feedback quarter (4-7) and the end (8):
+    feedback staging and a chunk's read-back (2), the group statistics (3), each feedback quarter
+    (4-7) and the end (8); slots 2-7 of the program's last row chunk:
     where a decode write's time goes (``lab/gpu_vllm/write_phases.py``).
 
     ``PREFETCH`` (every GPU launch; off under the interpreter): the feedback matrix's prefetch
@@ -502,97 +606,36 @@ def paged_write_kernel(
             x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
             HEAD_DIM, HAS_MEAN, DOT_PRECISION,
         )  # fmt: skip
-    if HAS_FEEDBACK and WRITE_PAGES:
-        # program (pid, head) of this launch's grid: its own BLOCK_T x HEAD_DIM floats of scratch
-        scr = scr_ptr + (pid * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (BLOCK_T * HEAD_DIM)
-        if PROBE:
-            _stamp(probe_ptr, 1, tl.sum(tl.sum(x3, 1), 0))
-        x0, x1, x2, x3 = _relayout(scr, x0, x1, x2, x3, BLOCK_T, Q4)
-        if PROBE:
-            _stamp(probe_ptr, 2, tl.sum(tl.sum(x3, 1), 0))
-    j = tl.arange(0, Q4)
-
     if WRITE_PAGES:
-        # per-group clipped min/max -> bf16 scale/zero, exactly as oscar_math.quantize_int2
-        alpha = tl.load(alpha_ptr + h).to(tl.float32)
-        page = slot // page_size
-        off = slot % page_size
-        mrow = page * stride_sp + h * stride_sh + off * stride_st
-        NG: tl.constexpr = HEAD_DIM // GROUP
-        z0 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        z1 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        z2 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        z3 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        i0 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        i1 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        i2 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        i3 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        s0 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        s1 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        s2 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        s3 = tl.zeros([BLOCK_T, Q4], tl.float32)
-        for g in tl.static_range(NG):
-            # column masks of group g inside each quarter
-            c0 = (j // GROUP) == g
-            c1 = ((j + Q4) // GROUP) == g
-            c2 = ((j + 2 * Q4) // GROUP) == g
-            c3 = ((j + 3 * Q4) // GROUP) == g
-            mn = tl.minimum(
-                tl.minimum(
-                    tl.min(tl.where(c0[None, :], x0, float("inf")), 1),
-                    tl.min(tl.where(c1[None, :], x1, float("inf")), 1),
-                ),
-                tl.minimum(
-                    tl.min(tl.where(c2[None, :], x2, float("inf")), 1),
-                    tl.min(tl.where(c3[None, :], x3, float("inf")), 1),
-                ),
-            )
-            mx = tl.maximum(
-                tl.maximum(
-                    tl.max(tl.where(c0[None, :], x0, -float("inf")), 1),
-                    tl.max(tl.where(c1[None, :], x1, -float("inf")), 1),
-                ),
-                tl.maximum(
-                    tl.max(tl.where(c2[None, :], x2, -float("inf")), 1),
-                    tl.max(tl.where(c3[None, :], x3, -float("inf")), 1),
-                ),
-            )
-            lo = tl.where(mn < 0, mn * alpha, mn)
-            hi = tl.where(mx > 0, mx * alpha, mx)
-            z = round_bf16(lo)
-            sc = round_bf16(tl.math.div_rn(hi - lo, 3.0))
-            inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
-            tl.store(scale_ptr + mrow + g, sc.to(tl.bfloat16), mask=valid)
-            tl.store(zero_ptr + mrow + g, z.to(tl.bfloat16), mask=valid)
-            z0 = tl.where(c0[None, :], z[:, None], z0)
-            z1 = tl.where(c1[None, :], z[:, None], z1)
-            z2 = tl.where(c2[None, :], z[:, None], z2)
-            z3 = tl.where(c3[None, :], z[:, None], z3)
-            i0 = tl.where(c0[None, :], inv[:, None], i0)
-            i1 = tl.where(c1[None, :], inv[:, None], i1)
-            i2 = tl.where(c2[None, :], inv[:, None], i2)
-            i3 = tl.where(c3[None, :], inv[:, None], i3)
-            if HAS_FEEDBACK:
-                s0 = tl.where(c0[None, :], sc[:, None], s0)
-                s1 = tl.where(c1[None, :], sc[:, None], s1)
-                s2 = tl.where(c2[None, :], sc[:, None], s2)
-                s3 = tl.where(c3[None, :], sc[:, None], s3)
-        if PROBE:
-            _stamp(probe_ptr, 3, tl.sum(tl.sum(i3, 1), 0))
         if HAS_FEEDBACK:
-            k0, k1, k2, k3 = _feedback_codes(
-                x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
-                fb_ptr + h * stride_fh, stride_fr, stride_fc, HEAD_DIM, GROUP, probe_ptr, PROBE,
-            )  # fmt: skip
+            # program (pid, head) of this launch's grid: its own BLOCK_T x HEAD_DIM floats of scratch
+            scr = scr_ptr + (pid * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * (BLOCK_T * HEAD_DIM)
+            if PROBE:
+                _stamp(probe_ptr, 1, tl.sum(tl.sum(x3, 1), 0))
+            _stage(scr, x0, x1, x2, x3, BLOCK_T, Q4)
+            # the feedback loop on FB_ROWS rows at a time, this program's real ones only: its cost
+            # is its instructions, which scale with the elements a thread holds (a decode step's one
+            # token a sequence no longer pays for the tile's padding rows)
+            FBR: tl.constexpr = BLOCK_T if FB_ROWS == 0 else FB_ROWS
+            rows = tl.minimum(n_tokens - pid * BLOCK_T, BLOCK_T)
+            for r0 in range(0, rows, FBR):
+                tc = pid * BLOCK_T + r0 + tl.arange(0, FBR)
+                y0, y1, y2, y3 = _unstage(scr + r0 * Q4, BLOCK_T, FBR, Q4)
+                if PROBE:
+                    _stamp(probe_ptr, 2, tl.sum(tl.sum(y3, 1), 0))
+                tcm = tc < n_tokens
+                slot_c = tl.load(slot_ptr + tc, mask=tcm, other=-1).to(tl.int64)
+                _int2_rows(
+                    y0, y1, y2, y3, slot_c, tcm & (slot_c >= 0), h, alpha_ptr, fb_ptr + h * stride_fh,
+                    stride_fr, stride_fc, codes_ptr, stride_cp, stride_ch, stride_ct, scale_ptr, zero_ptr,
+                    stride_sp, stride_sh, stride_st, page_size, HEAD_DIM, GROUP, True, probe_ptr, PROBE,
+                )  # fmt: skip
         else:
-            # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
-            k0 = tl.minimum(tl.maximum(tl.floor((x0 - z0) * i0 + 0.5), 0.0), 3.0).to(tl.int32)
-            k1 = tl.minimum(tl.maximum(tl.floor((x1 - z1) * i1 + 0.5), 0.0), 3.0).to(tl.int32)
-            k2 = tl.minimum(tl.maximum(tl.floor((x2 - z2) * i2 + 0.5), 0.0), 3.0).to(tl.int32)
-            k3 = tl.minimum(tl.maximum(tl.floor((x3 - z3) * i3 + 0.5), 0.0), 3.0).to(tl.int32)
-        packed = (k0 | (k1 << 2) | (k2 << 4) | (k3 << 6)).to(tl.uint8)
-        row = page * stride_cp + h * stride_ch + off * stride_ct
-        tl.store(codes_ptr + row[:, None] + j[None, :], packed, mask=valid[:, None])
+            _int2_rows(
+                x0, x1, x2, x3, slot, valid, h, alpha_ptr, fb_ptr, stride_fr, stride_fc, codes_ptr,
+                stride_cp, stride_ch, stride_ct, scale_ptr, zero_ptr, stride_sp, stride_sh, stride_st,
+                page_size, HEAD_DIM, GROUP, False, probe_ptr, PROBE,
+            )  # fmt: skip
 
     if SINK + RECENT > 0:
         if HAS_ROPE:
@@ -641,6 +684,7 @@ def paged_write_kv_kernel(
     RECENT: tl.constexpr, HAS_MEAN: tl.constexpr, K_FEEDBACK: tl.constexpr, V_FEEDBACK: tl.constexpr,
     HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    FB_ROWS: tl.constexpr = 0,
 ):  # fmt: skip
     """K and V in one launch: ``program_id(1)`` < ``NUM_KV_HEADS`` is a key head, the rest value heads.
 
@@ -657,7 +701,7 @@ def paged_write_kv_kernel(
             kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
             ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE, PREFETCH,
+            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE, PREFETCH, FB_ROWS,
         )  # fmt: skip
     else:
         paged_write_kernel(
@@ -669,4 +713,5 @@ def paged_write_kv_kernel(
             vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
             WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS, probe_ptr, PROBE, PREFETCH,
+            FB_ROWS,
         )  # fmt: skip
