@@ -483,8 +483,8 @@ MUTATIONS = (
         # the second run's own F block taken from the first run's columns
         "write-feedback-step8-second-run-reads-the-first-block",
         "src/oscar_kernels/kernels/paged_write.py",
-        "zg2, ig2, sgs2, f + 4 * fr + 4 * fc, fr, fc,",
-        "zg2, ig2, sgs2, f + 4 * fr, fr, fc,",
+        "te, tf, tg, th, xe, xf, xg, xh, zg, ig, sg, f + 4 * fr + 4 * fc, fr, fc",
+        "te, tf, tg, th, xe, xf, xg, xh, zg, ig, sg, f + 4 * fr, fr, fc",
         ("tests/test_paged_write.py", "-k", "feedback_write_is_exact"),
     ),
     Mutation(
@@ -501,6 +501,14 @@ MUTATIONS = (
         "src/oscar_kernels/kernels/paged_write.py",
         "            for r0 in range(0, rows, FBR):",
         "            for r0 in range(0, FBR, FBR):",
+        ("tests/test_paged_write.py", "-k", "chunks_are_exact"),
+    ),
+    Mutation(
+        # the chunks' one-shuffle pick takes the next lane
+        "write-feedback-gather-picks-the-next-lane",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "tl.gather(x, tl.zeros([x.shape[0], 1], tl.int32) + lane, 1)",
+        "tl.gather(x, tl.zeros([x.shape[0], 1], tl.int32) + (lane + 1) % x.shape[1], 1)",
         ("tests/test_paged_write.py", "-k", "chunks_are_exact"),
     ),
     Mutation(

@@ -192,11 +192,16 @@ def _quarter(Q: tl.constexpr, x0, x1, x2, x3):
 
 
 @triton.jit
-def _lane(sel, x):
-    """Lane ``sel`` (a one-hot ``[1, Q]`` mask) of the ``[BLOCK_T, Q]`` quarter ``x``, as
-    ``[BLOCK_T]``. A masked sum: exact (one term is the value, the others are +0.0; a -0.0 comes
-    back as +0.0, as from the four-quarter sum this replaced)."""
-    return tl.sum(tl.where(sel, x, 0.0), 1)
+def _lane(sel, x, lane, GATHER: tl.constexpr):
+    """Lane ``lane`` of the ``[rows, Q]`` quarter ``x`` (``sel``: the one-hot ``[1, Q]`` mask of
+    that lane) as ``[rows, 1]``. ``GATHER`` (a row per warp, one element a thread: the decode
+    write's chunks): ``tl.gather``, one ``shfl.sync.idx`` (in a tile of several elements a thread
+    the gather goes through shared memory); else a masked sum, a butterfly of shuffles. Both exact
+    (the sum's other terms are +0.0: a -0.0 comes back as +0.0, which rounds and feeds back alike)."""
+    if GATHER:
+        return tl.gather(x, tl.zeros([x.shape[0], 1], tl.int32) + lane, 1)
+    else:
+        return tl.sum(tl.where(sel, x, 0.0), 1)[:, None]
 
 
 @triton.jit
@@ -227,6 +232,13 @@ def _unstage(scr_ptr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, Q4: tl.constexp
 
 
 @triton.jit
+def _lanes4(x, sa, sb, sc, sd, lane, GATHER: tl.constexpr):
+    """Lanes ``lane .. lane+3`` of ``x`` (masks ``sa .. sd``), side by side (:func:`_lane`)."""
+    a, b = _lane(sa, x, lane, GATHER), _lane(sb, x, lane + 1, GATHER)
+    return a, b, _lane(sc, x, lane + 2, GATHER), _lane(sd, x, lane + 3, GATHER)
+
+
+@triton.jit
 def _code_err(tc, zc, ic, xc, sc):
     """One coordinate's code and rounding error from its running target ``tc`` (per token)."""
     code = tl.minimum(tl.maximum(tl.floor((tc - zc) * ic + 0.5), 0.0), 3.0)
@@ -239,8 +251,8 @@ def _spread(Q: tl.constexpr, sel, code, err, col, stride_fr, k, t0, t1, t2, t3, 
     codes) and its error times column ``c`` of ``F`` (``col``: ``F[j, c]`` for the lanes ``j`` of
     quarter 0; ``stride_fr``: F's row stride) added to the targets of the quarters that still hold
     later coordinates."""
-    k = tl.where(sel, code.to(tl.int32)[:, None], k)
-    e = err[:, None]
+    k = tl.where(sel, code.to(tl.int32), k)
+    e = err
     if Q == 0:
         t0 = t0 + e * tl.load(col).to(tl.float32)[None, :]
     if Q <= 1:
@@ -302,7 +314,8 @@ def _set_quarter(q: tl.constexpr, kq, k0, k1, k2, k3):
 @triton.jit
 def _feedback_codes(
     x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3, fb_ptr, stride_fr, stride_fc,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GATHER: tl.constexpr = False, probe_ptr=None,
+    PROBE: tl.constexpr = False,
 ):  # fmt: skip
     """Error-feedback codes, exactly as ``oscar_math.quantize_int2_feedback``.
 
@@ -323,7 +336,8 @@ def _feedback_codes(
     reach the quarters' targets, in coordinate order. Every target receives the same float32
     products in the same order as the reference, so the codes are the same bits; the serial chain
     loses the cross-lane picks of all but one coordinate a step (one pick per coordinate made a
-    one-token decode write 15.6 µs on the H100; four a step ~0.5 µs a step there)."""
+    one-token decode write 15.6 µs on the H100; four a step ~0.5 µs a step there). ``GATHER``
+    (a decode write's chunks, one element a thread): each pick one shuffle (:func:`_lane`)."""
     Q4: tl.constexpr = HEAD_DIM // 4
     STEP: tl.constexpr = 8 if Q4 % 8 == 0 else 4
     # eight coordinates of a step span two groups when groups hold four
@@ -345,51 +359,41 @@ def _feedback_codes(
             sa, sb = (j == l0)[None, :], (j == l0 + 1)[None, :]
             sc, sd = (j == l0 + 2)[None, :], (j == l0 + 3)[None, :]
             tq = _quarter(q, t0, t1, t2, t3)
-            ta, tb, tc, td = _lane(sa, tq), _lane(sb, tq), _lane(sc, tq), _lane(sd, tq)
+            ta, tb, tc, td = _lanes4(tq, sa, sb, sc, sd, l0, GATHER)
             # the four share a quantisation group (groups are >= 4 aligned coordinates): one
             # zero, inverse scale and scale for them
-            zg, ig, sg = _lane(sa, zq), _lane(sa, iq), _lane(sa, sq)
+            zg, ig, sg = _lane(sa, zq, l0, GATHER), _lane(sa, iq, l0, GATHER), _lane(sa, sq, l0, GATHER)
             f = fb_ptr + c * stride_fr + c * stride_fc  # F[c, c]
             col = fb_ptr + j * stride_fr + c * stride_fc  # F[j, c] for the lanes of quarter 0
             kq = _quarter(q, k0, k1, k2, k3)
+            xa, xb, xc, xd = _lanes4(xq, sa, sb, sc, sd, l0, GATHER)
+            ca, cb, cc, cd, ea, eb, ec, ed = _chain4(ta, tb, tc, td, xa, xb, xc, xd, zg, ig, sg, f, fr, fc)
             if STEP == 8:
                 se, sf = (j == l0 + 4)[None, :], (j == l0 + 5)[None, :]
-                sg2, sh = (j == l0 + 6)[None, :], (j == l0 + 7)[None, :]
-                te, tf, tg, th = _lane(se, tq), _lane(sf, tq), _lane(sg2, tq), _lane(sh, tq)
-                if SPLIT_GROUP:
-                    zg2, ig2, sgs2 = _lane(se, zq), _lane(se, iq), _lane(se, sq)
-                else:
-                    zg2, ig2, sgs2 = zg, ig, sg
-                ca, cb, cc, cd, ea, eb, ec, ed = _chain4(
-                    ta, tb, tc, td, _lane(sa, xq), _lane(sb, xq), _lane(sc, xq), _lane(sd, xq),
-                    zg, ig, sg, f, fr, fc,
-                )  # fmt: skip
+                s6, sh = (j == l0 + 6)[None, :], (j == l0 + 7)[None, :]
+                te, tf, tg, th = _lanes4(tq, se, sf, s6, sh, l0 + 4, GATHER)
+                if SPLIT_GROUP:  # the second run in the next group of four
+                    zg = _lane(se, zq, l0 + 4, GATHER)
+                    ig = _lane(se, iq, l0 + 4, GATHER)
+                    sg = _lane(se, sq, l0 + 4, GATHER)
                 # the second run's targets after the first run's errors (F[c+4+r, c .. c+3])
                 te = _cross(te, ea, eb, ec, ed, f + 4 * fr, fc)
                 tf = _cross(tf, ea, eb, ec, ed, f + 5 * fr, fc)
                 tg = _cross(tg, ea, eb, ec, ed, f + 6 * fr, fc)
                 th = _cross(th, ea, eb, ec, ed, f + 7 * fr, fc)
+                xe, xf, xg, xh = _lanes4(xq, se, sf, s6, sh, l0 + 4, GATHER)
                 ce, cf, cg, ch, ee, ef, eg, eh = _chain4(
-                    te, tf, tg, th, _lane(se, xq), _lane(sf, xq), _lane(sg2, xq), _lane(sh, xq),
-                    zg2, ig2, sgs2, f + 4 * fr + 4 * fc, fr, fc,
-                )  # fmt: skip
-                kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                    te, tf, tg, th, xe, xf, xg, xh, zg, ig, sg, f + 4 * fr + 4 * fc, fr, fc
+                )
+            kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
+            kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
+            if STEP == 8:
                 kq, t0, t1, t2, t3 = _spread(q, se, ce, ee, col + 4 * fc, fr, kq, t0, t1, t2, t3, Q4)
                 kq, t0, t1, t2, t3 = _spread(q, sf, cf, ef, col + 5 * fc, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sg2, cg, eg, col + 6 * fc, fr, kq, t0, t1, t2, t3, Q4)
+                kq, t0, t1, t2, t3 = _spread(q, s6, cg, eg, col + 6 * fc, fr, kq, t0, t1, t2, t3, Q4)
                 kq, t0, t1, t2, t3 = _spread(q, sh, ch, eh, col + 7 * fc, fr, kq, t0, t1, t2, t3, Q4)
-            else:
-                ca, cb, cc, cd, ea, eb, ec, ed = _chain4(
-                    ta, tb, tc, td, _lane(sa, xq), _lane(sb, xq), _lane(sc, xq), _lane(sd, xq),
-                    zg, ig, sg, f, fr, fc,
-                )  # fmt: skip
-                kq, t0, t1, t2, t3 = _spread(q, sa, ca, ea, col, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sb, cb, eb, col + fc, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sc, cc, ec, col + 2 * fc, fr, kq, t0, t1, t2, t3, Q4)
-                kq, t0, t1, t2, t3 = _spread(q, sd, cd, ed, col + 3 * fc, fr, kq, t0, t1, t2, t3, Q4)
             k0, k1, k2, k3 = _set_quarter(q, kq, k0, k1, k2, k3)
         if PROBE:  # after quarter q's coordinates: slots 4..7
             _stamp(probe_ptr, 4 + q, tl.sum(tl.sum(_quarter(q, k0, k1, k2, k3), 1), 0))
@@ -400,7 +404,8 @@ def _feedback_codes(
 def _int2_rows(
     x0, x1, x2, x3, slot, valid, h, alpha_ptr, fb_ptr, stride_fr, stride_fc, codes_ptr, stride_cp, stride_ch,
     stride_ct, scale_ptr, zero_ptr, stride_sp, stride_sh, stride_st, page_size, HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr, HAS_FEEDBACK: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False,
+    GROUP: tl.constexpr, HAS_FEEDBACK: tl.constexpr, GATHER: tl.constexpr = False, probe_ptr=None,
+    PROBE: tl.constexpr = False,
 ):  # fmt: skip
     """The INT2 rows of rotated ``[rows, d]`` quarters ``x0 .. x3`` (tokens whose cache slot is
     ``slot``, stored where ``valid``): per-group clipped min/max → bf16 scale/zero, codes (plain
@@ -476,7 +481,7 @@ def _int2_rows(
     if HAS_FEEDBACK:
         k0, k1, k2, k3 = _feedback_codes(
             x0, x1, x2, x3, z0, z1, z2, z3, i0, i1, i2, i3, s0, s1, s2, s3,
-            fb_ptr, stride_fr, stride_fc, HEAD_DIM, GROUP, probe_ptr, PROBE,
+            fb_ptr, stride_fr, stride_fc, HEAD_DIM, GROUP, GATHER, probe_ptr, PROBE,
         )  # fmt: skip
     else:
         # code = clamp(floor((x - zero) * inv + 0.5), 0, 3); strided packing, quarter i at bits 2i
@@ -628,13 +633,14 @@ def paged_write_kernel(
                 _int2_rows(
                     y0, y1, y2, y3, slot_c, tcm & (slot_c >= 0), h, alpha_ptr, fb_ptr + h * stride_fh,
                     stride_fr, stride_fc, codes_ptr, stride_cp, stride_ch, stride_ct, scale_ptr, zero_ptr,
-                    stride_sp, stride_sh, stride_st, page_size, HEAD_DIM, GROUP, True, probe_ptr, PROBE,
+                    stride_sp, stride_sh, stride_st, page_size, HEAD_DIM, GROUP, True, FB_ROWS != 0,
+                    probe_ptr, PROBE,
                 )  # fmt: skip
         else:
             _int2_rows(
                 x0, x1, x2, x3, slot, valid, h, alpha_ptr, fb_ptr, stride_fr, stride_fc, codes_ptr,
                 stride_cp, stride_ch, stride_ct, scale_ptr, zero_ptr, stride_sp, stride_sh, stride_st,
-                page_size, HEAD_DIM, GROUP, False, probe_ptr, PROBE,
+                page_size, HEAD_DIM, GROUP, False, False, probe_ptr, PROBE,
             )  # fmt: skip
 
     if SINK + RECENT > 0:
