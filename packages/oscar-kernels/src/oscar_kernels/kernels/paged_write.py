@@ -328,8 +328,9 @@ def _feedback_codes(
     as :meth:`LayerQuantParams.expand` keeps it) a column is one contiguous run, not ``d/4``
     lines a quarter. Returns the four quarters' int32 codes.
 
-    Several coordinates a step — eight where a quarter holds a multiple of eight (``d`` a
-    multiple of 32), else four (``d`` is a multiple of 16): their targets are picked out of the
+    Several coordinates a step — eight in a decode write's chunks (``GATHER``) where a quarter
+    holds a multiple of eight (``d`` a multiple of 32), else four (``d`` is a multiple of 16): their
+    targets are picked out of the
     quarter at once (cross-lane sums, side by side), the roundings run on the picked per-token
     values in runs of four (:func:`_chain4`, the scalar ``F`` entries between them; a second run's
     targets first take the first run's errors, :func:`_cross`), and only then do the step's errors
@@ -339,7 +340,10 @@ def _feedback_codes(
     one-token decode write 15.6 µs on the H100; four a step ~0.5 µs a step there). ``GATHER``
     (a decode write's chunks, one element a thread): each pick one shuffle (:func:`_lane`)."""
     Q4: tl.constexpr = HEAD_DIM // 4
-    STEP: tl.constexpr = 8 if Q4 % 8 == 0 else 4
+    # eight a step in the chunks only, where a pick is one shuffle: over a whole tile (butterfly
+    # picks, more elements a thread) the step's 16 extra uniform F loads are what made a tried
+    # look-ahead slower on the H100 (lab/NOTES_performance_runs.md); the tile keeps the measured four
+    STEP: tl.constexpr = 8 if (GATHER and Q4 % 8 == 0) else 4
     # eight coordinates of a step span two groups when groups hold four
     SPLIT_GROUP: tl.constexpr = GROUP % 8 != 0
     j = tl.arange(0, Q4)
