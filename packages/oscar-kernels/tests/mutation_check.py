@@ -512,6 +512,14 @@ MUTATIONS = (
         ("tests/test_paged_write.py", "-k", "chunks_are_exact"),
     ),
     Mutation(
+        # plain tensors and ring passes planned with chunks: a second build of their kernels
+        "write-plan-chunks-without-feedback",
+        "src/oscar_kernels/paged_write.py",
+        "scratch, fb_rows = None, 0",
+        "scratch, fb_rows = None, FEEDBACK_CHUNK_ROWS",
+        ("tests/test_paged_write.py", "-k", "small_feedback"),
+    ),
+    Mutation(
         # every chunk reads the tile's first rows back from the scratch
         "write-feedback-chunks-read-the-first-rows",
         "src/oscar_kernels/kernels/paged_write.py",

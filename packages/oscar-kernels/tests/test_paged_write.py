@@ -167,6 +167,26 @@ def test_triton_feedback_write_is_exact_when_the_rotation_is(
 
 
 @needs_triton
+def test_only_small_feedback_writes_run_in_chunks():
+    """The plan's ``feedback_rows`` (a kernel constexpr): chunks for a feedback write of at most
+    ``FEEDBACK_CHUNK_MAX_TOKENS`` tokens, the whole tile above, and 0 wherever no feedback loop runs
+    (plain tensors, ring-only passes), so those keep one build for every token count."""
+    from conftest import make_params
+
+    from oscar_kernels import allocate_cache, plan_write
+
+    lo = CacheLayout(2, 16, page_size=4, sink_tokens=2, recent_tokens=3)
+    cache = allocate_cache(lo, 4, 2, DEVICE)
+    gen = torch.Generator().manual_seed(0)
+    fb = make_params(2, 16, "kv_head", gen, feedback="k").expand(2, 16, DEVICE)
+    plain = make_params(2, 16, "kv_head", gen).expand(2, 16, DEVICE)
+    assert plan_write(cache, fb, 8, backend="triton").feedback_rows == 4
+    assert plan_write(cache, fb, 9, backend="triton").feedback_rows == 0
+    assert plan_write(cache, fb, 1, "ring", backend="triton").feedback_rows == 0
+    assert plan_write(cache, plain, 1, backend="triton").feedback_rows == 0
+
+
+@needs_triton
 def test_feedback_rows_in_chunks_are_exact(monkeypatch):
     """Every write runs its feedback loop in chunks of ``FEEDBACK_CHUNK_ROWS`` rows (a decode
     write's way, here for the prefill too): 37-token sequences in 16- and 32-token tiles, so

@@ -215,9 +215,10 @@ def plan_write(
         # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
         # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
         fuse = parts == "all" and num_tokens <= FUSE_MAX_TOKENS
-    scratch = None
-    fb_rows = FEEDBACK_CHUNK_ROWS if num_tokens <= FEEDBACK_CHUNK_MAX_TOKENS else 0
+    scratch, fb_rows = None, 0
     if (params.k_feedback is not None or params.v_feedback is not None) and parts != "ring":
+        # (a constexpr of the kernel: set only where a feedback loop runs, so plain writes keep one build)
+        fb_rows = FEEDBACK_CHUNK_ROWS if num_tokens <= FEEDBACK_CHUNK_MAX_TOKENS else 0
         # every program of the larger launch (K and V side by side) its own tile of the padded tokens
         bt = max(kcfg[0], vcfg[0])
         rows = -(-num_tokens // bt) * bt
