@@ -221,7 +221,7 @@ def write_case(n: int) -> dict:
     r["feedback_rows"] = getattr(plan, "feedback_rows", None)
     if r["feedback_rows"]:
         # the same write with the feedback loop over the whole token tile (the rule's alternative)
-        whole = replace(plan, feedback_rows=0)
+        whole = plan._replace(feedback_rows=0)  # WritePlan is a NamedTuple
         r["us_whole_tile"] = us(lambda: ok.run_write(whole, cache, params, *args), rep_ms=40)
     r["oscar_kernels"] = os.path.dirname(ok.__file__)
     return r

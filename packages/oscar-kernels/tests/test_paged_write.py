@@ -171,17 +171,21 @@ def test_only_small_feedback_writes_run_in_chunks():
     """The plan's ``feedback_rows`` (a kernel constexpr): chunks for a feedback write of at most
     ``FEEDBACK_CHUNK_MAX_TOKENS`` tokens, the whole tile above, and 0 wherever no feedback loop runs
     (plain tensors, ring-only passes), so those keep one build for every token count."""
+    import importlib
+
     from conftest import make_params
 
     from oscar_kernels import allocate_cache, plan_write
 
+    pw = importlib.import_module("oscar_kernels.paged_write")  # the module (the package exports the op)
+    n = pw.FEEDBACK_CHUNK_MAX_TOKENS
     lo = CacheLayout(2, 16, page_size=4, sink_tokens=2, recent_tokens=3)
     cache = allocate_cache(lo, 4, 2, DEVICE)
     gen = torch.Generator().manual_seed(0)
     fb = make_params(2, 16, "kv_head", gen, feedback="k").expand(2, 16, DEVICE)
     plain = make_params(2, 16, "kv_head", gen).expand(2, 16, DEVICE)
-    assert plan_write(cache, fb, 8, backend="triton").feedback_rows == 4
-    assert plan_write(cache, fb, 9, backend="triton").feedback_rows == 0
+    assert plan_write(cache, fb, n, backend="triton").feedback_rows == pw.FEEDBACK_CHUNK_ROWS == 4
+    assert plan_write(cache, fb, n + 1, backend="triton").feedback_rows == 0
     assert plan_write(cache, fb, 1, "ring", backend="triton").feedback_rows == 0
     assert plan_write(cache, plain, 1, backend="triton").feedback_rows == 0
 

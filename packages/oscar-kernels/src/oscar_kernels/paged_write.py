@@ -31,8 +31,10 @@ FUSE_MAX_TOKENS = 64
 #: a write of at most this many tokens runs its error-feedback loop on FEEDBACK_CHUNK_ROWS rows at a
 #: time (the program's real rows only) instead of its whole token tile: the loop's cost is its
 #: instructions, and with one row per warp each thread holds one element of a quarter, not four
-#: of mostly padding rows (a decode step writes one token a sequence into a 16-token tile)
-FEEDBACK_CHUNK_MAX_TOKENS = 8
+#: of mostly padding rows (a decode step writes one token a sequence into a 16-token tile). One
+#: chunk only: on the H100 a one-token write's kernel went 23.0 -> 18.1 us, but 8 tokens in two
+#: chunks 22.8 -> 24.2 us (graph replay 33.5 us against the whole tile's 31.6; NOTES_performance_runs)
+FEEDBACK_CHUNK_MAX_TOKENS = 4
 FEEDBACK_CHUNK_ROWS = 4
 
 
