@@ -3,7 +3,8 @@
 The one-token write of ``kernel_speed.py``'s ``write_case`` (Qwen3-8B KV shape, key error feedback
 and the pre-RoPE mean: the default artifact's write) launched with ``paged_write_kv_kernel``'s
 ``PROBE`` build: each program stamps the GPU's nanosecond timer at the start, after the rotation,
-the feedback relayout, the group statistics, each feedback quarter and the end. Prints, per token
+the feedback staging (the last row chunk's read-back), the group statistics, each feedback quarter and
+the end (a chunked write: the last chunk's phases). Prints, per token
 count, the median over programs and repetitions of each phase (key programs with feedback, value
 programs without) and the whole program, and writes ``$OUT/write_phases.json``.
 
@@ -28,7 +29,7 @@ import oscar_kernels as ok  # noqa: E402
 from oscar_kernels import launch as L  # noqa: E402
 from oscar_kernels.kernels.paged_write import paged_write_kv_kernel  # noqa: E402
 
-PHASES = ("rotation", "relayout", "group stats", "quarter 0", "quarter 1", "quarter 2", "quarter 3", "stores")
+PHASES = ("rotation", "staging", "group stats", "quarter 0", "quarter 1", "quarter 2", "quarter 3", "stores")
 
 
 def probed(n: int, reps: int = 20) -> dict:

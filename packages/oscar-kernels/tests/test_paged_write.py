@@ -286,7 +286,7 @@ def test_the_feedback_prefetch_compiles_at_every_head_dim(d):
 
 def test_the_probe_build_stamps_each_phase_outside_the_loops():
     """``PROBE`` (``lab/gpu_vllm/write_phases.py``: where a decode write's time goes) reads the GPU
-    timer at each phase boundary — 9 in a key program with feedback (start, rotation, relayout,
+    timer at each phase boundary — 9 in a key program with feedback (start, rotation, staging,
     group statistics, four quarters, end), 3 in a value program without — and never inside the
     feedback loops, which stay barrier-free."""
     import importlib.util
