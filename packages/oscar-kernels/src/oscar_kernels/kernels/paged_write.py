@@ -422,18 +422,11 @@ def _int2_rows(
     off = slot % page_size
     mrow = page * stride_sp + h * stride_sh + off * stride_st
     NG: tl.constexpr = HEAD_DIM // GROUP
-    z0 = tl.zeros(x0.shape, tl.float32)
-    z1 = tl.zeros(x0.shape, tl.float32)
-    z2 = tl.zeros(x0.shape, tl.float32)
-    z3 = tl.zeros(x0.shape, tl.float32)
-    i0 = tl.zeros(x0.shape, tl.float32)
-    i1 = tl.zeros(x0.shape, tl.float32)
-    i2 = tl.zeros(x0.shape, tl.float32)
-    i3 = tl.zeros(x0.shape, tl.float32)
-    s0 = tl.zeros(x0.shape, tl.float32)
-    s1 = tl.zeros(x0.shape, tl.float32)
-    s2 = tl.zeros(x0.shape, tl.float32)
-    s3 = tl.zeros(x0.shape, tl.float32)
+    # each group's zero, inverse scale and scale over its columns, per quarter (values: one start)
+    none = tl.zeros(x0.shape, tl.float32)
+    z0, z1, z2, z3 = none, none, none, none
+    i0, i1, i2, i3 = none, none, none, none
+    s0, s1, s2, s3 = none, none, none, none
     for g in tl.static_range(NG):
         # column masks of group g inside each quarter
         c0 = (j // GROUP) == g
