@@ -261,13 +261,16 @@ def compile_near_rows(arch: int = 90, num_warps: int = 4, sink: int = 64):  # no
     return _compile(fn, consts, ptr, arch, num_warps)
 
 
-def compile_window_records(arch: int = 90, num_warps: int = 4):  # noqa: ANN201
+def compile_window_records(arch: int = 90, num_warps: int = 4, rows_per_page: int = 144):  # noqa: ANN201
     """The window-record write (``kernels/window_records.py``) at vLLM's default geometry (block 64,
-    sink 64 in parts of 16) for ``sm_<arch>``."""
+    ring 256, sink 64 in parts of 16; ``rows_per_page`` bf16 rows of ``d`` in a page) for ``sm_<arch>``."""
     from oscar_kernels.kernels.window_records import window_records_kernel as fn
     from oscar_kernels.window_records import _TC, _TOK
 
-    consts = dict(H=8, SINK=64, PART=16, PART_P2=16, D=128, D_P2=128, SINK_IN_RING=True, TOK=_TOK, TC=_TC)
+    consts = dict(
+        H=8, SINK=64, PART=16, PART_P2=16, D=128, D_P2=128, SINK_IN_RING=True, TOK=_TOK, TC=_TC,
+        RPP=rows_per_page, RING=256, WB=64, PARTS=4,
+    )  # fmt: skip
     ptr = {
         "tab_ptr": "*i32", "slot_map_ptr": "*i64", "sidx_ptr": "*i32", "pos_ptr": "*i32",
         "wslot_ptr": "*i32", "rring_ptr": "*i32",

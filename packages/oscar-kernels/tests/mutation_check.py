@@ -80,6 +80,13 @@ MUTATIONS = (
         ("tests/test_window_records.py", "-k", "triton"),
     ),
     Mutation(
+        "window-record-k-and-v-swapped",
+        "src/oscar_kernels/kernels/window_records.py",
+        "    if kv == 0:\n        x = tl.load(k_ptr",
+        "    if kv == 1:\n        x = tl.load(k_ptr",
+        ("tests/test_window_records.py", "-k", "triton"),
+    ),
+    Mutation(
         "window-record-sink-part-skipped-across-blocks",
         "src/oscar_kernels/kernels/window_records.py",
         "                & (tl.load(pos_ptr + tn).to(tl.int64) // WB == pi // WB)\n",

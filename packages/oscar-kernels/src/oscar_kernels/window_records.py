@@ -172,7 +172,7 @@ def write_window_records(
         slot_mapping, seq_index, positions, window_slots, ring_rows,
         ring_k, ring_v, ring_k.stride(0), ring_k.stride(1), ring_k.stride(2),
         sink_k, sink_v, sink_k.stride(0), sink_k.stride(1), sink_k.stride(2),
-        rows.shape[1], ring, block_size, max(sink_parts, 1), n,
+        n, RPP=rows.shape[1], RING=ring, WB=block_size, PARTS=max(sink_parts, 1),
         H=h, SINK=sink, PART=part, PART_P2=triton.next_power_of_2(max(part, 1)),
         D=d, D_P2=triton.next_power_of_2(d), SINK_IN_RING=bool(sink_in_ring and sink), TOK=_TOK,
         TC=_TC,

@@ -10,8 +10,21 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _kv_load(k_ptr, v_ptr, off, mask, kv):
+    """``k_ptr[off]`` or ``v_ptr[off]`` (masked, 0 elsewhere) as the program's ``kv`` says: one load
+    behind a uniform branch (two masked loads and a select cost a program twice the instructions)."""
+    if kv == 0:
+        x = tl.load(k_ptr + off, mask=mask, other=0.0)
+    else:
+        x = tl.load(v_ptr + off, mask=mask, other=0.0)
+    return x
+
+
 # the tables' group stride is B·W, B the step's rows, and NT the step's tokens: not specialised, one
-# compile for every batch
+# compile for every batch. The record geometry (RPP, RING, WB, PARTS) is an engine's constant and a
+# compile-time one: its divisions and remainders become shifts or multiplies (as run-time int64
+# operands they were 57 emulated 64-bit div/rem instructions in the sm_90 PTX of one program)
 @triton.jit(do_not_specialize=["tab_sg", "NT"])
 def window_records_kernel(
     rows_ptr, rows_s0, rows_s1,
@@ -19,7 +32,7 @@ def window_records_kernel(
     slot_map_ptr, sidx_ptr, pos_ptr, wslot_ptr, rring_ptr,
     rk_ptr, rv_ptr, r_s0, r_s1, r_s2,
     sk_ptr, sv_ptr, s_s0, s_s1, s_s2,
-    RPP, RING, WB, PARTS, NT,
+    NT, RPP: tl.constexpr, RING: tl.constexpr, WB: tl.constexpr, PARTS: tl.constexpr,
     H: tl.constexpr, SINK: tl.constexpr, PART: tl.constexpr, PART_P2: tl.constexpr,
     D: tl.constexpr, D_P2: tl.constexpr, SINK_IN_RING: tl.constexpr, TOK: tl.constexpr,
     TC: tl.constexpr,
@@ -30,9 +43,6 @@ def window_records_kernel(
     d = tl.arange(0, D_P2)
     in_step = t < NT
     live = (tl.load(slot_map_ptr + t, mask=in_step, other=-1) >= 0) & in_step  # padding writes nothing
-    # K and V rows come from two tensors: load both masked, keep one (bitwise)
-    is_k = (t * 0 + kv) == 0
-    is_v = (t * 0 + kv) == 1
     dm = live[:, None] & (d < D)[None, :]
     # a padding token reads position 0 of its row (its own position may lie past the table)
     b = tl.load(sidx_ptr + t, mask=in_step, other=0).to(tl.int64)
@@ -44,20 +54,12 @@ def window_records_kernel(
     r = (kv * H + h) * WB + pos % WB
     page = tl.load(tab_ptr + (r // RPP) * tab_sg + b * tab_sb + blk).to(tl.int64)
     ring_off = (src_row * r_s0 + h * r_s1 + (pos % RING) * r_s2)[:, None] + d[None, :]
-    vals = tl.where(
-        is_k[:, None],
-        tl.load(rk_ptr + ring_off, mask=dm & is_k[:, None], other=0.0),
-        tl.load(rv_ptr + ring_off, mask=dm & is_v[:, None], other=0.0),
-    )
+    vals = _kv_load(rk_ptr, rv_ptr, ring_off, dm, kv)
     if SINK_IN_RING:
         in_sink = pos < SINK
         sink_off = (wslot * s_s0 + h * s_s1 + tl.minimum(pos, SINK - 1) * s_s2)[:, None] + d[None, :]
         ms = dm & in_sink[:, None]
-        sv = tl.where(
-            is_k[:, None],
-            tl.load(sk_ptr + sink_off, mask=ms & is_k[:, None], other=0.0),
-            tl.load(sv_ptr + sink_off, mask=ms & is_v[:, None], other=0.0),
-        )
+        sv = _kv_load(sk_ptr, sv_ptr, sink_off, ms, kv)
         vals = tl.where(in_sink[:, None], sv, vals)
     dst = rows_ptr + (page * rows_s0 + (r % RPP) * rows_s1)[:, None] + d[None, :]
     tl.store(dst, vals.to(rows_ptr.dtype.element_ty), mask=dm)
@@ -91,9 +93,6 @@ def window_records_kernel(
             pg = tl.load(tab_ptr + (rs // RPP) * tab_sg + bi * tab_sb + bk, mask=ok, other=0).to(tl.int64)
             off = (ws * s_s0 + h * s_s1 + tl.minimum(s, SINK - 1) * s_s2)[:, None] + d[None, :]
             m2 = ok[:, None] & (d < D)[None, :]
-            k2 = ((j * 0 + kv) == 0)[:, None] & m2
-            v2 = ((j * 0 + kv) == 1)[:, None] & m2
-            xk = tl.load(sk_ptr + off, mask=k2, other=0.0)
-            x = tl.where(k2, xk, tl.load(sv_ptr + off, mask=v2, other=0.0))
+            x = _kv_load(sk_ptr, sv_ptr, off, m2, kv)
             dst2 = rows_ptr + (pg * rows_s0 + (rs % RPP) * rows_s1)[:, None] + d[None, :]
             tl.store(dst2, x.to(rows_ptr.dtype.element_ty), mask=m2)
