@@ -92,19 +92,53 @@ def _stepped(llm, prompts: list[list[int]], sp, tag: str, profile_steps: int = 6
             if o.request_id in got:
                 got[o.request_id] = len(o.outputs[0].token_ids)
     first = next((m for m in marks if m[1] >= 1), marks[-1])
-    dec = [m for m in marks if m[1] >= 2]
     out = dict(t_prefill=round(first[0] - t0, 3), t_total=round(marks[-1][0] - t0, 3), steps=len(marks))
-    if len(dec) >= 2:
-        span, toks = dec[-1][0] - first[0], dec[-1][2] - first[2]
-        gaps = sorted(b[0] - a[0] for a, b in zip(dec, dec[1:], strict=False))
-        out.update(
-            decode_tok_s=round(toks / max(span, 1e-9), 1),
-            median_step_ms=round(1e3 * gaps[len(gaps) // 2], 2),
-            all_tokens=all(n == sp.max_tokens for n in got.values()),
-        )
+    rate = full_batch_rate([(t0, 0, 0), *marks], len(prompts))
+    if rate:
+        out.update(rate, all_tokens=all(n == sp.max_tokens for n in got.values()))
     if gpu:
         out["gpu"] = gpu
     return out
+
+
+def full_batch_rate(marks: list[tuple[float, int, int]], batch: int) -> dict:
+    """Decode speed over the steps in which every one of ``batch`` requests got a token: ``marks``
+    are ``(time, fewest tokens of a request, tokens in all)`` after each step, the first one the
+    start. Steps that began before every request had its first token (they prefilled) or ran
+    after one finished (fewer than ``batch`` tokens) are left out: with long prompts prefilled one
+    after another, the first requests can finish before the last one starts, and counting those
+    steps measured a fraction of the batch (the H100's 100k maxdecode, 2026-12-07). ``{}`` when no
+    such step ran."""
+    steps = zip(marks, marks[1:], strict=False)
+    full = [(b[0] - a[0]) for a, b in steps if a[1] >= 1 and b[2] - a[2] == batch]
+    if len(full) < 2:
+        return {}
+    span = sum(full)
+    return dict(
+        decode_tok_s=round(batch * len(full) / max(span, 1e-9), 1),
+        median_step_ms=round(1e3 * sorted(full)[len(full) // 2], 2),
+        full_steps=len(full),
+    )
+
+
+def maxdecode_tokens(gen: int, batch: int, ctx: int, step_tokens: int) -> int:
+    """Tokens each request of a maxdecode batch generates so that ``gen`` steps run with all
+    ``batch`` of them decoding: the engine prefills at most ``step_tokens`` prompt tokens a step,
+    and the first requests decode through the ``ceil(batch · ctx / step_tokens)`` steps the others'
+    prompts take (plus two: the step that ends a prompt also samples its first token)."""
+    return gen + -(-batch * ctx // max(step_tokens, 1)) + 2
+
+
+def maxdecode_plan(cache_tokens: int, ctx: int, gen: int, block: int, max_seqs: int, step_tokens: int):
+    """``(batch, tokens each generates)`` of a maxdecode run: the largest batch whose requests,
+    each generating :func:`maxdecode_tokens` for that batch, fit ``cache_tokens`` at once."""
+    batch = max_batch(cache_tokens, ctx, gen, block, max_seqs)
+    while True:  # a smaller batch needs fewer extra tokens: the batch only shrinks, so this ends
+        n_gen = maxdecode_tokens(gen, batch, ctx, step_tokens)
+        fits = max_batch(cache_tokens, ctx, n_gen, block, max_seqs)
+        if fits >= batch or batch == 1:
+            return batch, n_gen
+        batch = fits
 
 
 def _gpu_kernels(eng, steps: int | None, got: dict | None = None) -> dict:  # noqa: ANN001
@@ -312,11 +346,16 @@ def run_case(spec: dict) -> dict:
                 tokens = res.get("kv_cache_size_tokens") or (res.get("num_gpu_blocks") or 0) * (
                     res.get("block_size") or 0
                 )
-                batch = max_batch(tokens, ctx, gen, res.get("block_size") or 16, res["max_num_seqs"])
+                # every request generates through the others' prefills: the timed steps are those
+                # with the whole batch decoding (full_batch_rate), ``gen`` of them
+                step_tokens = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+                batch, n_gen = maxdecode_plan(
+                    tokens, ctx, gen, res.get("block_size") or 16, res["max_num_seqs"], step_tokens
+                )
+                sp = SamplingParams(max_tokens=n_gen, **greedy)
                 res[f"maxdecode_{ctx}"] = dict(
-                    _stepped(llm, _prompts(batch, ctx, seed, vocab), SamplingParams(max_tokens=gen, **greedy),
-                             f"m{seed}"),
-                    batch=batch, cache_tokens=tokens,
+                    _stepped(llm, _prompts(batch, ctx, seed, vocab), sp, f"m{seed}"),
+                    batch=batch, cache_tokens=tokens, generated=n_gen,
                 )  # fmt: skip
             elif kind == "profile":  # ["profile", CTX, BATCH, STEPS]
                 _, ctx, batch, steps = w

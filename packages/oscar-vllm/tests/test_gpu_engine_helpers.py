@@ -34,6 +34,35 @@ def test_the_largest_batch_counts_whole_blocks_per_request(ge):
     assert ge.max_batch(64 * 10, 129, 0, 64, 99) == 3
 
 
+def test_decode_speed_counts_only_steps_where_the_whole_batch_decodes(ge):
+    # 3 requests: a prefill step (no tokens), a step where only the first got one (the others still
+    # prefilling), then full steps of 10 ms and 30 ms, then one where a finished request got none
+    marks = [(0.0, 0, 0), (1.0, 0, 0), (1.5, 0, 1), (1.51, 1, 4), (1.54, 2, 7), (1.55, 2, 9)]
+    marks.insert(5, (1.57, 3, 10))  # a second full step before the one that finished a request
+    r = ge.full_batch_rate(marks, 3)
+    assert r["full_steps"] == 2  # 1.51 -> 1.54 and 1.54 -> 1.57 (1.5 -> 1.51 prefilled two)
+    assert r["decode_tok_s"] == pytest.approx(3 * 2 / 0.06, rel=1e-3)
+    assert r["median_step_ms"] == pytest.approx(30.0, abs=0.01)
+    assert ge.full_batch_rate(marks[:4], 3) == {}  # no step with all three decoding
+    # one request: its prefill step (5 s to the first token) is not a decode step
+    r = ge.full_batch_rate([(0.0, 0, 0), (5.0, 1, 1), (5.01, 2, 2), (5.03, 3, 3)], 1)
+    assert r["full_steps"] == 2 and r["decode_tok_s"] == pytest.approx(2 / 0.03, rel=1e-3)
+
+
+def test_maxdecode_generates_through_the_other_requests_prefills(ge):
+    # H100, 2026-12-07: OSCAR's 2,696,119 tokens, 64-token blocks, 72 slots; 8,192 prompt tokens a step
+    assert ge.maxdecode_tokens(64, 26, 100_000, 8192) == 64 + 318 + 2
+    batch, n = ge.maxdecode_plan(2_696_119, 100_000, 64, 64, 72, 8192)
+    assert (batch, n) == (26, ge.maxdecode_tokens(64, 26, 100_000, 8192))
+    assert batch * (-(-(100_000 + n) // 64) * 64) <= 2_696_119  # the blocks fit at once
+    # FA3's 395,712 tokens in 16-token blocks: 3 requests
+    assert ge.maxdecode_plan(395_712, 100_000, 64, 16, 1024, 8192)[0] == 3
+    # where the extra tokens no longer fit, the batch shrinks until they do
+    batch, n = ge.maxdecode_plan(10 * 1000, 900, 10, 100, 99, 100)
+    assert batch * (-(-(900 + n) // 100) * 100) <= 10 * 1000
+    assert batch < ge.max_batch(10_000, 900, 10, 100, 99)
+
+
 def test_the_start_sampler_counts_inclusive_and_leaf_time():
     sys.path.insert(0, str(BENCH))
     try:
