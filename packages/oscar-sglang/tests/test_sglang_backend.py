@@ -694,8 +694,8 @@ def test_cuda_graph_decode_path_equals_eager_and_padding_writes_nothing(artifact
 
 def test_default_slot_count_when_the_user_gives_none(tmp_path, monkeypatch, topology):
     """Without --max-running-requests, SGLang's own default (up to 4096 slots) gives way to OSCAR's:
-    the slots whose BF16 windows fit 4 % of the device (on the H100 SGLang's default made start-up
-    fail: the windows did not fit the budget). A user's --max-running-requests is kept."""
+    the slots whose BF16 windows fit WINDOW_MEMORY_SHARE of the device (on the H100 SGLang's default
+    made start-up fail: the windows did not fit the budget). A user's --max-running-requests is kept."""
     from types import SimpleNamespace
 
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator, MemoryPoolConfig
@@ -706,7 +706,7 @@ def test_default_slot_count_when_the_user_gives_none(tmp_path, monkeypatch, topo
     make_artifact(art, layers=3, kv_heads=2, d=128, granularity="layer")
     monkeypatch.setenv(core.ENV_ROTATIONS, str(art))
     monkeypatch.setenv(core.ENV_RADIX, "off")
-    device = 1 << 30  # this tiny model's windows: ~1,165 slots in 4 % of it
+    device = 1 << 30  # this tiny model's windows: ~2,330 slots in 8 % of it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=device))

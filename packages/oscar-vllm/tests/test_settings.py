@@ -173,8 +173,10 @@ def test_window_bytes_per_slot_counts_k_and_v_sink_and_recent_rows_of_every_int2
 def test_default_max_num_seqs_fits_the_windows_in_a_share_of_the_device():
     h200, slot = 150_754_820_096, window_bytes_per_slot(36, 8, 128, 64, 256)
     n = default_max_num_seqs(1024, h200, slot)
-    assert n == int(0.04 * h200) // slot == 127  # what vLLM 0.33 logged on the H200
-    assert n * slot <= 0.04 * h200 < (n + 1) * slot
+    assert n == int(0.08 * h200) // slot == 255  # (127 at the 4 % vLLM 0.33 logged on the H200)
+    assert n * slot <= 0.08 * h200 < (n + 1) * slot
+    h100 = 81_559 * 2**20
+    assert default_max_num_seqs(1024, h100, slot) == 144  # the H100's serving benchmark, 2026-12-07
     assert default_max_num_seqs(100, h200, slot) == 100  # never above the engine's default
     assert default_max_num_seqs(1024, 10 * slot, slot) == 16  # never below 16 ...
     assert default_max_num_seqs(8, 10 * slot, slot) == 8  # ... unless the engine's default is lower
@@ -211,7 +213,7 @@ class _ModelConfig:
 def test_oscar_engines_get_the_window_sized_default_and_a_users_value_is_kept(tmp_path, monkeypatch):
     path = str(save_rotations(tmp_path / "r.safetensors", identity_rotations("m", 4, 2, 64)))
     slot = window_bytes_per_slot(4, 2, 64, 64, 256)
-    monkeypatch.setattr(compat, "_device_total_memory", lambda: 50 * slot * 25)  # 4 % = 50 slots
+    monkeypatch.setattr(compat, "_device_total_memory", lambda: 50 * slot * 25)  # 8 % = 100 slots
     cls = type("Args", (_Args,), {})
     compat.wrap_max_num_seqs_default(cls)
     compat.wrap_max_num_seqs_default(cls)  # idempotent: wrapped once
@@ -221,7 +223,7 @@ def test_oscar_engines_get_the_window_sized_default_and_a_users_value_is_kept(tm
         a._set_default_max_num_seqs_and_batched_tokens_args(None, _ModelConfig(), None)
         return a.max_num_seqs
 
-    assert run(None) == 50
+    assert run(None) == 100
     assert run(300) == 300  # the user's value
     assert run(None, backend="FLASH_ATTN") == 1024  # other backends: vLLM's default
     assert run(None, rotations=str(tmp_path / "missing.safetensors")) == 1024  # reported at start-up instead
