@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue #38: one kernel_speed.py case before and after a change, device time, one GPU call (~2 min).
 #   here:   git archive REV packages/oscar-kernels/src | tar -x -C lab/gpu_vllm/before   (e.g. REV=e1b9bdb)
-#   device: bash lab/gpu_vllm/ab.sh write|wide     (carry ["lab/gpu_vllm/before"]: git ignores it)
-# write: the one-token write (µs per write, the kernels' device µs, bitwise-equal caches);
+#   device: bash lab/gpu_vllm/ab.sh write|wide|records     (carry ["lab/gpu_vllm/before"]: git ignores it)
+# write: the one-token write (µs per write, the kernels' device µs warm and after an L2 flush, bitwise-equal caches);
+# records: a decode step's window-record write for 1, 8 and 144 sequences (the same, bitwise-equal pages);
 # wide:  the 2k decode under a 40k-wide block table (the engine suite's) and under a 2k-wide one.
 # Writes $OUT/<kind>_before.json, $OUT/<kind>_after.json and prints the comparison.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-KIND="${1:?usage: ab.sh write|wide}"
+KIND="${1:?usage: ab.sh write|wide|records}"
 OUT="${OUT:-/tmp/kernel-ab}"
 mkdir -p "$OUT"
 B=lab/gpu_vllm/before/packages/oscar-kernels/src
@@ -24,7 +25,7 @@ done
 python3 - "$OUT" "$KIND" <<'PY'
 import json, sys
 out, kind = sys.argv[1], sys.argv[2]
-key = "write" if kind == "write" else "decode"
+key = kind if kind in ("write", "records") else "decode"
 rows = {}
 for w in ("before", "after"):
     try:
@@ -35,7 +36,14 @@ if kind == "write" and len(rows) == 2:
     for x, y in zip(rows["before"], rows["after"]):
         print(f"{x['tokens']:>3} tokens: {x['us']} -> {y['us']} us ({x['us'] / max(y['us'], 1e-9):.2f}x), "
               f"bitwise {'same' if x['cache_sha256'] == y['cache_sha256'] else 'DIFFERENT'}; "
-              f"kernels {x.get('kernels')} -> {y.get('kernels')}; after, whole tile: {y.get('us_whole_tile')} us")
+              f"kernels {x.get('kernels')} -> {y.get('kernels')}; after, whole tile: {y.get('us_whole_tile')} us; "
+              f"L2 flushed: {x.get('kernels_cold_l2')} -> {y.get('kernels_cold_l2')}")
+elif kind == "records" and len(rows) == 2:
+    for x, y in zip(rows["before"], rows["after"]):
+        print(f"{x['tokens']:>3} sequences: {x['us']} -> {y['us']} us, "
+              f"bitwise {'same' if x['rows_sha256'] == y['rows_sha256'] else 'DIFFERENT'}; "
+              f"kernels {x.get('kernels')} -> {y.get('kernels')}; "
+              f"L2 flushed: {x.get('kernels_cold_l2')} -> {y.get('kernels_cold_l2')}")
 elif kind == "wide":
     for w, rs in rows.items():
         for r in rs:

@@ -223,6 +223,65 @@ def write_case(n: int) -> dict:
         # the same write with the feedback loop over the whole token tile (the rule's alternative)
         whole = plan._replace(feedback_rows=0)  # WritePlan is a NamedTuple
         r["us_whole_tile"] = us(lambda: ok.run_write(whole, cache, params, *args), rep_ms=40)
+    if DEV.type == "cuda":
+        # as in an engine step, where the other layers' weights stream through L2 between two writes
+        # of a layer (its F, R and pages come from DRAM): the kernel's device time after a flush
+        r["kernels_cold_l2"] = profile_kernels(_after_l2_flush(run))
+    r["oscar_kernels"] = os.path.dirname(ok.__file__)
+    return r
+
+
+def _after_l2_flush(fn):  # noqa: ANN001, ANN202
+    """``fn`` preceded by a write of 256 MB (the H100's L2 is 50 MB, the H200's 60)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+
+    def run() -> None:
+        flush.zero_()
+        fn()
+
+    return run
+
+
+def records_case(n: int) -> dict:
+    """One decode step's window-record write for ``n`` sequences (one token each) at vLLM's default
+    geometry for the Qwen3-8B shape (8 KV heads, d 128, 64-token window blocks, ring 256, sink 64 in
+    four parts of 16, 144 bf16 rows a page, a 131,072-token table): µs per write, the kernel's device
+    µs with L2 warm and after a flush, and a digest of the pages (bitwise comparison across versions:
+    ``ab.sh records``)."""
+    import hashlib
+
+    h, d, wb, ring, sink, part, parts, rpp, width = 8, 128, 64, 256, 64, 16, 4, 144, 2048
+    gen = torch.Generator().manual_seed(n)
+    groups = -(-2 * h * (wb + part) // rpp)
+    pos = 30_000 + 7 * torch.arange(n, dtype=torch.int32)
+    tables = torch.zeros(groups, n, width, dtype=torch.int32)
+    # distinct pages for the blocks the step writes (no two programs store to one row)
+    tables[:, torch.arange(n), pos.long() // wb] = 1 + torch.randperm(groups * n, generator=gen).int().view(
+        groups, n
+    )
+    rows = torch.randn(groups * n + 1, rpp, d, generator=gen).bfloat16()
+    ring_k, ring_v = (torch.randn(n, h, ring, d, generator=gen).bfloat16() for _ in range(2))
+    sink_k, sink_v = (torch.randn(n, h, sink, d, generator=gen).bfloat16() for _ in range(2))
+    idx = torch.arange(n, dtype=torch.int32)
+    rows, tables, slots, sidx, pos, ring_k, ring_v, sink_k, sink_v = (
+        x.to(DEV) for x in (rows, tables, idx.long() * 64, idx, pos, ring_k, ring_v, sink_k, sink_v)
+    )
+
+    def run() -> None:
+        ok.write_window_records(
+            rows, tables, wb, part, parts, slots, sidx, pos, sidx, ring_k, ring_v, sidx, sink_k, sink_v, True,
+            backend="triton",
+        )  # fmt: skip
+
+    run()
+    r = {
+        "tokens": n,
+        "rows_sha256": hashlib.sha256(rows.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16],
+    }
+    r["us"] = us(run, rep_ms=40)
+    if DEV.type == "cuda":
+        r["kernels"] = profile_kernels(run)
+        r["kernels_cold_l2"] = profile_kernels(_after_l2_flush(run))
     r["oscar_kernels"] = os.path.dirname(ok.__file__)
     return r
 
@@ -260,11 +319,11 @@ def write_setup(n: int) -> tuple:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=("decode", "write", "wide"), default=None)
+    ap.add_argument("--only", choices=("decode", "write", "wide", "records"), default=None)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "kernel_speed.json")
-    res = {"meta": run_meta(), "decode": [], "write": [], "errors": []}
+    res = {"meta": run_meta(), "decode": [], "write": [], "records": [], "errors": []}
 
     def save() -> None:
         with open(path, "w") as f:
@@ -277,9 +336,12 @@ def main() -> int:
         jobs += [("decode", s) for s in SHAPES]
     if a.only == "wide":
         jobs += [("decode", s) for s in WIDE]
+    if a.only in (None, "records"):
+        jobs += [("records", n) for n in (1, 8, 144)]
+    cases = {"write": write_case, "records": records_case, "decode": lambda x: decode_shape(*x)}
     for kind, x in jobs:
         try:
-            r = write_case(x) if kind == "write" else decode_shape(*x)
+            r = cases[kind](x)
             res[kind].append(r)
             brief = {k: v for k, v in r.items() if not isinstance(v, dict)}
             print(kind, json.dumps(brief), flush=True)

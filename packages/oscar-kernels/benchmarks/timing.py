@@ -41,7 +41,7 @@ def run_meta() -> dict:
     import triton
 
     return dict(
-        gpu=torch.cuda.get_device_name(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         torch=torch.__version__,
         triton=triton.__version__,
         time=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
