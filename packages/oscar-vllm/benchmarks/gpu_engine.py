@@ -589,6 +589,9 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             ["prefill_profile", 32768],  # device time by kernel over the prompt's steps
             ["decode", 32768, 8, 128],
             ["decode", 130000, 1, 128],
+            # many shorter sequences, as a reasoning server's steps (both caches hold 32 x 8k): where
+            # a large-batch step goes (the serving benchmark's OSCAR step reached 45 % of its byte limit)
+            ["decode", 8192, 32, 128],
             ["maxdecode", 100000, 64],  # the largest batch of distinct 100k prompts each cache holds
         ]
         # eager: the per-layer host cost (OSCAR's decode step minus FA3's, over 36 layers)
