@@ -73,6 +73,20 @@ MUTATIONS = (
         ("tests/test_write_rope.py", "-k", "one_launch"),
     ),
     Mutation(
+        "write-wide-feedback-chunk-on-four-warps",
+        "src/oscar_kernels/paged_write.py",
+        "kcfg = (kcfg[0], fb_rows) if params.k_feedback",
+        "kcfg = (kcfg[0], 4) if params.k_feedback",
+        ("tests/test_paged_write.py", "-k", "only_small_feedback"),
+    ),
+    Mutation(
+        "write-wide-feedback-chunk-rows-as-the-narrow",
+        "src/oscar_kernels/paged_write.py",
+        "return FEEDBACK_WIDE_CHUNK_ROWS if n <= FEEDBACK_CHUNK_MAX_TOKENS else 0",
+        "return FEEDBACK_CHUNK_ROWS if n <= FEEDBACK_CHUNK_MAX_TOKENS else 0",
+        ("tests/test_paged_write.py", "-k", "only_small_feedback or six_sequences"),
+    ),
+    Mutation(
         "window-record-ring-row-off-by-one",
         "src/oscar_kernels/kernels/window_records.py",
         "r = (kv * H + h) * WB + pos % WB",

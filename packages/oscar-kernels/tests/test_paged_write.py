@@ -167,7 +167,7 @@ def test_triton_feedback_write_is_exact_when_the_rotation_is(
 
 
 @needs_triton
-def test_only_small_feedback_writes_run_in_chunks():
+def test_only_small_feedback_writes_run_in_chunks(monkeypatch):
     """The plan's ``feedback_rows`` (a kernel constexpr): chunks for a feedback write of at most
     ``FEEDBACK_CHUNK_MAX_TOKENS`` tokens, the whole tile above, and 0 wherever no feedback loop runs
     (plain tensors, ring-only passes), so those keep one build for every token count."""
@@ -184,14 +184,23 @@ def test_only_small_feedback_writes_run_in_chunks():
     gen = torch.Generator().manual_seed(0)
     fb = make_params(2, 16, "kv_head", gen, feedback="k").expand(2, 16, DEVICE)
     plain = make_params(2, 16, "kv_head", gen).expand(2, 16, DEVICE)
-    assert plan_write(cache, fb, n, backend="triton").feedback_rows == pw.FEEDBACK_CHUNK_ROWS == 4
+    one = plan_write(cache, fb, n, backend="triton")
+    assert one.feedback_rows == pw.FEEDBACK_CHUNK_ROWS == 4 and one.k_tile[1] == 4  # one row a warp
     assert plan_write(cache, fb, n + 1, backend="triton").feedback_rows == 0
+    # with the wide chunk on (FEEDBACK_CHUNK_MAX_TOKENS 8): 5-8 tokens in one 8-row chunk, 8 warps
+    monkeypatch.setattr(pw, "FEEDBACK_CHUNK_MAX_TOKENS", 8)
+    wide = plan_write(cache, fb, 5, backend="triton")
+    assert wide.feedback_rows == plan_write(cache, fb, 8, backend="triton").feedback_rows == 8
+    assert wide.k_tile[1] == 8  # one row a warp
+    assert plan_write(cache, fb, 9, backend="triton").feedback_rows == 0
+    assert plan_write(cache, fb, 4, backend="triton").feedback_rows == 4
     assert plan_write(cache, fb, 1, "ring", backend="triton").feedback_rows == 0
     assert plan_write(cache, plain, 1, backend="triton").feedback_rows == 0
 
 
 @needs_triton
-def test_feedback_rows_in_chunks_are_exact(monkeypatch):
+@pytest.mark.parametrize("narrow_max", [10**6, 0])
+def test_feedback_rows_in_chunks_are_exact(monkeypatch, narrow_max):
     """Every write runs its feedback loop in chunks of ``FEEDBACK_CHUNK_ROWS`` rows (a decode
     write's way, here for the prefill too): 37-token sequences in 16- and 32-token tiles, so
     chunks over the tile's real rows only, a partial last chunk, page boundaries; bit for bit the
@@ -200,6 +209,9 @@ def test_feedback_rows_in_chunks_are_exact(monkeypatch):
 
     pw = importlib.import_module("oscar_kernels.paged_write")  # the module (the package exports the op)
     monkeypatch.setattr(pw, "FEEDBACK_CHUNK_MAX_TOKENS", 10**6)
+    # every write in chunks of 4 rows (narrow_max large), or in chunks of 8 (narrow_max 0)
+    monkeypatch.setattr(pw, "FEEDBACK_CHUNK_ROWS", 4 if narrow_max else 0)
+    monkeypatch.setattr(pw, "FEEDBACK_WIDE_CHUNK_ROWS", 4 if narrow_max else 8)
     gen = torch.Generator().manual_seed(11)
     lo = CacheLayout(2, 16, page_size=5, group_size=8, sink_tokens=3, recent_tokens=4)
     lens = [1, 8, 37]
@@ -207,6 +219,26 @@ def test_feedback_rows_in_chunks_are_exact(monkeypatch):
     a = fill_cache(lo, lens, gen, "kv_head", backend="triton", steps=2, exact=True, feedback="kv")[0]
     gen.set_state(state)
     b = fill_cache(lo, lens, gen, "kv_head", backend="torch", steps=2, exact=True, feedback="kv")[0]
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@needs_triton
+def test_decode_steps_of_six_sequences_run_one_wide_chunk_exactly(monkeypatch):
+    """Six sequences' decode steps with the wide chunk on (6 tokens a write: one chunk of
+    FEEDBACK_WIDE_CHUNK_ROWS rows, two of them padding) give the reference's codes bit for bit."""
+    import importlib
+
+    pw = importlib.import_module("oscar_kernels.paged_write")
+    monkeypatch.setattr(pw, "FEEDBACK_CHUNK_MAX_TOKENS", 8)
+    assert pw._feedback_rows(6) == 8
+    gen = torch.Generator().manual_seed(13)
+    lo = CacheLayout(2, 16, page_size=5, group_size=8, sink_tokens=3, recent_tokens=4)
+    lens = [1, 2, 5, 6, 9, 12]
+    state = gen.get_state()
+    a = fill_cache(lo, lens, gen, "kv_head", backend="triton", steps=3, exact=True, feedback="kv")[0]
+    gen.set_state(state)
+    b = fill_cache(lo, lens, gen, "kv_head", backend="torch", steps=3, exact=True, feedback="kv")[0]
     for f in FIELDS:
         assert torch.equal(getattr(a, f), getattr(b, f)), f
 
@@ -244,8 +276,8 @@ def test_feedback_matrices_are_read_in_any_layout(layout, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("fb_rows", [4, 0])
-def test_the_feedback_loop_waits_on_no_block_barrier(fb_rows):
+@pytest.mark.parametrize(("fb_rows", "warps"), [(4, 4), (8, 8), (0, 4)])
+def test_the_feedback_loop_waits_on_no_block_barrier(fb_rows, warps):
     """The error-feedback loop is a one-token decode write's latency (15.6 µs a layer on the H100,
     FA3's cache write 2.2). In the ``tl.dot`` (MMA) layout a quarter's columns lie in several warps
     and each cross-lane pick cost two block barriers (sm_90 PTX: 10 ``bar.sync`` per coordinate);
@@ -253,8 +285,8 @@ def test_the_feedback_loop_waits_on_no_block_barrier(fb_rows):
     import importlib.util
     from pathlib import Path
 
-    # a decode write's chunks of four rows, and the whole tile (larger writes)
-    call = f"cc.compile_write_kv(num_warps=4, block_t=16, rope=True, feedback=True, fb_rows={fb_rows})"
+    # a decode write's chunk of four or eight rows (one a warp), and the whole tile (larger writes)
+    call = f"cc.compile_write_kv(num_warps={warps}, block_t=16, rope=True, feedback=True, fb_rows={fb_rows})"
     ptx = compile_check_ptx(call)
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
     spec = importlib.util.spec_from_file_location("compile_check", path)
@@ -265,11 +297,11 @@ def test_the_feedback_loop_waits_on_no_block_barrier(fb_rows):
     assert len(loops) == 4, loops
     assert all(lp["bar.sync"] == 0 and lp["shfl.sync"] > 0 for lp in loops), loops
     assert "globaltimer" not in ptx  # the PROBE diagnosis stays out of the product build
-    # F is asked for before the rotation (a 128-byte line per request: 512 over 128 threads), never
+    # F is asked for before the rotation (a 128-byte line per request: 512 over the threads), never
     # inside the loops, whose column loads are vectors of a column-major F (a step's first
     # quarter over the whole tile, four coordinates: 22 global loads, where row-major scalar column
     # loads made it 70; in the chunks eight coordinates, 32 column loads and 28 scalar entries: 60)
-    assert ptx.count("prefetch.global.L1") == 4, ptx.count("prefetch.global.L1")
+    assert ptx.count("prefetch.global.L1") == 512 // (32 * warps), ptx.count("prefetch.global.L1")
     assert loops[0]["ld.global"] <= (64 if fb_rows else 24), loops
 
 

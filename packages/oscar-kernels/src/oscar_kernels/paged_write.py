@@ -28,14 +28,20 @@ WRITE_PARTS = ("all", "pages", "ring")
 
 #: token counts up to which K and V are written in one launch by default (decode steps, small batches)
 FUSE_MAX_TOKENS = 64
-#: a write of at most this many tokens runs its error-feedback loop on FEEDBACK_CHUNK_ROWS rows at a
-#: time (the program's real rows only) instead of its whole token tile: the loop's cost is its
+#: a write of at most FEEDBACK_CHUNK_ROWS tokens runs its error-feedback loop on that many rows (the
+#: program's real rows only, one a warp) instead of its whole token tile: the loop's cost is its
 #: instructions, and with one row per warp each thread holds one element of a quarter, not four
 #: of mostly padding rows (a decode step writes one token a sequence into a 16-token tile). One
 #: chunk only: on the H100 a one-token write's kernel went 23.0 -> 18.1 us, but 8 tokens in two
 #: chunks 22.8 -> 24.2 us (graph replay 33.5 us against the whole tile's 31.6; NOTES_performance_runs)
-FEEDBACK_CHUNK_MAX_TOKENS = 4
 FEEDBACK_CHUNK_ROWS = 4
+#: writes of FEEDBACK_CHUNK_ROWS + 1 .. FEEDBACK_CHUNK_MAX_TOKENS tokens run one chunk of
+#: FEEDBACK_WIDE_CHUNK_ROWS rows on as many warps (one row a warp again; offline sm_90 the same loop
+#: as the 4-row chunk). Off (4) until measured: for a decode step of 5-8 sequences, 8 would trade
+#: the whole 16-token tile on 4 warps (22.8 us on the H100) for one 8-row chunk on 8 warps
+#: (``lab/gpu_vllm/ab.sh write`` with this raised to 8 is the A/B)
+FEEDBACK_CHUNK_MAX_TOKENS = 4
+FEEDBACK_WIDE_CHUNK_ROWS = 8
 
 
 def _validate(cache: PagedKVCache, key, value, slot_mapping, positions, seq_index, seq_lens, window_slots):
@@ -220,13 +226,23 @@ def plan_write(
     scratch, fb_rows = None, 0
     if (params.k_feedback is not None or params.v_feedback is not None) and parts != "ring":
         # (a constexpr of the kernel: set only where a feedback loop runs, so plain writes keep one build)
-        fb_rows = FEEDBACK_CHUNK_ROWS if num_tokens <= FEEDBACK_CHUNK_MAX_TOKENS else 0
+        fb_rows = _feedback_rows(num_tokens)
+        if fb_rows and num_warps is None:  # one row a warp
+            kcfg = (kcfg[0], fb_rows) if params.k_feedback is not None else kcfg
+            vcfg = (vcfg[0], fb_rows) if params.v_feedback is not None else vcfg
         # every program of the larger launch (K and V side by side) its own tile of the padded tokens
         bt = max(kcfg[0], vcfg[0])
         rows = -(-num_tokens // bt) * bt
         size = rows * 2 * lo.num_kv_heads * lo.head_dim
         scratch = torch.empty(size, dtype=torch.float32, device=cache.device)
     return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse), scratch, fb_rows)
+
+
+def _feedback_rows(n: int) -> int:
+    """Rows a chunk of the feedback loop of an ``n``-token write (0: the whole token tile)."""
+    if n <= FEEDBACK_CHUNK_ROWS:
+        return FEEDBACK_CHUNK_ROWS
+    return FEEDBACK_WIDE_CHUNK_ROWS if n <= FEEDBACK_CHUNK_MAX_TOKENS else 0
 
 
 def run_write(
