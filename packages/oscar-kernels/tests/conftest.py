@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
+import sys
 
-import pytest
-import torch
+# Under the interpreter tl.dot is numpy's matmul (OpenBLAS), and some tests hold kernels to bitwise
+# batch invariance (a token's rotation whatever its row in a tile). OpenBLAS's AVX2 kernels (its
+# Haswell core, which these machines preset in OPENBLAS_CORETYPE, and Zen's) round a row by its
+# place in the block on an AMD EPYC; its AVX kernel does not, and runs on every x86-64 CPU. Read
+# when numpy first loads OpenBLAS: before torch imports numpy.
+if platform.machine() == "x86_64" and "numpy" not in sys.modules:
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
