@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import types
 
 import pytest
 import torch
@@ -219,10 +220,44 @@ def test_the_kernels_compile_ahead_once_the_profiling_kv_cache_exists():
     def hook(runner):
         calls.append(("oscar", type(runner).__name__))
 
-    assert compat.after_profiling_kv_cache(hook, Runner) and compat.after_profiling_kv_cache(hook, Runner)
+    none = types.ModuleType("no_v2_runner")  # (the real V2 module is left alone here)
+    assert compat.after_profiling_kv_cache(hook, Runner, none)
+    assert compat.after_profiling_kv_cache(hook, Runner, none)
     Runner().profile_cudagraph_memory()
     assert calls == ["kv cache", ("oscar", "Runner"), "captures"]
-    assert not compat.after_profiling_kv_cache(hook, type("Older", (), {}))
+    assert not compat.after_profiling_kv_cache(hook, type("Older", (), {}), none)
+
+
+def test_the_kernels_compile_ahead_under_the_v2_runner_too():
+    """vLLM 0.33's V2 runner profiles through module functions (``vllm/v1/worker/gpu/
+    cudagraph_utils.py``: ``profile_cudagraph_memory(runner)`` calls ``_init_minimal_kv_cache_for_
+    profiling(runner)`` by name): the hook runs after the latter, with the runner, once however
+    often installed. (On the H100 the V1 hook alone left the profile's captures compiling.)"""
+    from oscar_vllm import compat
+
+    calls = []
+    v2 = types.ModuleType("v2_cudagraph_utils")
+    exec(  # functions whose globals are the module's, as vLLM's are
+        "def _init_minimal_kv_cache_for_profiling(runner):\n"
+        "    calls.append('kv cache')\n"
+        "def profile_cudagraph_memory(runner):\n"
+        "    _init_minimal_kv_cache_for_profiling(runner)\n"
+        "    calls.append('captures')\n",
+        v2.__dict__,
+    )
+    v2.calls = calls
+
+    class Runner:
+        pass
+
+    def hook(runner):
+        calls.append(("oscar", type(runner).__name__))
+
+    no_v1 = type("NoV1", (), {})
+    assert compat.after_profiling_kv_cache(hook, no_v1, v2)
+    assert compat.after_profiling_kv_cache(hook, no_v1, v2)
+    v2.profile_cudagraph_memory(Runner())
+    assert calls == ["kv cache", ("oscar", "Runner"), "captures"]
 
 
 def test_the_warm_up_follows_vllms_jit_warm_up_unless_told(monkeypatch):

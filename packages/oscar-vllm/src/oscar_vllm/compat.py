@@ -14,6 +14,7 @@ take vLLM's classes and hooks from the accessors at the end of this file.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import re
 from typing import Any
@@ -890,7 +891,6 @@ def before_weight_processing(hook: Any) -> bool:
     them into their kernels' formats (quantisation, the CPU build's packed GEMM weights) and before
     the attention layers' own ``process_weights_after_loading``. Install before the model loads (the
     plugin's ``register``). Idempotent. False where no loader module calls that function."""
-    import importlib
 
     hooked = False
     for name in _WEIGHT_PROCESSING_CALLERS:
@@ -898,25 +898,37 @@ def before_weight_processing(hook: Any) -> bool:
             mod = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a loader this build lacks
             continue
-        orig = getattr(mod, _PROCESSING, None)
-        if not callable(orig):
-            continue
-        hooks = getattr(orig, "_oscar_hooks", None)
-        if hooks is None:
-            hooks = []
-
-            def wrapped(model: Any, *args: Any, _orig: Any = orig, _hooks: list = hooks, **kw: Any) -> Any:
-                for h in _hooks:
-                    h(model)
-                return _orig(model, *args, **kw)
-
-            w = functools.wraps(orig)(wrapped)
-            w._oscar_hooks = hooks  # type: ignore[attr-defined]
-            setattr(mod, _PROCESSING, w)
-        if hook not in hooks:
-            hooks.append(hook)
-        hooked = True
+        hooked = _hook_function(mod, _PROCESSING, hook, before=True) or hooked
     return hooked
+
+
+def _hook_function(mod: Any, attr: str, hook: Any, before: bool) -> bool:
+    """Run ``hook(first argument)`` before or after the module function ``mod.attr`` at every call
+    (its callers look it up by name at call time): one wrapper per function holding its hooks
+    (installing a hook twice adds it once). False where ``mod`` has no such function."""
+    orig = getattr(mod, attr, None)
+    if not callable(orig):
+        return False
+    hooks = getattr(orig, "_oscar_hooks", None)
+    if hooks is None:
+        hooks = []
+
+        def wrapped(first: Any, *args: Any, **kw: Any) -> Any:
+            if before:
+                for h in hooks:
+                    h(first)
+            out = orig(first, *args, **kw)
+            if not before:
+                for h in hooks:
+                    h(first)
+            return out
+
+        w = functools.wraps(orig)(wrapped)
+        w._oscar_hooks = hooks  # type: ignore[attr-defined]
+        setattr(mod, attr, w)
+    if hook not in hooks:
+        hooks.append(hook)
+    return True
 
 
 def weights_pre_processed() -> bool:
@@ -963,17 +975,33 @@ def _gpu_model_runner_class() -> type | None:
     return GPUModelRunner
 
 
-def after_profiling_kv_cache(hook: Any, runner_class: type | None = None) -> bool:
+#: where vLLM's V2 GPU model runner (``vllm/v1/worker/gpu/``, 0.33's default) profiles its CUDA-graph
+#: memory: ``profile_cudagraph_memory(runner)`` calls the module's ``_PROFILING_KV_CACHE(runner)``
+_V2_PROFILING_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
+
+
+def after_profiling_kv_cache(
+    hook: Any, runner_class: type | None = None, v2_module: Any | None = None
+) -> bool:
     """Run ``hook(model_runner)`` each time vLLM's GPU model runner has allocated the small KV
     cache of its CUDA-graph memory profile, before that profile captures its graphs (whose first
-    launches would compile OSCAR's decode kernels one after another). Idempotent per hook. False
-    where the runner class or the method is missing (then nothing runs: the kernels compile in the
-    captures, as before)."""
+    launches would compile OSCAR's decode kernels one after another): after the V1 runner's
+    method, and after the V2 runner's module function of that name (the H100's 2026-12-07 server
+    start had only the V1 hook, so its profile captures compiled for 84 s). Idempotent per hook.
+    False where neither is found (then nothing runs: the kernels compile in the captures)."""
     cls = runner_class or _gpu_model_runner_class()
-    if cls is None or not callable(getattr(cls, _PROFILING_KV_CACHE, None)):
-        return False
-    _hook_method(cls, _PROFILING_KV_CACHE, hook, before=False)
-    return True
+    hooked = False
+    if cls is not None and callable(getattr(cls, _PROFILING_KV_CACHE, None)):
+        _hook_method(cls, _PROFILING_KV_CACHE, hook, before=False)
+        hooked = True
+    if v2_module is None:
+        try:
+            v2_module = importlib.import_module(_V2_PROFILING_MODULE)
+        except Exception:  # noqa: BLE001 - a build without the V2 runner
+            v2_module = None
+    if v2_module is not None:
+        hooked = _hook_function(v2_module, _PROFILING_KV_CACHE, hook, before=False) or hooked
+    return hooked
 
 
 def jit_warmup_enabled(vllm_config: Any) -> bool:
