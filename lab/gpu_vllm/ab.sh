@@ -32,17 +32,13 @@ for w in ("before", "after"):
         rows[w] = json.load(open(f"{out}/{kind}_{w}.json"))[key]
     except OSError:
         print(w, "no result")
-if kind == "write" and len(rows) == 2:
+if kind in ("write", "records") and len(rows) == 2:
+    digest = "cache_sha256" if kind == "write" else "rows_sha256"
     for x, y in zip(rows["before"], rows["after"]):
+        whole = f"; after, whole tile: {y['us_whole_tile']} us" if "us_whole_tile" in y else ""
         print(f"{x['tokens']:>3} tokens: {x['us']} -> {y['us']} us ({x['us'] / max(y['us'], 1e-9):.2f}x), "
-              f"bitwise {'same' if x['cache_sha256'] == y['cache_sha256'] else 'DIFFERENT'}; "
-              f"kernels {x.get('kernels')} -> {y.get('kernels')}; after, whole tile: {y.get('us_whole_tile')} us; "
-              f"L2 flushed: {x.get('kernels_cold_l2')} -> {y.get('kernels_cold_l2')}")
-elif kind == "records" and len(rows) == 2:
-    for x, y in zip(rows["before"], rows["after"]):
-        print(f"{x['tokens']:>3} sequences: {x['us']} -> {y['us']} us, "
-              f"bitwise {'same' if x['rows_sha256'] == y['rows_sha256'] else 'DIFFERENT'}; "
-              f"kernels {x.get('kernels')} -> {y.get('kernels')}; "
+              f"bitwise {'same' if x[digest] == y[digest] else 'DIFFERENT'}; "
+              f"kernels {x.get('kernels')} -> {y.get('kernels')}{whole}; "
               f"L2 flushed: {x.get('kernels_cold_l2')} -> {y.get('kernels_cold_l2')}")
 elif kind == "wide":
     for w, rs in rows.items():

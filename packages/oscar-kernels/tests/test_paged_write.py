@@ -212,13 +212,18 @@ def test_feedback_rows_in_chunks_are_exact(monkeypatch, narrow_max):
     # every write in chunks of 4 rows (narrow_max large), or in chunks of 8 (narrow_max 0)
     monkeypatch.setattr(pw, "FEEDBACK_CHUNK_ROWS", 4 if narrow_max else 0)
     monkeypatch.setattr(pw, "FEEDBACK_WIDE_CHUNK_ROWS", 4 if narrow_max else 8)
-    gen = torch.Generator().manual_seed(11)
     lo = CacheLayout(2, 16, page_size=5, group_size=8, sink_tokens=3, recent_tokens=4)
-    lens = [1, 8, 37]
+    _assert_triton_fills_like_torch(lo, [1, 8, 37], seed=11, steps=2, feedback="kv")
+
+
+def _assert_triton_fills_like_torch(lo: CacheLayout, lens: list[int], seed: int, **kw) -> None:
+    """The same random cache filled through the Triton write and the torch reference (``fill_cache``
+    with ``exact=True`` and ``kw``): every field bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
     state = gen.get_state()
-    a = fill_cache(lo, lens, gen, "kv_head", backend="triton", steps=2, exact=True, feedback="kv")[0]
+    a = fill_cache(lo, lens, gen, "kv_head", backend="triton", exact=True, **kw)[0]
     gen.set_state(state)
-    b = fill_cache(lo, lens, gen, "kv_head", backend="torch", steps=2, exact=True, feedback="kv")[0]
+    b = fill_cache(lo, lens, gen, "kv_head", backend="torch", exact=True, **kw)[0]
     for f in FIELDS:
         assert torch.equal(getattr(a, f), getattr(b, f)), f
 
@@ -232,15 +237,8 @@ def test_decode_steps_of_six_sequences_run_one_wide_chunk_exactly(monkeypatch):
     pw = importlib.import_module("oscar_kernels.paged_write")
     monkeypatch.setattr(pw, "FEEDBACK_CHUNK_MAX_TOKENS", 8)
     assert pw._feedback_rows(6) == 8
-    gen = torch.Generator().manual_seed(13)
     lo = CacheLayout(2, 16, page_size=5, group_size=8, sink_tokens=3, recent_tokens=4)
-    lens = [1, 2, 5, 6, 9, 12]
-    state = gen.get_state()
-    a = fill_cache(lo, lens, gen, "kv_head", backend="triton", steps=3, exact=True, feedback="kv")[0]
-    gen.set_state(state)
-    b = fill_cache(lo, lens, gen, "kv_head", backend="torch", steps=3, exact=True, feedback="kv")[0]
-    for f in FIELDS:
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    _assert_triton_fills_like_torch(lo, [1, 2, 5, 6, 9, 12], seed=13, steps=3, feedback="kv")
 
 
 @needs_triton
@@ -265,14 +263,8 @@ def test_feedback_matrices_are_read_in_any_layout(layout, monkeypatch):
         return ep
 
     monkeypatch.setattr(LayerQuantParams, "expand", expand_in)
-    gen = torch.Generator().manual_seed(5)
     lo = CacheLayout(2, 16, page_size=4, group_size=8, sink_tokens=2, recent_tokens=3)
-    state = gen.get_state()
-    a = fill_cache(lo, [1, 11], gen, "kv_head", backend="triton", steps=1, exact=True, feedback="k")[0]
-    gen.set_state(state)
-    b = fill_cache(lo, [1, 11], gen, "kv_head", backend="torch", steps=1, exact=True, feedback="k")[0]
-    for f in FIELDS:
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    _assert_triton_fills_like_torch(lo, [1, 11], seed=5, steps=1, feedback="k")
 
 
 @needs_triton

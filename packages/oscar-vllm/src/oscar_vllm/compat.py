@@ -841,24 +841,31 @@ _JIT_MONITOR_START = "_maybe_activate_jit_monitor"
 def _hook_method(cls: type, attr: str, hook: Any, before: bool) -> None:
     """Run ``hook(self)`` before or after ``cls.attr`` at every call: one wrapper per method holding
     its hooks (installing a hook twice adds it once)."""
-    orig = getattr(cls, attr)
+    _add_hook(cls, attr, hook, before)
+
+
+def _add_hook(owner: Any, attr: str, hook: Any, before: bool) -> None:
+    """Wrap ``owner.attr`` (a class's method or a module's function) once so that every call runs its
+    hooks on the first argument (``self``, or the function's first), before or after it; add
+    ``hook`` to them unless it is there already."""
+    orig = getattr(owner, attr)
     hooks = getattr(orig, "_oscar_hooks", None)
     if hooks is None:
         hooks = []
 
         @functools.wraps(orig)
-        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def wrapped(first: Any, *args: Any, **kwargs: Any) -> Any:
             if before:
                 for h in hooks:
-                    h(self)
-            out = orig(self, *args, **kwargs)
+                    h(first)
+            out = orig(first, *args, **kwargs)
             if not before:
                 for h in hooks:
-                    h(self)
+                    h(first)
             return out
 
         wrapped._oscar_hooks = hooks  # type: ignore[attr-defined]
-        setattr(cls, attr, wrapped)
+        setattr(owner, attr, wrapped)
     if hook not in hooks:
         hooks.append(hook)
 
@@ -891,7 +898,6 @@ def before_weight_processing(hook: Any) -> bool:
     them into their kernels' formats (quantisation, the CPU build's packed GEMM weights) and before
     the attention layers' own ``process_weights_after_loading``. Install before the model loads (the
     plugin's ``register``). Idempotent. False where no loader module calls that function."""
-
     hooked = False
     for name in _WEIGHT_PROCESSING_CALLERS:
         try:
@@ -904,30 +910,10 @@ def before_weight_processing(hook: Any) -> bool:
 
 def _hook_function(mod: Any, attr: str, hook: Any, before: bool) -> bool:
     """Run ``hook(first argument)`` before or after the module function ``mod.attr`` at every call
-    (its callers look it up by name at call time): one wrapper per function holding its hooks
-    (installing a hook twice adds it once). False where ``mod`` has no such function."""
-    orig = getattr(mod, attr, None)
-    if not callable(orig):
+    (its callers look it up by name at call time). False where ``mod`` has no such function."""
+    if not callable(getattr(mod, attr, None)):
         return False
-    hooks = getattr(orig, "_oscar_hooks", None)
-    if hooks is None:
-        hooks = []
-
-        def wrapped(first: Any, *args: Any, **kw: Any) -> Any:
-            if before:
-                for h in hooks:
-                    h(first)
-            out = orig(first, *args, **kw)
-            if not before:
-                for h in hooks:
-                    h(first)
-            return out
-
-        w = functools.wraps(orig)(wrapped)
-        w._oscar_hooks = hooks  # type: ignore[attr-defined]
-        setattr(mod, attr, w)
-    if hook not in hooks:
-        hooks.append(hook)
+    _add_hook(mod, attr, hook, before)
     return True
 
 
