@@ -242,14 +242,10 @@ def _after_l2_flush(fn):  # noqa: ANN001, ANN202
     return run
 
 
-def records_case(n: int) -> dict:
+def records_setup(n: int):  # noqa: ANN201 - (run, rows)
     """One decode step's window-record write for ``n`` sequences (one token each) at vLLM's default
     geometry for the Qwen3-8B shape (8 KV heads, d 128, 64-token window blocks, ring 256, sink 64 in
-    four parts of 16, 144 bf16 rows a page, a 131,072-token table): µs per write, the kernel's device
-    µs with L2 warm and after a flush, and a digest of the pages (bitwise comparison across versions:
-    ``ab.sh records``)."""
-    import hashlib
-
+    four parts of 16, 144 bf16 rows a page, a 131,072-token table): ``(run, rows)``."""
     h, d, wb, ring, sink, part, parts, rpp, width = 8, 128, 64, 256, 64, 16, 4, 144, 2048
     gen = torch.Generator().manual_seed(n)
     groups = -(-2 * h * (wb + part) // rpp)
@@ -273,6 +269,15 @@ def records_case(n: int) -> dict:
             backend="triton",
         )  # fmt: skip
 
+    return run, rows
+
+
+def records_case(n: int) -> dict:
+    """:func:`records_setup`'s write: µs per write, the kernel's device µs with L2 warm and after a
+    flush, and a digest of the pages (bitwise comparison across versions: ``ab.sh records``)."""
+    import hashlib
+
+    run, rows = records_setup(n)
     run()
     r = {
         "tokens": n,

@@ -1,0 +1,116 @@
+"""Issue #38: what each OSCAR launch of a decode layer really adds to a step (one GPU call, ~2 min).
+
+Profiled kernel times overlap (PDL) and the same kernel alone runs with a warm L2, so neither says
+what a launch costs a step. Here a step is 36 layers, each a stand-in for the model's weight
+stream (``x @ W``, W 4096 × 47,616 bf16 = 390 MB, about a Qwen3-8B layer's weights: the L2 is
+flushed between two layers as in the engine) followed by OSCAR's launches of a decode layer as
+vLLM runs them — the one-token write (K with error feedback and a pre-RoPE mean), the decode op
+(query rotation, split kernel, merge; ``R_V`` folded: the engine's default), the window records —
+all captured in one CUDA graph. Each variant drops one part; the step time it saves is that
+part's cost in a step. A BF16 stand-in (one row written into a BF16 cache, torch SDPA) gives a
+scale, not FA3's number.
+
+    PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \\
+        python3 lab/gpu_vllm/step_ablation.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import kernel_speed as KS  # noqa: E402
+
+import oscar_kernels as ok  # noqa: E402
+
+LAYERS = 36
+#: (context, batch, block-table width in tokens): the engine suite's rows and its tables
+SHAPES = ((2048, 1, 40_000), (32_768, 8, 40_000), (130_000, 1, 131_072))
+PARTS = ("weights", "write", "attention", "records")
+
+
+def step_fn(parts: set[str], n: int, ctx: int, width: int):  # noqa: ANN201
+    """A callable running one 36-layer step made of ``parts``."""
+    dev = KS.DEV
+    w = torch.randn(4096, 47_616, device=dev, dtype=torch.bfloat16) if "weights" in parts else None
+    x = torch.randn(n, 4096, device=dev, dtype=torch.bfloat16)
+    wcache, wparams, wplan, wargs = KS.write_setup(n)
+    s = KS.G._int2_decode_setup(ctx, n, width=width)
+    ep = replace(s["ep"], rotated_output=True)
+    dargs = (s["q"], s["cache"], ep, s["bt"], s["sl"], s["ws"])
+    out = torch.empty_like(s["q"])
+    rec, _ = KS.records_setup(n)
+    ok.decode_attention(*dargs, out=out)  # the validated call once (shape checks, bounds)
+
+    def run() -> None:
+        for _ in range(LAYERS):
+            if w is not None:
+                torch.mm(x, w)
+            if "write" in parts:
+                ok.run_write(wplan, wcache, wparams, *wargs)
+            if "attention" in parts:
+                ok.decode_attention(*dargs, out=out, check_bounds=False)
+            if "records" in parts:
+                rec()
+
+    return run
+
+
+def bf16_fn(n: int, ctx: int):  # noqa: ANN201
+    """The BF16 stand-in: weights, then a row into a BF16 cache and SDPA over it, 36 times."""
+    dev = KS.DEV
+    w = torch.randn(4096, 47_616, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(n, 4096, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(n, 8, ctx, 128, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(n, 32, 1, 128, device=dev, dtype=torch.bfloat16)
+    row = torch.randn(n, 8, 1, 128, device=dev, dtype=torch.bfloat16)
+
+    def run() -> None:
+        for _ in range(LAYERS):
+            torch.mm(x, w)
+            k[:, :, -1:].copy_(row)
+            v[:, :, -1:].copy_(row)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    res = {"meta": KS.run_meta(), "layers": LAYERS, "rows": []}
+    variants = {"all": set(PARTS)} | {f"no_{p}": set(PARTS) - {p} for p in PARTS[1:]}
+    variants["weights_only"] = {"weights"}
+    for ctx, n, width in SHAPES:
+        r = {"ctx": ctx, "batch": n, "table_tokens": width, "step_ms": {}}
+        for name, parts in variants.items():
+            fn = step_fn(parts, n, ctx, width)
+            r["step_ms"][name] = round(KS.bench_graph_ms(fn, rep_ms=400), 4)
+            del fn
+            torch.cuda.empty_cache()
+        r["step_ms"]["bf16_sdpa"] = round(KS.bench_graph_ms(bf16_fn(n, ctx), rep_ms=400), 4)
+        t = r["step_ms"]
+        r["us_per_layer"] = {
+            p: round(1e3 * (t["all"] - t[f"no_{p}"]) / LAYERS, 2) for p in PARTS[1:]
+        } | {"oscar_all": round(1e3 * (t["all"] - t["weights_only"]) / LAYERS, 2),
+             "bf16_sdpa": round(1e3 * (t["bf16_sdpa"] - t["weights_only"]) / LAYERS, 2)}  # fmt: skip
+        res["rows"].append(r)
+        print(json.dumps(r), flush=True)
+        torch.cuda.empty_cache()
+    with open(os.path.join(a.out, "step_ablation.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
