@@ -136,7 +136,7 @@ def compile_write_kv(  # noqa: ANN201
     consts = dict(
         NUM_KV_HEADS=8, HEAD_DIM=head_dim, GROUP=head_dim, SINK=64, RECENT=256, HAS_MEAN=True,
         K_FEEDBACK=feedback, V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True,
-        BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True, FB_ROWS=fb_rows,
+        WRITE_SINK=True, BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True, FB_ROWS=fb_rows,
     )  # fmt: skip
     if feedback:
         consts["stride_kfr"] = 1

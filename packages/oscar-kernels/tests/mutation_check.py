@@ -767,9 +767,31 @@ MUTATIONS = (
     Mutation(
         "reference-write-ring-before-attention",
         "src/oscar_kernels/reference/paged_write.py",
-        'pages, ring = parts != "ring", parts != "pages"',
-        'pages, ring = parts != "ring", True',
+        '"pages": (True, True, False),',
+        '"pages": (True, True, True),',
         ("tests/test_chunk_invariance.py", "-k", "reference_schedules and group-d and chunks-of-7"),
+    ),
+    # a decode write in two passes (serving.run_layer: BF16 rows before attention, INT2 rows beside it)
+    Mutation(
+        "write-window-pass-skips-sink-rows",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "        if WRITE_SINK and SINK > 0:",
+        "        if WRITE_PAGES and SINK > 0:",
+        ("tests/test_write_rope.py", "-k", "two_passes and triton and order0"),
+    ),
+    Mutation(
+        "reference-codes-pass-writes-ring-rows",
+        "src/oscar_kernels/reference/paged_write.py",
+        '"codes": (True, False, False),',
+        '"codes": (True, False, True),',
+        ("tests/test_write_rope.py", "-k", "two_passes and torch and order0"),
+    ),
+    Mutation(
+        "serving-overlap-window-pass-without-sink-rows",
+        "src/oscar_kernels/serving/run.py",
+        '_write(plan, key, cache, ep, k, v, "window", backend, first)',
+        '_write(plan, key, cache, ep, k, v, "ring", backend, first)',
+        ("tests/test_serving_overlap.py", "-k", "changes_no_bit and torch"),
     ),
     # the BF16-pages baseline kernel (benchmarks compare INT2 against it)
     Mutation(

@@ -106,10 +106,10 @@ class Scenario:
 
     def fill(
         self, params, backend: str, cuts=(), steps: int = 0, precise: bool = False, split: bool = False,
-        block_t: int | None = None, fuse: bool | None = None,
+        block_t: int | None = None, fuse: bool | None = None, decode_parts: tuple[str, ...] = ("all",),
     ):  # fmt: skip
         """A fresh cache written with ``params``; ``split``: chunks as ``parts="pages"`` then
-        ``"ring"`` (the extend order), decode steps always ``"all"``. ``block_t``: Triton tokens
+        ``"ring"`` (the extend order), decode steps as ``decode_parts``. ``block_t``: Triton tokens
         per program (16: most programs hold no BF16 row and skip the second rotation). ``fuse``: K
         and V in one launch (``paged_write``'s ``fuse``)."""
         lo = self.lo
@@ -123,12 +123,12 @@ class Scenario:
         chunks = []
         for c in [*sorted(cuts), max(pre)]:
             nxt = [min(p, max(dn, c)) for p, dn in zip(pre, done, strict=True)]
-            chunks.append((done, nxt, split))
+            chunks.append((done, nxt, ("pages", "ring") if split else ("all",)))
             done = nxt
         for s in range(steps):
             cur = [min(n, p + s) for n, p in zip(lens, pre, strict=True)]
-            chunks.append((cur, [min(n, c + 1) for n, c in zip(lens, cur, strict=True)], False))
-        for first, last, sp in chunks:
+            chunks.append((cur, [min(n, c + 1) for n, c in zip(lens, cur, strict=True)], decode_parts))
+        for first, last, passes in chunks:
             rows = [(b, i) for b in range(nb) for i in range(first[b], last[b])]
             if not rows:
                 continue
@@ -146,7 +146,7 @@ class Scenario:
                 ),
                 self.ws.to(DEVICE),
             )
-            for parts in ("pages", "ring") if sp else ("all",):
+            for parts in passes:
                 paged_write(*call, backend=backend, precise=precise, parts=parts, block_t=block_t, fuse=fuse)
         return cache
 
@@ -237,6 +237,35 @@ def test_triton_rope_write_matches_reference(d, h, page, group, sink, recent, fe
     assert_same(a, b, [f for f in FIELDS if f not in KEY_INT2])
     for f in KEY_INT2:
         assert_one_step_rarely(f, getattr(a, f), getattr(b, f), 5e-3)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("order", [("window", "codes"), ("codes", "window")])
+def test_a_decode_write_in_two_passes_is_the_one_pass_write(backend, order):
+    """A decode step written as its BF16 rows (``"window"``: sink and ring) and its INT2 rows
+    (``"codes"``) in two launches, in either order (``serving.run_layer`` runs the second beside
+    the attention), leaves the cache bit for bit as the one ``"all"`` write — key feedback and a
+    real pre-RoPE mean included, positions inside the sink (sequences of 3 tokens, sink 4), in the
+    ring, across pages — and each pass alone stores only its own rows."""
+    gen = torch.Generator().manual_seed(29)
+    lo = CacheLayout(2, 64, page_size=5, group_size=16, sink_tokens=4, recent_tokens=6)
+    params = make_params(2, 64, gen, exact=False, rope="freq", feedback="k")
+    sc = Scenario(lo, [0, 0, 31_997], [3, 23, 32_041], gen)
+    one = sc.fill(params, backend, cuts=[7], steps=3)
+    two = sc.fill(params, backend, cuts=[7], steps=3, decode_parts=order)
+    assert_same(one, two)
+    int2 = [f for f in FIELDS if f.endswith(("codes", "scale", "zero"))]
+    window = sc.fill(params, backend, cuts=[7], steps=3, decode_parts=("window",))
+    codes = sc.fill(params, backend, cuts=[7], steps=3, decode_parts=("codes",))
+    none = sc.fill(params, backend, cuts=[7], steps=3, decode_parts=())
+    bf16 = [f for f in FIELDS if f not in int2]
+    assert_same(window, one, bf16)
+    assert_same(window, none, int2)
+    assert_same(codes, one, int2)
+    assert_same(codes, none, bf16)
+    for fields in (int2, bf16):  # the decode steps wrote rows of both kinds
+        assert any(not torch.equal(getattr(none, f), getattr(one, f)) for f in fields), fields
 
 
 @needs_triton

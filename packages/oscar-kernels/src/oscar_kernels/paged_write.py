@@ -13,18 +13,20 @@ from ._validate import check_write_bounds
 from .launch import launch
 from .layout import PagedKVCache
 from .params import ExpandedParams, LayerQuantParams, as_expanded
-from .reference.paged_write import paged_write_ref
+from .reference.paged_write import PART_ROWS, paged_write_ref
 
 #: the last compiled kernel (diagnostics for benchmarks)
 LAST_COMPILED: dict = {}
 
-__all__ = ["paged_write", "WritePlan", "plan_write", "run_write", "WRITE_PARTS", "FUSE_MAX_TOKENS"]
+__all__ = [
+    "paged_write", "WritePlan", "plan_write", "run_write", "WRITE_PARTS", "PART_ROWS", "FUSE_MAX_TOKENS",
+]  # fmt: skip
 
 #: the write's feedback prefetch is PTX (``prefetch.global.L1``): NVIDIA builds only
 _PTX = torch.version.hip is None
 
-#: what one :func:`paged_write` call stores: everything, the INT2 pages + sink rows, or the ring rows
-WRITE_PARTS = ("all", "pages", "ring")
+#: what one :func:`paged_write` call can store (:data:`PART_ROWS`)
+WRITE_PARTS = tuple(PART_ROWS)
 
 #: token counts up to which K and V are written in one launch by default (decode steps, small batches)
 FUSE_MAX_TOKENS = 64
@@ -123,11 +125,14 @@ def paged_write(
 
     ``parts`` splits the write around a prefill chunk's attention (``docs/kernels.md``,
     "Order of writes"): ``"pages"`` stores the INT2 rows and the sink rows only,
-    ``"ring"`` the ring rows only, ``"all"`` both. A decode step (one token per sequence)
-    writes ``"all"`` before attention. A chunk writes ``"pages"`` before
+    ``"ring"`` the ring rows only, ``"all"`` both. A chunk writes ``"pages"`` before
     :func:`oscar_kernels.extend_attention` (which reads the chunk's INT2 rows and sink rows)
     and ``"ring"`` after it: the chunk's ring rows overwrite the rows of positions
-    ``p - recent`` that the chunk's first queries still read in BF16.
+    ``p - recent`` that the chunk's first queries still read in BF16. A decode step (one token
+    per sequence) writes ``"all"`` before attention, or ``"window"`` (the sink and ring rows,
+    which its attention reads) before it and ``"codes"`` (the INT2 rows, which it does not read:
+    a token is in the ring while it is that recent) beside it on a second stream
+    (:func:`oscar_kernels.serving.run_layer`). :data:`PART_ROWS` lists what each stores.
 
     Args:
         cache: the layer's cache.
@@ -155,10 +160,11 @@ def paged_write(
             written tokens are in range (one host synchronisation; ``None`` =
             :func:`oscar_kernels.set_bounds_checks`'s setting, off while a CUDA graph is
             captured). Raises :class:`OscarError`.
-        parts: ``"all"`` | ``"pages"`` | ``"ring"`` (see above).
+        parts: ``"all"`` | ``"pages"`` | ``"ring"`` | ``"window"`` | ``"codes"`` (see above).
         fuse: Triton only: K and V in one launch (``paged_write_kv_kernel``), their programs side by
-            side. ``None``: ``parts="all"`` with at most :data:`FUSE_MAX_TOKENS` tokens, where the write is
-            latency (a decode step: one token per sequence). The results are the same either way.
+            side. ``None``: ``parts`` ``"all"``, ``"window"`` or ``"codes"`` with at most
+            :data:`FUSE_MAX_TOKENS` tokens, where the write is latency (a decode step: one token
+            per sequence). The results are the same either way.
         plan: a :func:`plan_write` of this write to launch with (an engine step plans once for all
             its layers); ``None``: planned here from the arguments above.
     """
@@ -222,9 +228,9 @@ def plan_write(
     if fuse is None:
         # decode steps only: a chunk's split passes keep their two launches, so the set of compiled
         # kernels of a step does not depend on how many sequences share it (the warm-up's steps)
-        fuse = parts == "all" and num_tokens <= FUSE_MAX_TOKENS
+        fuse = parts in ("all", "window", "codes") and num_tokens <= FUSE_MAX_TOKENS
     scratch, fb_rows = None, 0
-    if (params.k_feedback is not None or params.v_feedback is not None) and parts != "ring":
+    if (params.k_feedback is not None or params.v_feedback is not None) and PART_ROWS[parts][0]:
         # (a constexpr of the kernel: set only where a feedback loop runs, so plain writes keep one build)
         fb_rows = _feedback_rows(num_tokens)
         if fb_rows and num_warps is None:  # one row a warp
@@ -261,7 +267,8 @@ def run_write(
     checked the step's tensors once): launches only."""
     lo = cache.layout
     n, parts = plan.num_tokens, plan.parts
-    if n == 0 or (parts == "ring" and lo.recent_tokens == 0):
+    codes, sink, ring = PART_ROWS[parts]
+    if n == 0 or not (codes or (sink and lo.sink_tokens) or (ring and lo.recent_tokens)):
         return
     if not plan.use_triton:
         paged_write_ref(
@@ -368,9 +375,14 @@ def _launch_kv(
         NUM_KV_HEADS=lo.num_kv_heads, HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens,
         RECENT=lo.recent_tokens, HAS_MEAN=kt.has_mean,
         K_FEEDBACK=kt.fb is not None, V_FEEDBACK=vt.fb is not None,
-        HAS_ROPE=kt.has_rope, WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt,
+        HAS_ROPE=kt.has_rope, **_part_flags(parts), BLOCK_T=bt,
         DOT_PRECISION=prec, FB_ROWS=min(fb_rows, bt), **kwargs,
     )  # fmt: skip
+
+
+def _part_flags(parts: str) -> dict[str, bool]:
+    codes, sink, ring = PART_ROWS[parts]
+    return {"WRITE_PAGES": codes, "WRITE_SINK": sink, "WRITE_RING": ring}
 
 
 def _rope_args(ep: ExpandedParams, has_rope: bool) -> tuple:
@@ -413,6 +425,6 @@ def _launch_one(
         n, lo.page_size, t.rot if scratch is None else scratch,
         HEAD_DIM=lo.head_dim, GROUP=lo.group, SINK=lo.sink_tokens, RECENT=lo.recent_tokens,
         HAS_MEAN=t.has_mean, HAS_FEEDBACK=t.fb is not None, HAS_ROPE=t.has_rope,
-        WRITE_PAGES=parts != "ring", WRITE_RING=parts != "pages", BLOCK_T=bt, DOT_PRECISION=prec,
+        **_part_flags(parts), BLOCK_T=bt, DOT_PRECISION=prec,
         FB_ROWS=min(fb_rows, bt), **kwargs,
     )  # fmt: skip

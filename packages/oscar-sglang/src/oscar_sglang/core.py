@@ -55,6 +55,7 @@ __all__ = [
     "prefix_digests",
     "SnapshotStore",
     "fold_outputs",
+    "overlap_write",
 ]
 
 #: environment variable that carries the artifact path to every SGLang process
@@ -95,6 +96,12 @@ def prefill_options() -> tuple[bool, bool]:
     more programs (``$OSCAR_VLLM_SPLIT_EXTEND``, the one switch both engines share; on by default)."""
     s = _settings()
     return s.dense_prefill, s.split_extend
+
+
+def overlap_write() -> bool:
+    """Whether a decode step writes its INT2 rows beside its attention (``$OSCAR_OVERLAP_WRITE``,
+    on by default; :func:`oscar_kernels.serving.run_layer`'s ``overlap_write``)."""
+    return _settings().overlap_write
 
 
 def _fold_targets(model: torch.nn.Module, params: dict[int, ExpandedParams]) -> Iterator[FoldTarget]:

@@ -74,6 +74,7 @@ from .core import (
     fold_outputs,
     int2_bytes_per_token,
     load_rank_quant,
+    overlap_write,
     prefill_options,
     prefix_digests,
     radix_mode,
@@ -399,6 +400,7 @@ class OscarAttnBackend(AttentionBackend):
         dense_on, split_on = prefill_options()
         # short chunks over long prefixes (radix hits' tails) split over more programs
         self.extend_splits: int | str = "auto" if split_on else 1
+        self.overlap_write = overlap_write()
         #: long prefill chunks through a dense FlashAttention kernel that passed its start-up check
         #: (sgl_kernel's FA3, else torch's FA2); None: OSCAR's Triton extend kernel
         self.dense = None
@@ -605,6 +607,7 @@ class OscarAttnBackend(AttentionBackend):
             backend=self.kernel_backend,
             dense=self.dense,
             extend_splits=self.extend_splits,
+            overlap_write=self.overlap_write,
             # the model stored its K/V itself (pool.set_kv_buffer): the ring rows of an extend
             # step still follow its attention
             stored=not save_kv_cache,

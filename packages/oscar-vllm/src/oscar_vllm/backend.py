@@ -61,6 +61,7 @@ from oscar_kernels.serving import (
     cell_bytes,
     check_head_dim,
     gather_columns,
+    join_layer,
     kv_heads_of_rank,
     plan_slots,
     plan_step,
@@ -443,6 +444,7 @@ class OscarAttentionImpl(AttentionImpl):
         # grid leaves SMs idle (H200: a 16-token tail over 100k tokens 21x faster, docs/vllm.md);
         # OSCAR_VLLM_SPLIT_EXTEND=0 turns it off
         self._splits: int | str = "auto" if engine_state(cfg).settings.split_extend else 1
+        self._overlap = engine_state(cfg).settings.overlap_write
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
             compat.after_profiling_kv_cache(compile_ahead_engine)
@@ -647,8 +649,9 @@ class OscarAttentionImpl(AttentionImpl):
         o = output[:n].view(n, h, d)  # a decode step's attention writes here directly
         if not self.cached:
             out = run_layer(
-                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits
-            )
+                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits,
+                overlap_write=self._overlap,
+            )  # fmt: skip
         else:
             assert self._pages is not None
             b = md.seq_lens.shape[0]
@@ -662,10 +665,15 @@ class OscarAttentionImpl(AttentionImpl):
             # and only if the window groups' builders did not restore this layer already
             if id(self) not in md.restored_by:
                 restore_window_rows(cache, self._pages, tables, md.restore, md.restore_index)
-            out = run_layer(
-                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits
-            )
-            write_window_pages(cache, params, k, v, md, self._pages, tables)
+            # the records run beside the decode write's INT2 pass too (run_layer's defer_join)
+            try:
+                out = run_layer(
+                    md, cache, params, q, k, v, self.scale, dense=self._dense, out=o,
+                    extend_splits=self._splits, overlap_write=self._overlap, defer_join=True,
+                )  # fmt: skip
+                write_window_pages(cache, params, k, v, md, self._pages, tables)
+            finally:
+                join_layer(md)
         if out is not o:
             o.copy_(out)
         return output

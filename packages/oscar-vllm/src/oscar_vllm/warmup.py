@@ -177,6 +177,7 @@ def run_warmup(
     backend: str = "auto",
     done: set[tuple] | None = None,
     extend_splits: int | str = 1,
+    overlap_write: bool = True,
     only: Sequence[int] | None = None,
     seconds: dict[str, float] | None = None,
     compile_workers: int = 1,
@@ -203,7 +204,7 @@ def run_warmup(
         dense: the layer's dense prefill (``oscar_kernels.DenseAttention``), if any.
         backend: as :func:`oscar_kernels.serving.run_layer` (``triton``: the interpreter on a CPU).
         done: compile keys already launched (shared between layers; updated).
-        extend_splits: the layer's ``extend_splits`` (:func:`oscar_kernels.serving.run_layer`).
+        extend_splits, overlap_write: the layer's (:func:`oscar_kernels.serving.run_layer`).
         only: indices of ``steps`` to run for real, without dry runs (None: choose by dry runs).
         seconds: where given, host seconds of the dry runs, the compiles and the real runs are
             added under ``"dry"``, ``"compile"`` and ``"real"`` (a real run's time is its launches
@@ -246,6 +247,7 @@ def run_warmup(
             dense=dense,
             out=o_all[:t],
             extend_splits=extend_splits,
+            overlap_write=overlap_write,
         )
         if pages is not None:
             b = md.seq_lens.shape[0]
@@ -391,7 +393,8 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool =
             split_tails=impl._splits != 1,
         )
         args = (cache, params, impl.num_heads, impl.scale, steps, width, impl._plan, w_width, impl._dense)
-        jobs.append(((key, impl._splits), steps, args, impl._splits))
+        opts = {"extend_splits": impl._splits, "overlap_write": impl._overlap}
+        jobs.append(((key, impl._splits, impl._overlap), steps, args, opts))
     if not jobs:
         return
     plans = WarmupPlans() if plans is None else plans
@@ -404,11 +407,8 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool =
     if compile_only:
         if known is not None:  # a start like an earlier one: Triton's disk cache has the kernels
             return
-        for _, _, args, splits in jobs:
-            run_warmup(
-                *args, done=done, extend_splits=splits, seconds=seconds, compile_workers=workers,
-                compile_only=True,
-            )  # fmt: skip
+        for _, _, args, opts in jobs:
+            run_warmup(*args, done=done, seconds=seconds, compile_workers=workers, compile_only=True, **opts)
         if dev.type == "cuda":  # the dry runs' scratch back to the device before vLLM measures again
             torch.cuda.empty_cache()
         log.info(
@@ -425,12 +425,12 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool =
         run_warmup(
             *args,
             done=done,
-            extend_splits=splits,
             only=None if known is None else known[i],
             seconds=seconds,
             compile_workers=workers,
+            **opts,
         )
-        for i, (_, _, args, splits) in enumerate(jobs)
+        for i, (_, _, args, opts) in enumerate(jobs)
     ]
     if known is None:
         plans.save(plan_key, ran)

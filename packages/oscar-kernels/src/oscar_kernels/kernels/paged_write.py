@@ -544,6 +544,7 @@ def paged_write_kernel(
     HAS_ROPE: tl.constexpr,
     WRITE_PAGES: tl.constexpr,
     WRITE_RING: tl.constexpr,
+    WRITE_SINK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     H_BASE: tl.constexpr = 0,
@@ -555,10 +556,10 @@ def paged_write_kernel(
     """One program: ``BLOCK_T`` tokens (``program_id(0)``) of KV head ``program_id(1) - H_BASE`` of
     K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
 
-    ``WRITE_PAGES``: the INT2 row and the sink row; ``WRITE_RING``: the ring row
-    (``paged_write``'s ``parts``). A ring-only pass (after an extend) returns before the
-    rotation when none of its tokens holds a ring row: a chunk longer than the window
-    stores only its last ``recent`` rows per sequence.
+    ``WRITE_PAGES``: the INT2 row; ``WRITE_SINK``: the sink row; ``WRITE_RING``: the ring row
+    (``paged_write``'s ``parts``). A pass of BF16 rows only (the ring after an extend, a decode
+    step's window rows) returns before the rotation when none of its tokens holds such a row: a
+    chunk longer than the window stores only its last ``recent`` rows per sequence.
 
     ``HAS_ROPE`` (a pre-RoPE key mean, format version 3): the INT2 rows quantise
     ``(x − mean − RoPE_p(m)) @ R``; the BF16 rows keep ``(x − mean) @ R``, rotated a second
@@ -592,8 +593,14 @@ def paged_write_kernel(
         length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
         ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
         ring_m = valid & (pos >= SINK) & (pos >= length - RECENT)
+        # the BF16 rows this pass stores: its sink rows and / or its ring rows
+        bf16_m = valid & (pos < SINK)
+        if not WRITE_SINK:
+            bf16_m = valid & (pos < 0)  # none
+        if WRITE_RING:
+            bf16_m = bf16_m | ring_m
         if not WRITE_PAGES:
-            if tl.max(ring_m.to(tl.int32), 0) == 0:
+            if tl.max(bf16_m.to(tl.int32), 0) == 0:
                 return
     if HAS_ROPE:
         if WRITE_PAGES:
@@ -644,20 +651,17 @@ def paged_write_kernel(
         if HAS_ROPE:
             # the BF16 rows are not centred by RoPE_p(m): rotate the uncentred rows
             if WRITE_PAGES:
-                need = valid & (pos < SINK)
-                if WRITE_RING:
-                    need = need | ring_m
-                if tl.max(need.to(tl.int32), 0) > 0:
+                if tl.max(bf16_m.to(tl.int32), 0) > 0:
                     x0, x1, x2, x3 = _rotate_rows(
                         x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
                         valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
                     )  # fmt: skip
-            else:  # a ring-only pass got here only with a ring row in the block
+            else:  # a pass of BF16 rows only got here only with such a row in the block
                 x0, x1, x2, x3 = _rotate_rows(
                     x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
                     valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
                 )  # fmt: skip
-        if WRITE_PAGES and SINK > 0:
+        if WRITE_SINK and SINK > 0:
             m = valid & (pos < SINK)
             p = tl.where(m, pos, 0)
             _store_quarters(sink_ptr + ws * stride_ks + h * stride_kh + p * stride_kt, m, x0, x1, x2, x3, Q4)
@@ -685,7 +689,8 @@ def paged_write_kv_kernel(
     n_tokens, page_size, scr_ptr,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, HAS_MEAN: tl.constexpr, K_FEEDBACK: tl.constexpr, V_FEEDBACK: tl.constexpr,
-    HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_SINK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
     FB_ROWS: tl.constexpr = 0,
 ):  # fmt: skip
@@ -704,7 +709,8 @@ def paged_write_kv_kernel(
             kscale_ptr, kzero_ptr, stride_sp, stride_sh, stride_st,
             ksink_ptr, stride_ks, stride_kh, stride_kt, kring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, HAS_MEAN, K_FEEDBACK, HAS_ROPE,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE, PREFETCH, FB_ROWS,
+            WRITE_PAGES, WRITE_RING, WRITE_SINK, BLOCK_T, DOT_PRECISION, 0, probe_ptr, PROBE, PREFETCH,
+            FB_ROWS,
         )  # fmt: skip
     else:
         paged_write_kernel(
@@ -715,6 +721,6 @@ def paged_write_kv_kernel(
             vscale_ptr, vzero_ptr, stride_sp, stride_sh, stride_st,
             vsink_ptr, stride_ks, stride_kh, stride_kt, vring_ptr, stride_rs, stride_rgh, stride_rt,
             n_tokens, page_size, scr_ptr, HEAD_DIM, GROUP, SINK, RECENT, False, V_FEEDBACK, False,
-            WRITE_PAGES, WRITE_RING, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS, probe_ptr, PROBE, PREFETCH,
-            FB_ROWS,
+            WRITE_PAGES, WRITE_RING, WRITE_SINK, BLOCK_T, DOT_PRECISION, NUM_KV_HEADS, probe_ptr, PROBE,
+            PREFETCH, FB_ROWS,
         )  # fmt: skip

@@ -11,6 +11,15 @@ from oscar_math.rope_center import rope_position_mean
 from ..layout import PagedKVCache
 from ..params import ExpandedParams
 
+#: what a write stores, by ``parts`` (:func:`oscar_kernels.paged_write`): (INT2 rows, sink rows, ring rows)
+PART_ROWS = {
+    "all": (True, True, True),
+    "pages": (True, True, False),  # a chunk's write before its attention
+    "ring": (False, False, True),  # ... and after it
+    "window": (False, True, True),  # a decode step's BF16 rows, before its attention
+    "codes": (True, False, False),  # ... and its INT2 rows, beside it (serving.run_layer)
+}
+
 __all__ = ["paged_write_ref"]
 
 
@@ -47,7 +56,7 @@ def paged_write_ref(
         kq = torch.einsum("nhd,hde->nhe", km - rope, ep.k_rotation)
     vr = torch.einsum("nhd,hde->nhe", v, ep.v_rotation)
     page, off = slot // lo.page_size, slot % lo.page_size
-    pages, ring = parts != "ring", parts != "pages"
+    pages, sink, ring = PART_ROWS[parts]
     for x, a, fb, codes, scale, zero in (
         (kq, ep.k_clip, ep.k_feedback, cache.k_codes, cache.k_scale, cache.k_zero),
         (vr, ep.v_clip, ep.v_feedback, cache.v_codes, cache.v_scale, cache.v_zero),
@@ -64,7 +73,7 @@ def paged_write_ref(
     sidx = seq_index[valid].long()
     length = seq_lens.long()[sidx]
     ws = window_slots.long()[sidx]
-    if pages and lo.sink_tokens > 0:
+    if sink and lo.sink_tokens > 0:
         m = pos < lo.sink_tokens
         cache.k_sink[ws[m], :, pos[m]] = kr[m].to(torch.bfloat16)
         cache.v_sink[ws[m], :, pos[m]] = vr[m].to(torch.bfloat16)

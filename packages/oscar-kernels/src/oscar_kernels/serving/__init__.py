@@ -30,7 +30,7 @@ from .loading import (
 )
 from .plan import StepBuffers, StepPlan, plan_step, step_record, to_device
 from .record_stamps import RecordStamps
-from .run import WindowOp, attend_step, run_layer, write_step
+from .run import WindowOp, attend_step, join_layer, run_layer, write_step
 from .settings import RadixCache, ServingSettings, WindowRecords
 from .slots import FreshRows, RequestSlots, SlotTracker, WindowSlots, WindowTracker, plan_slots
 from .snapshots import (
@@ -67,6 +67,7 @@ __all__ = [
     "to_device",
     "WindowOp",
     "run_layer",
+    "join_layer",
     "write_step",
     "attend_step",
     "WindowSlots",

@@ -66,6 +66,8 @@ class StepPlan:
     #: launch plans of this step by layer configuration: made by the first layer of each
     #: configuration, reused by the others (:func:`oscar_kernels.serving.run_layer`)
     launches: dict = field(default_factory=dict)
+    #: second streams with a layer's INT2 rows not yet joined (serving.run_layer, join_layer)
+    side: list = field(default_factory=list)
 
 
 def to_device(host: torch.Tensor, dev: torch.device, async_copy: bool) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ..paged_write import WritePlan, paged_write, plan_write, run_write
 from ..params import ExpandedParams, LayerQuantParams, as_expanded
 from .plan import StepPlan
 
-__all__ = ["WindowOp", "run_layer", "write_step", "attend_step"]
+__all__ = ["WindowOp", "run_layer", "join_layer", "write_step", "attend_step"]
 
 
 class WindowOp(Protocol):
@@ -68,7 +68,7 @@ def _write_plan(
 
 def _write(
     plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, k: torch.Tensor, v: torch.Tensor,
-    parts: str, backend: str, first: bool,
+    parts: str, backend: str, first: bool, checked: bool = False,
 ) -> None:  # fmt: skip
     wp = _write_plan(plan, key, cache, ep, parts, backend)  # once per step: every layer launches it
     if first:
@@ -80,7 +80,7 @@ def _write(
             plan,
             backend,
             parts=parts,
-            check_bounds=None if not plan.bounds_checked[0] else False,
+            check_bounds=False if (checked or plan.bounds_checked[0]) else None,
             write_plan=wp,
         )
         return
@@ -98,6 +98,48 @@ def _write(
     )
 
 
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The second stream of ``device`` for a decode step's INT2 rows (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SIDE:
+        _SIDE[i] = torch.cuda.Stream(device=i)
+    return _SIDE[i]
+
+
+def _write_beside(
+    plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, k: torch.Tensor, v: torch.Tensor,
+    backend: str, first: bool,
+) -> None:  # fmt: skip
+    """A decode step's write in two passes: the BF16 sink and ring rows (what this step's attention
+    reads) on the current stream, then the INT2 rows (read only once a token has left the ring)
+    on the second stream, which waits for the first pass and runs beside the attention —
+    its error-feedback loop is ~20 µs of serial latency a layer on the H100, ~1 ms a step
+    (lab/gpu_vllm/step_ablation.py). :func:`join_layer` joins it. Off CUDA both run in order."""
+    _write(plan, key, cache, ep, k, v, "window", backend, first)
+    side = _side_stream(cache.device)
+    if side is None:
+        _write(plan, key, cache, ep, k, v, "codes", backend, first, checked=True)
+        return
+    # in a CUDA-graph capture: a fork of the graph that join_layer closes (torch's multi-stream capture)
+    side.wait_stream(torch.cuda.current_stream(cache.device))
+    plan.side.append(side)
+    with torch.cuda.stream(side):
+        _write(plan, key, cache, ep, k, v, "codes", backend, first, checked=True)
+
+
+def join_layer(plan: StepPlan) -> None:
+    """Make the current stream wait for the INT2 rows :func:`run_layer` left on the second stream
+    (``defer_join``): every pass of a layer must be joined before its forward returns (a CUDA
+    graph's capture refuses unjoined work; the step's key and value tensors are freed after it)."""
+    while plan.side:
+        torch.cuda.current_stream().wait_stream(plan.side.pop())
+
+
 def run_layer(
     plan: StepPlan,
     cache: PagedKVCache,
@@ -111,6 +153,8 @@ def run_layer(
     out: torch.Tensor | None = None,
     extend_splits: int | str = 1,
     stored: bool = False,
+    overlap_write: bool = True,
+    defer_join: bool = False,
 ) -> torch.Tensor:
     """One layer's step: the plan's ``before`` window ops, the write, attention, the plan's
     ``after_attend`` ops, and for an extend step the ring rows last — the windows apply per query
@@ -131,6 +175,11 @@ def run_layer(
         stored: the model already stored this step's keys through the engine's pool (what the
             write before attention stores: everything in a decode step, the INT2 and sink rows in
             an extend step); an extend step's ring rows are still written here, after attention.
+        overlap_write: a decode step writes its INT2 rows on a second CUDA stream beside its
+            attention (:func:`_write_beside`; the cache ends bit for bit the same); false: one
+            write before attention.
+        defer_join: leave that second stream's pass unjoined for the caller, which runs more of
+            the layer beside it and then calls :func:`join_layer` (vLLM: the window records).
     Returns:
         ``[T, H_q, d]`` in ``q.dtype`` (``out`` for a decode step when given).
     """
@@ -138,30 +187,33 @@ def run_layer(
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     key = _config(cache, ep, q, scale, backend)
     first = (key, "decode" if plan.all_decode else "extend") not in plan.launches
-    if first:
-        return _run_layer(
-            plan, key, True, cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored
-        )
-    # the step's further layers of this configuration: the launches of the one before, in order
-    seq = plan.launches.get((key, "sequence"))
-    if seq is None:
-        seq = plan.launches[(key, "sequence")] = LaunchSequence()
-    with seq:
-        return _run_layer(
-            plan, key, False, cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored
-        )
+    args = (cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored, overlap_write)
+    try:
+        if first:
+            return _run_layer(plan, key, True, *args)
+        # the step's further layers of this configuration: the launches of the one before, in order
+        seq = plan.launches.get((key, "sequence"))
+        if seq is None:
+            seq = plan.launches[(key, "sequence")] = LaunchSequence()
+        with seq:
+            return _run_layer(plan, key, False, *args)
+    finally:
+        if not defer_join:
+            join_layer(plan)
 
 
 def _run_layer(
     plan: StepPlan, key: tuple, first: bool, cache: PagedKVCache, ep: ExpandedParams, q: torch.Tensor,
     k: torch.Tensor | None, v: torch.Tensor | None, scale: float, backend: str, dense: DenseAttention | None,
-    out: torch.Tensor | None, extend_splits: int | str, stored: bool,
+    out: torch.Tensor | None, extend_splits: int | str, stored: bool, overlap_write: bool,
 ) -> torch.Tensor:  # fmt: skip
     for op in plan.before:
         op(cache, ep, k, v)
     has_kv = k is not None and v is not None
     if plan.all_decode:
-        if has_kv and not stored:
+        if has_kv and not stored and overlap_write:
+            _write_beside(plan, key, cache, ep, k, v, backend, first)
+        elif has_kv and not stored:
             _write(plan, key, cache, ep, k, v, "all", backend, first)
         for op in plan.after_attend:  # a decode step's attention leaves the windows as they are
             op(cache, ep, k, v)

@@ -18,6 +18,7 @@ reads ``OSCAR_*`` variables.
 | ``identity_restores`` | bool | ``true`` | ``OSCAR_VLLM_V2_IDENTITY_RESTORES`` (0/1) |
 | ``step_log`` | path | none | ``OSCAR_VLLM_STEP_LOG`` |
 | ``fold_output`` | bool | ``true`` | ``OSCAR_FOLD_OUTPUT`` (0/1) |
+| ``overlap_write`` | bool | ``true`` | ``OSCAR_OVERLAP_WRITE`` (0/1) |
 
 A key in the section wins over its variable. Every bad value is one :class:`OscarError` line that
 names the key (or variable), what it accepts and what it got.
@@ -62,6 +63,7 @@ ENV = {
     "identity_restores": "OSCAR_VLLM_V2_IDENTITY_RESTORES",
     "step_log": "OSCAR_VLLM_STEP_LOG",
     "fold_output": "OSCAR_FOLD_OUTPUT",
+    "overlap_write": "OSCAR_OVERLAP_WRITE",
 }
 
 
@@ -85,6 +87,9 @@ class ServingSettings:
     #: floating-point matrix (oscar_kernels.fold_output_rotation): the attention returns o_rot and
     #: no layer un-rotates; false (or a projection it cannot fold) keeps the un-rotation
     fold_output: bool = True
+    #: a decode step's INT2 rows written on a second CUDA stream beside the layer's attention (its
+    #: BF16 rows before it, as the attention reads them): serving.run_layer's ``overlap_write``
+    overlap_write: bool = True
 
     def __post_init__(self) -> None:
         _exclude_list(list(self.exclude_layers), "exclude_layers")
@@ -138,7 +143,7 @@ class ServingSettings:
         got = raw("window_snapshots")
         if got:
             kw["window_snapshots"] = _positive_int(*got)
-        for key in ("split_extend", "dense_prefill", "warmup", "identity_restores", "fold_output"):
+        for key in SWITCHES:
             got = raw(key)
             if got:
                 kw[key] = _switch(*got)
@@ -147,6 +152,9 @@ class ServingSettings:
             kw["step_log"] = str(got[0])
         return cls(**kw)
 
+
+#: the keys that are true/false switches
+SWITCHES = ("split_extend", "dense_prefill", "warmup", "identity_restores", "fold_output", "overlap_write")
 
 KEYS = frozenset(
     {
@@ -161,6 +169,7 @@ KEYS = frozenset(
         "identity_restores",
         "step_log",
         "fold_output",
+        "overlap_write",
     }
 )
 

@@ -1,0 +1,122 @@
+"""``run_layer``'s decode write beside the attention (``overlap_write``): the BF16 window rows before
+the attention, the INT2 rows on a second CUDA stream joined by ``join_layer``. The caches and the
+outputs must be bit for bit those of the one-pass write, eagerly and replayed from a CUDA graph
+(a capture with a forked stream), and no pass may be left unjoined."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA, make_params, needs_triton
+
+from oscar_kernels import CacheLayout, PagedKVCache, allocate_cache
+from oscar_kernels.serving import StepPlan, WindowSlots, join_layer, plan_step, run_layer
+
+FIELDS = PagedKVCache.TENSOR_FIELDS
+LO = CacheLayout(2, 32, page_size=8, group_size=16, sink_tokens=4, recent_tokens=8)
+HQ = 4
+
+
+def _decode_plan(lens: list[int], tables: list[list[int]]) -> StepPlan:
+    """One decode token per sequence of ``lens`` (lengths after the step) in pages ``tables``."""
+    b = len(lens)
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    ps = LO.page_size
+    slot = torch.tensor([tables[i][(n - 1) // ps] * ps + (n - 1) % ps for i, n in enumerate(lens)])
+    ws = torch.arange(b, dtype=torch.int32)
+    return plan_step(qsl.to(DEVICE), qsl, seq.to(DEVICE), seq, table.to(DEVICE), slot.to(DEVICE), b, ws, None)
+
+
+def _case(seed: int):  # noqa: ANN202
+    """A cache with garbage INT2 pages, key feedback, and three sequences' decode steps: one inside
+    the sink (position 2), one in the ring, one across a page boundary (position 16)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = allocate_cache(LO, 12, 4, DEVICE)
+    for t in (cache.k_codes, cache.v_codes):
+        t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+    params = make_params(2, 32, "kv_head", g, feedback="k").expand(2, 32, DEVICE)
+    lens, tables = [3, 13, 17], [[5], [1, 7], [2, 9, 11]]
+    steps = []
+    for s in range(3):
+        step_lens = [n + s for n in lens]
+        q = torch.randn(3, HQ, 32, generator=g).bfloat16().to(DEVICE)
+        k = (torch.randn(3, 2, 32, generator=g) * 2 + 0.5).bfloat16().to(DEVICE)
+        v = torch.randn(3, 2, 32, generator=g).bfloat16().to(DEVICE)
+        steps.append((step_lens, q, k, v))
+    return cache, params, tables, steps
+
+
+def _snapshot(cache: PagedKVCache) -> dict[str, torch.Tensor]:
+    return {f: getattr(cache, f).clone() for f in FIELDS}
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_decode_write_beside_the_attention_changes_no_bit(backend):
+    """Three decode steps with ``overlap_write`` on and off: the same caches and outputs (on a CPU
+    the two passes run in order; on a GPU the INT2 pass runs on the second stream)."""
+    results = []
+    for overlap in (False, True):
+        cache, params, tables, steps = _case(3)
+        outs = []
+        for lens, q, k, v in steps:
+            md = _decode_plan(lens, tables)
+            o = run_layer(md, cache, params, q, k, v, 32**-0.5, backend=backend, overlap_write=overlap)
+            outs.append(o.clone())
+            assert md.side == [], "run_layer returned with a pass unjoined"
+        results.append((_snapshot(cache), outs))
+    (c0, o0), (c1, o1) = results
+    for f in FIELDS:
+        assert torch.equal(c0[f], c1[f]), f
+    for a, b in zip(o0, o1, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_triton
+def test_a_deferred_join_leaves_the_pass_to_join_layer():
+    """``defer_join``: on a GPU the INT2 pass is left on the second stream for the caller (vLLM runs
+    the window records beside it) and ``join_layer`` joins it; off CUDA nothing is pending."""
+    cache, params, tables, steps = _case(5)
+    lens, q, k, v = steps[0]
+    md = _decode_plan(lens, tables)
+    run_layer(md, cache, params, q, k, v, 32**-0.5, defer_join=True)
+    assert len(md.side) == (1 if DEVICE.type == "cuda" else 0)
+    join_layer(md)
+    assert md.side == []
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="a CUDA graph with a forked stream needs a GPU")
+def test_a_captured_step_with_the_write_beside_replays_the_one_pass_write():
+    """A decode step captured in a CUDA graph with ``overlap_write`` (a capture whose second stream
+    forks at the window pass and joins after the attention) replays to the caches and outputs of
+    the same step run eagerly with the one-pass write."""
+    cache_g, params, tables, steps = _case(7)
+    cache_e = allocate_cache(LO, 12, 4, DEVICE)
+    for f in FIELDS:
+        getattr(cache_e, f).copy_(getattr(cache_g, f))
+    lens, q, k, v = steps[0]
+    md = _decode_plan(lens, tables)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compiles outside the capture, as vLLM's warm-up does
+        run_layer(md, _clone(cache_g), params, q, k, v, 32**-0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = run_layer(md, cache_g, params, q, k, v, 32**-0.5, overlap_write=True)
+    graph.replay()
+    out_e = run_layer(md, cache_e, params, q, k, v, 32**-0.5, overlap_write=False)
+    torch.cuda.synchronize()
+    assert torch.equal(out_g, out_e)
+    for f in FIELDS:
+        assert torch.equal(getattr(cache_g, f), getattr(cache_e, f)), f
+
+
+def _clone(cache: PagedKVCache) -> PagedKVCache:
+    c = allocate_cache(LO, 12, 4, DEVICE)
+    for f in FIELDS:
+        getattr(c, f).copy_(getattr(cache, f))
+    return c
