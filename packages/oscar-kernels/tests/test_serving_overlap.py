@@ -13,8 +13,10 @@ from oscar_kernels import CacheLayout, PagedKVCache, allocate_cache
 from oscar_kernels.serving import StepPlan, WindowSlots, join_layer, plan_step, run_layer
 
 FIELDS = PagedKVCache.TENSOR_FIELDS
-LO = CacheLayout(2, 32, page_size=8, group_size=16, sink_tokens=4, recent_tokens=8)
-HQ = 4
+#: the GPU's decode kernel needs d = 128 (its dots take d/8 >= 16); the interpreter is quicker at 32
+D = 128 if HAS_CUDA else 32
+LO = CacheLayout(2, D, page_size=8, group_size=16, sink_tokens=4, recent_tokens=8)
+HQ = 8
 
 
 def _decode_plan(lens: list[int], tables: list[list[int]]) -> StepPlan:
@@ -37,14 +39,14 @@ def _case(seed: int):  # noqa: ANN202
     cache = allocate_cache(LO, 12, 4, DEVICE)
     for t in (cache.k_codes, cache.v_codes):
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
-    params = make_params(2, 32, "kv_head", g, feedback="k").expand(2, 32, DEVICE)
+    params = make_params(2, D, "kv_head", g, feedback="k").expand(2, D, DEVICE)
     lens, tables = [3, 13, 17], [[5], [1, 7], [2, 9, 11]]
     steps = []
     for s in range(3):
         step_lens = [n + s for n in lens]
-        q = torch.randn(3, HQ, 32, generator=g).bfloat16().to(DEVICE)
-        k = (torch.randn(3, 2, 32, generator=g) * 2 + 0.5).bfloat16().to(DEVICE)
-        v = torch.randn(3, 2, 32, generator=g).bfloat16().to(DEVICE)
+        q = torch.randn(3, HQ, D, generator=g).bfloat16().to(DEVICE)
+        k = (torch.randn(3, 2, D, generator=g) * 2 + 0.5).bfloat16().to(DEVICE)
+        v = torch.randn(3, 2, D, generator=g).bfloat16().to(DEVICE)
         steps.append((step_lens, q, k, v))
     return cache, params, tables, steps
 
@@ -64,7 +66,7 @@ def test_a_decode_write_beside_the_attention_changes_no_bit(backend):
         outs = []
         for lens, q, k, v in steps:
             md = _decode_plan(lens, tables)
-            o = run_layer(md, cache, params, q, k, v, 32**-0.5, backend=backend, overlap_write=overlap)
+            o = run_layer(md, cache, params, q, k, v, D**-0.5, backend=backend, overlap_write=overlap)
             outs.append(o.clone())
             assert md.side == [], "run_layer returned with a pass unjoined"
         results.append((_snapshot(cache), outs))
@@ -82,7 +84,7 @@ def test_a_deferred_join_leaves_the_pass_to_join_layer():
     cache, params, tables, steps = _case(5)
     lens, q, k, v = steps[0]
     md = _decode_plan(lens, tables)
-    run_layer(md, cache, params, q, k, v, 32**-0.5, defer_join=True)
+    run_layer(md, cache, params, q, k, v, D**-0.5, defer_join=True)
     assert len(md.side) == (1 if DEVICE.type == "cuda" else 0)
     join_layer(md)
     assert md.side == []
@@ -102,13 +104,13 @@ def test_a_captured_step_with_the_write_beside_replays_the_one_pass_write():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # compiles outside the capture, as vLLM's warm-up does
-        run_layer(md, _clone(cache_g), params, q, k, v, 32**-0.5)
+        run_layer(md, _clone(cache_g), params, q, k, v, D**-0.5)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_g = run_layer(md, cache_g, params, q, k, v, 32**-0.5, overlap_write=True)
+        out_g = run_layer(md, cache_g, params, q, k, v, D**-0.5, overlap_write=True)
     graph.replay()
-    out_e = run_layer(md, cache_e, params, q, k, v, 32**-0.5, overlap_write=False)
+    out_e = run_layer(md, cache_e, params, q, k, v, D**-0.5, overlap_write=False)
     torch.cuda.synchronize()
     assert torch.equal(out_g, out_e)
     for f in FIELDS:
