@@ -10,7 +10,7 @@ import torch
 from conftest import DEVICE, HAS_CUDA, make_params, needs_triton
 
 from oscar_kernels import CacheLayout, PagedKVCache, allocate_cache
-from oscar_kernels.serving import StepPlan, WindowSlots, join_layer, plan_step, run_layer
+from oscar_kernels.serving import StepPlan, join_layer, plan_step, run_layer
 
 FIELDS = PagedKVCache.TENSOR_FIELDS
 #: the GPU's decode kernel needs d = 128 (its dots take d/8 >= 16); the interpreter is quicker at 32
