@@ -414,8 +414,8 @@ MUTATIONS = (
     Mutation(
         "write-ring-pass-skips-blocks-with-one-ring-row",
         "src/oscar_kernels/kernels/paged_write.py",
-        "if tl.max(ring_m.to(tl.int32), 0) == 0:",
-        "if tl.sum(ring_m.to(tl.int32), 0) <= 1:",
+        "if tl.max(bf16_m.to(tl.int32), 0) == 0:",
+        "if tl.sum(bf16_m.to(tl.int32), 0) <= 1:",
         ("tests/test_write_windows.py", "-k", "ring_pass"),
     ),
     Mutation(

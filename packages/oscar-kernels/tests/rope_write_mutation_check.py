@@ -39,8 +39,8 @@ MUTATIONS = (
     Mutation(
         "kernel-bf16-rows-centred-too",
         KERNEL,
-        "if tl.max(need.to(tl.int32), 0) > 0:",
-        "if tl.max(need.to(tl.int32), 0) > 1:",
+        "if tl.max(bf16_m.to(tl.int32), 0) > 0:",
+        "if tl.max(bf16_m.to(tl.int32), 0) > 1:",
         (T, "-k", "bf16_rows and triton"),
     ),
     Mutation(
