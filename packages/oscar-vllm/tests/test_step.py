@@ -651,7 +651,9 @@ def test_a_steps_index_tensors_are_checked_by_its_first_layer_only(monkeypatch):
     assert dec.all_decode
     for c in caches:
         run_layer(dec, c, params, q[:1], k[:1], v[:1], 32**-0.5)
-    assert seen == [True, True]  # write + attention of the first layer; the others only launch
+    # the first layer's write (its window pass checks; its INT2 pass, the same tensors, asks with
+    # the checks off) and attention; the others only launch
+    assert seen == [True, False, True]
     bad = step([1, 9])  # page 9 of a 4-page cache: caught by the step's first layer
     with pytest.raises(OscarError):
         run_layer(bad, caches[0], params, q, k, v, 32**-0.5)
