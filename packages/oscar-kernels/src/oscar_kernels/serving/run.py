@@ -137,7 +137,8 @@ def join_layer(plan: StepPlan) -> None:
     (``defer_join``): every pass of a layer must be joined before its forward returns (a CUDA
     graph's capture refuses unjoined work; the step's key and value tensors are freed after it)."""
     while plan.side:
-        torch.cuda.current_stream().wait_stream(plan.side.pop())
+        side = plan.side.pop()
+        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def run_layer(
