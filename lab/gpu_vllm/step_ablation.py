@@ -9,7 +9,8 @@ vLLM runs them — the one-token write (K with error feedback and a pre-RoPE mea
 all captured in one CUDA graph. Each variant drops one part; the step time it saves is that
 part's cost in a step. ``overlap``: the write as ``serving.run_layer``'s ``overlap_write`` runs it
 (the BF16 rows first, the INT2 rows on a second stream beside the attention and the records,
-joined after them). A BF16 stand-in (one row written into a BF16 cache, torch SDPA) gives a
+joined after them); ``window_pass``: its BF16 pass alone (no INT2 rows: what folding that pass
+into another launch could save). A BF16 stand-in (one row written into a BF16 cache, torch SDPA) gives a
 scale, not FA3's number.
 
     PYTHONPATH=packages/oscar-math/src:packages/oscar-kernels/src \\
@@ -60,6 +61,8 @@ def step_fn(parts: set[str], n: int, ctx: int, width: int):  # noqa: ANN201
                 torch.mm(x, w)
             if "write" in parts:
                 ok.run_write(wplan, wcache, wparams, *wargs)
+            if "window" in parts:  # the BF16 pass alone: what a fusion into the rotation could save
+                ok.run_write(window, wcache, wparams, *wargs)
             if "overlap" in parts:
                 ok.run_write(window, wcache, wparams, *wargs)
                 if side is None:
@@ -107,6 +110,7 @@ def main() -> int:
     variants = {"all": set(PARTS)} | {f"no_{p}": set(PARTS) - {p} for p in PARTS[1:]}
     variants["weights_only"] = {"weights"}
     variants["overlap"] = (set(PARTS) - {"write"}) | {"overlap"}
+    variants["window_pass"] = (set(PARTS) - {"write"}) | {"window"}
     for ctx, n, width in SHAPES:
         r = {"ctx": ctx, "batch": n, "table_tokens": width, "step_ms": {}}
         for name, parts in variants.items():
@@ -120,6 +124,7 @@ def main() -> int:
             p: round(1e3 * (t["all"] - t[f"no_{p}"]) / LAYERS, 2) for p in PARTS[1:]
         } | {"oscar_all": round(1e3 * (t["all"] - t["weights_only"]) / LAYERS, 2),
              "write_overlapped": round(1e3 * (t["overlap"] - t["no_write"]) / LAYERS, 2),
+             "window_pass": round(1e3 * (t["window_pass"] - t["no_write"]) / LAYERS, 2),
              "bf16_sdpa": round(1e3 * (t["bf16_sdpa"] - t["weights_only"]) / LAYERS, 2)}  # fmt: skip
         res["rows"].append(r)
         print(json.dumps(r), flush=True)
