@@ -122,21 +122,25 @@ def compile_write_kv(  # noqa: ANN201
     probe: bool = False,
     head_dim: int = 128,
     fb_rows: int = 4,
+    parts: str = "all",
 ):
     """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
     (``feedback``: error feedback on the keys, the default artifact's case; ``probe``: its phase
     timer stamps, a diagnosis build), as a GPU launch builds it: ``PREFETCH`` on and, with
     feedback, ``F``'s row stride 1 (``expand`` stores it column-major; Triton specialises an
     integer argument equal to 1 as a constant); ``fb_rows``: the feedback loop's rows at a time (a
-    decode write's ``FEEDBACK_CHUNK_ROWS``; 0: the whole tile)."""
+    decode write's ``FEEDBACK_CHUNK_ROWS``; 0: the whole tile); ``parts``: as ``paged_write``'s."""
     import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
 
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
+    from oscar_kernels.paged_write import PART_ROWS
+
+    codes, sink, ring = PART_ROWS[parts]
 
     consts = dict(
         NUM_KV_HEADS=8, HEAD_DIM=head_dim, GROUP=head_dim, SINK=64, RECENT=256, HAS_MEAN=True,
-        K_FEEDBACK=feedback, V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=True, WRITE_RING=True,
-        WRITE_SINK=True, BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True, FB_ROWS=fb_rows,
+        K_FEEDBACK=feedback, V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=codes, WRITE_RING=ring,
+        WRITE_SINK=sink, BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True, FB_ROWS=fb_rows,
     )  # fmt: skip
     if feedback:
         consts["stride_kfr"] = 1

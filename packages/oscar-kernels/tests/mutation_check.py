@@ -780,6 +780,13 @@ MUTATIONS = (
         ("tests/test_write_rope.py", "-k", "two_passes and triton and order0"),
     ),
     Mutation(
+        "write-window-pass-returns-early-on-sink-only-tokens",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "                bf16_m = bf16_m | (valid & (pos < SINK))",
+        "                bf16_m = bf16_m",
+        ("tests/test_write_rope.py", "-k", "two_passes and sink-only and triton and order0"),
+    ),
+    Mutation(
         "reference-codes-pass-writes-ring-rows",
         "src/oscar_kernels/reference/paged_write.py",
         '"codes": (True, False, False),',

@@ -242,16 +242,21 @@ def test_triton_rope_write_matches_reference(d, h, page, group, sink, recent, fe
 @needs_triton
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("order", [("window", "codes"), ("codes", "window")])
-def test_a_decode_write_in_two_passes_is_the_one_pass_write(backend, order):
+@pytest.mark.parametrize(
+    "starts, ends",
+    [([0, 0, 31_997], [3, 23, 32_041]), ([0], [3])],
+    ids=["mixed", "sink-only"],  # sink-only: every decode token of a launch lies in the sink
+)
+def test_a_decode_write_in_two_passes_is_the_one_pass_write(backend, order, starts, ends):
     """A decode step written as its BF16 rows (``"window"``: sink and ring) and its INT2 rows
     (``"codes"``) in two launches, in either order (``serving.run_layer`` runs the second beside
     the attention), leaves the cache bit for bit as the one ``"all"`` write — key feedback and a
-    real pre-RoPE mean included, positions inside the sink (sequences of 3 tokens, sink 4), in the
-    ring, across pages — and each pass alone stores only its own rows."""
+    real pre-RoPE mean included, positions inside the sink (sequences of 3 tokens, sink 4; alone in
+    a launch too), in the ring, across pages — and each pass alone stores only its own rows."""
     gen = torch.Generator().manual_seed(29)
     lo = CacheLayout(2, 64, page_size=5, group_size=16, sink_tokens=4, recent_tokens=6)
     params = make_params(2, 64, gen, exact=False, rope="freq", feedback="k")
-    sc = Scenario(lo, [0, 0, 31_997], [3, 23, 32_041], gen)
+    sc = Scenario(lo, starts, ends, gen)
     one = sc.fill(params, backend, cuts=[7], steps=3)
     two = sc.fill(params, backend, cuts=[7], steps=3, decode_parts=order)
     assert_same(one, two)

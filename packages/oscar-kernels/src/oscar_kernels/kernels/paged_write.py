@@ -587,18 +587,21 @@ def paged_write_kernel(
     slot = tl.load(slot_ptr + t, mask=tmask, other=-1).to(tl.int64)
     valid = tmask & (slot >= 0)
     Q4: tl.constexpr = HEAD_DIM // 4
-    if SINK + RECENT > 0:
+    # whether this pass stores BF16 rows at all (an INT2-only pass reads no window bookkeeping)
+    BF16_ROWS: tl.constexpr = (WRITE_SINK and SINK > 0) or (WRITE_RING and RECENT > 0)
+    if BF16_ROWS:
         pos = tl.load(pos_ptr + t, mask=valid, other=0)
         sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
-        length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
         ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
-        ring_m = valid & (pos >= SINK) & (pos >= length - RECENT)
         # the BF16 rows this pass stores: its sink rows and / or its ring rows
-        bf16_m = valid & (pos < SINK)
-        if not WRITE_SINK:
-            bf16_m = valid & (pos < 0)  # none
         if WRITE_RING:
-            bf16_m = bf16_m | ring_m
+            length = tl.load(seqlen_ptr + sidx, mask=valid, other=0)
+            ring_m = valid & (pos >= SINK) & (pos >= length - RECENT)
+            bf16_m = ring_m
+            if WRITE_SINK:
+                bf16_m = bf16_m | (valid & (pos < SINK))
+        else:
+            bf16_m = valid & (pos < SINK)
         if not WRITE_PAGES:
             if tl.max(bf16_m.to(tl.int32), 0) == 0:
                 return
@@ -647,7 +650,7 @@ def paged_write_kernel(
                 page_size, HEAD_DIM, GROUP, False, False, probe_ptr, PROBE,
             )  # fmt: skip
 
-    if SINK + RECENT > 0:
+    if BF16_ROWS:
         if HAS_ROPE:
             # the BF16 rows are not centred by RoPE_p(m): rotate the uncentred rows
             if WRITE_PAGES:

@@ -212,10 +212,11 @@ def _run_layer(
         op(cache, ep, k, v)
     has_kv = k is not None and v is not None
     if plan.all_decode:
-        if has_kv and not stored and overlap_write:
-            _write_beside(plan, key, cache, ep, k, v, backend, first)
-        elif has_kv and not stored:
-            _write(plan, key, cache, ep, k, v, "all", backend, first)
+        if has_kv and not stored:
+            if overlap_write:
+                _write_beside(plan, key, cache, ep, k, v, backend, first)
+            else:
+                _write(plan, key, cache, ep, k, v, "all", backend, first)
         for op in plan.after_attend:  # a decode step's attention leaves the windows as they are
             op(cache, ep, k, v)
         if first:
