@@ -10,7 +10,7 @@ import torch
 from conftest import DEVICE, HAS_CUDA, make_params, needs_triton
 
 from oscar_kernels import CacheLayout, PagedKVCache, allocate_cache
-from oscar_kernels.serving import StepPlan, join_layer, plan_step, run_layer
+from oscar_kernels.serving import StepPlan, beside, join_layer, plan_step, run_layer
 
 FIELDS = PagedKVCache.TENSOR_FIELDS
 #: the GPU's decode kernel needs d = 128 (its dots take d/8 >= 16); the interpreter is quicker at 32
@@ -115,6 +115,53 @@ def test_a_captured_step_with_the_write_beside_replays_the_one_pass_write():
     assert torch.equal(out_g, out_e)
     for f in FIELDS:
         assert torch.equal(getattr(cache_g, f), getattr(cache_e, f)), f
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="a CUDA graph with a forked stream needs a GPU")
+def test_a_captured_step_whose_passes_stay_open_past_their_layers_replays_the_one_pass_write():
+    """vLLM's FULL graphs: each layer's INT2 pass and a copy of its ring rows (the window records'
+    stand-in, run with ``beside``) stay on the second stream past the layer; the next layer's
+    ``run_layer`` joins them before its own launches and the last layer joins its own. Replayed,
+    three layers give the caches, copies and outputs of the eager one-pass write; the step's keys
+    and values are held until their pass is joined."""
+    layers = [_case(11 + i) for i in range(3)]
+    eager = [_clone(c) for c, *_ in layers]
+    md = _decode_plan(layers[0][3][0][0], layers[0][2])
+    ks = [(torch.empty_like(c.k_recent), torch.empty_like(c.k_recent)) for c, *_ in layers]
+
+    def step(caches, overlap: bool, open_passes: bool) -> list[torch.Tensor]:
+        outs = []
+        for i, (cache, (_, params, _, steps), copies) in enumerate(zip(caches, layers, ks, strict=True)):
+            _, q, k, v = steps[0]
+            o = run_layer(md, cache, params, q, k, v, D**-0.5, overlap_write=overlap, defer_join=True)
+            outs.append(o)
+            if overlap and open_passes:
+                assert len(md.side) == 1 and len(md.keep) == 1, "an earlier layer's pass was not joined"
+            with beside(md):
+                copies[0 if open_passes else 1].copy_(cache.k_recent)
+            if not open_passes or i == len(caches) - 1:
+                join_layer(md)
+        assert md.side == [] and md.keep == []
+        return outs
+
+    graphed = [c for c, *_ in layers]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compiles outside the capture, as vLLM's warm-up does
+        step([_clone(c) for c in graphed], True, False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs_g = step(graphed, True, True)
+    graph.replay()
+    outs_e = step(eager, False, False)
+    torch.cuda.synchronize()
+    for a, b in zip(outs_g, outs_e, strict=True):
+        assert torch.equal(a, b)
+    for cg, ce, (kg, ke) in zip(graphed, eager, ks, strict=True):
+        assert torch.equal(kg, ke)
+        for f in FIELDS:
+            assert torch.equal(getattr(cg, f), getattr(ce, f)), f
 
 
 def _clone(cache: PagedKVCache) -> PagedKVCache:

@@ -145,3 +145,37 @@ def test_step_exchange_runs_each_layers_restores_once_when_every_window_table_ar
     assert calls == []
     with pytest.raises(OscarError, match="window group 0"):
         ex.table(0, torch.zeros(2, 2, dtype=torch.int32))  # no INT2 plan for this step
+
+
+@pytest.mark.skipif(not ENGINE_PRESENT, reason="vLLM is not installed (run the nox session 'vllm')")
+def test_a_decode_pass_stays_open_past_its_layer_only_inside_a_capture_and_not_in_the_last_layer(
+    monkeypatch,
+):
+    """backend.join_later: a layer leaves its INT2 pass for the next layer only in a FULL graph's
+    capture of a decode step, and never in the step's last layer (a capture must end joined) — the
+    last by decoder index, not by name."""
+    import torch
+
+    from oscar_kernels.serving import plan_step
+    from oscar_vllm import backend
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 9, 10, 11)]
+    assert backend.last_layer_of(list(reversed(names))) == names[-1]
+    assert backend.last_layer_of([]) == ""
+    qsl = torch.arange(3, dtype=torch.int32)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    md = plan_step(qsl, qsl, lens, lens, table, torch.tensor([4, 24]), 2, torch.arange(2), None)
+    assert md.all_decode
+    md.last_layer = names[-1]
+    assert not backend.join_later(md, names[3])  # not capturing (eager, piecewise)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert backend.join_later(md, names[3])
+    assert backend.join_later(md, names[4])  # layers.10 < layers.11
+    assert not backend.join_later(md, names[-1])
+    md.last_layer = ""  # a builder that knows no last layer: every layer joins its own
+    assert not backend.join_later(md, names[3])
+    md.last_layer = names[-1]
+    md.all_decode = False
+    assert not backend.join_later(md, names[3])

@@ -58,6 +58,7 @@ from oscar_kernels.serving import (
     WindowPages,
     WindowPlan,
     WindowSlots,
+    beside,
     cell_bytes,
     check_head_dim,
     gather_columns,
@@ -279,6 +280,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
             else None
         )
         self._capturing = False
+        self.last_layer = last_layer_of(layer_names)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> Any:
@@ -325,7 +327,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
             async_copy=self.fresh is not None,
         )
         self._step_no += 1
-        md = replace(md, restore=tuple(restore), stamps=self.stamps, step_no=self._step_no)
+        md = replace(
+            md, restore=tuple(restore), stamps=self.stamps, step_no=self._step_no, last_layer=self.last_layer
+        )
         if self.buffers is not None:
             md = self.buffers.hold(md)
         if self.exchange is not None and not self._capturing:
@@ -355,6 +359,27 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[StepPlan]):
             self.block_size,
             None if fixed is None else [int(x) for x in list(fixed)[:b]],
         )
+
+
+def last_layer_of(layer_names: list[str]) -> str:
+    """The last decoder layer a step runs among a KV-cache group's attention layers (by index, not
+    by name: ``layers.10`` runs after ``layers.9``): where its deferred joins end (:func:`join_later`)."""
+    return max(layer_names, key=compat.layer_index) if layer_names else ""
+
+
+def join_later(md: StepPlan, layer_name: str) -> bool:
+    """Whether layer ``layer_name`` leaves its decode write's INT2 pass (and window records) open
+    on the second stream for the next layer's :func:`~oscar_kernels.serving.run_layer` to join:
+    only inside a FULL CUDA graph's capture of a decode step and not in the step's last layer
+    (a capture must end joined). Then nothing of the step waits for the pass. Eagerly and between
+    piecewise graphs, whose replays reuse the step's key and value memory, a layer joins its own."""
+    return (
+        md.all_decode
+        and bool(md.last_layer)
+        and layer_name != md.last_layer
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 class OscarAttentionImpl(AttentionImpl):
@@ -647,12 +672,8 @@ class OscarAttentionImpl(AttentionImpl):
         k = key[:n].view(n, hk, d)
         v = value[:n].view(n, hk, d)
         o = output[:n].view(n, h, d)  # a decode step's attention writes here directly
-        if not self.cached:
-            out = run_layer(
-                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o, extend_splits=self._splits,
-                overlap_write=self._overlap,
-            )  # fmt: skip
-        else:
+        tables = None
+        if self.cached:
             assert self._pages is not None
             b = md.seq_lens.shape[0]
             metas = compat.window_metadata(self.window_names)
@@ -665,15 +686,21 @@ class OscarAttentionImpl(AttentionImpl):
             # and only if the window groups' builders did not restore this layer already
             if id(self) not in md.restored_by:
                 restore_window_rows(cache, self._pages, tables, md.restore, md.restore_index)
-            # the records run beside the decode write's INT2 pass too (run_layer's defer_join)
-            try:
-                out = run_layer(
-                    md, cache, params, q, k, v, self.scale, dense=self._dense, out=o,
-                    extend_splits=self._splits, overlap_write=self._overlap, defer_join=True,
-                )  # fmt: skip
-                write_window_pages(cache, params, k, v, md, self._pages, tables)
-            finally:
-                join_layer(md)
+        keep_open = join_later(md, getattr(layer, "layer_name", md.last_layer))
+        try:
+            out = run_layer(
+                md, cache, params, q, k, v, self.scale, dense=self._dense, out=o,
+                extend_splits=self._splits, overlap_write=self._overlap, defer_join=True,
+            )  # fmt: skip
+            if tables is not None:
+                assert self._pages is not None
+                with beside(md):
+                    write_window_pages(cache, params, k, v, md, self._pages, tables)
+        except BaseException:
+            join_layer(md)
+            raise
+        if not keep_open:
+            join_layer(md)
         if out is not o:
             o.copy_(out)
         return output

@@ -30,7 +30,7 @@ from .loading import (
 )
 from .plan import StepBuffers, StepPlan, plan_step, step_record, to_device
 from .record_stamps import RecordStamps
-from .run import WindowOp, attend_step, join_layer, run_layer, write_step
+from .run import WindowOp, attend_step, beside, join_layer, run_layer, write_step
 from .settings import RadixCache, ServingSettings, WindowRecords
 from .slots import FreshRows, RequestSlots, SlotTracker, WindowSlots, WindowTracker, plan_slots
 from .snapshots import (
@@ -68,6 +68,7 @@ __all__ = [
     "WindowOp",
     "run_layer",
     "join_layer",
+    "beside",
     "write_step",
     "attend_step",
     "WindowSlots",

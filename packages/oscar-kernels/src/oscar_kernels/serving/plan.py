@@ -66,8 +66,14 @@ class StepPlan:
     #: launch plans of this step by layer configuration: made by the first layer of each
     #: configuration, reused by the others (:func:`oscar_kernels.serving.run_layer`)
     launches: dict = field(default_factory=dict)
-    #: second streams with a layer's INT2 rows not yet joined (serving.run_layer, join_layer)
+    #: second streams with a layer's INT2 rows not yet joined (serving.run_layer, join_layer), and
+    #: the step tensors those passes read, held until the join frees them
     side: list = field(default_factory=list)
+    keep: list = field(default_factory=list)
+    #: the engine's name of the step's last layer: a pass left open by a layer's ``defer_join``
+    #: is joined by the next layer's :func:`~oscar_kernels.serving.run_layer`, and the last one's
+    #: by the engine there (``""``: unknown, every layer joins its own)
+    last_layer: str = ""
 
 
 def to_device(host: torch.Tensor, dev: torch.device, async_copy: bool) -> torch.Tensor:

@@ -11,6 +11,8 @@ synchronisation) and leaves its launch plans in the :class:`StepPlan`; every fur
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -24,7 +26,7 @@ from ..paged_write import WritePlan, paged_write, plan_write, run_write
 from ..params import ExpandedParams, LayerQuantParams, as_expanded
 from .plan import StepPlan
 
-__all__ = ["WindowOp", "run_layer", "join_layer", "write_step", "attend_step"]
+__all__ = ["WindowOp", "run_layer", "join_layer", "beside", "write_step", "attend_step"]
 
 
 class WindowOp(Protocol):
@@ -128,17 +130,35 @@ def _write_beside(
     # in a CUDA-graph capture: a fork of the graph that join_layer closes (torch's multi-stream capture)
     side.wait_stream(torch.cuda.current_stream(cache.device))
     plan.side.append(side)
+    # the pass reads k and v: held (not freed, so not reused) until it is joined, which may be a
+    # layer later (defer_join)
+    plan.keep.append((k, v))
     with torch.cuda.stream(side):
         _write(plan, key, cache, ep, k, v, "codes", backend, first, checked=True)
 
 
 def join_layer(plan: StepPlan) -> None:
     """Make the current stream wait for the INT2 rows :func:`run_layer` left on the second stream
-    (``defer_join``): every pass of a layer must be joined before its forward returns (a CUDA
-    graph's capture refuses unjoined work; the step's key and value tensors are freed after it)."""
+    (``defer_join``), and let go of the step tensors they read. A CUDA graph's capture refuses
+    unjoined work: the step's last layer joins. Outside a capture a layer joins its own pass: an
+    engine's piecewise graphs reuse the step's key and value memory once the layer returns."""
     while plan.side:
         side = plan.side.pop()
         torch.cuda.current_stream(side.device).wait_stream(side)
+    plan.keep.clear()
+
+
+@contextmanager
+def beside(plan: StepPlan) -> Iterator[None]:
+    """Run the block's launches beside the attention, on the second stream of the INT2 pass a
+    :func:`run_layer` with ``defer_join`` left open (after that layer's window rows), and joined
+    with it; with no pass open, on the current stream. vLLM runs the window records here: the
+    step's attention does not read them."""
+    if not plan.side:
+        yield
+        return
+    with torch.cuda.stream(plan.side[-1]):
+        yield
 
 
 def run_layer(
@@ -179,11 +199,15 @@ def run_layer(
         overlap_write: a decode step writes its INT2 rows on a second CUDA stream beside its
             attention (:func:`_write_beside`; the cache ends bit for bit the same); false: one
             write before attention.
-        defer_join: leave that second stream's pass unjoined for the caller, which runs more of
-            the layer beside it and then calls :func:`join_layer` (vLLM: the window records).
+        defer_join: leave that second stream's pass unjoined for the caller, which may run more
+            of the layer beside it (:func:`beside`; vLLM: the window records) and joins it with
+            :func:`join_layer`, or — inside a CUDA graph's capture — leaves it to the next
+            layer's ``run_layer``, which joins any pass still open before its own launches.
     Returns:
         ``[T, H_q, d]`` in ``q.dtype`` (``out`` for a decode step when given).
     """
+    if plan.side:  # an earlier layer's INT2 pass (defer_join): long done, behind that layer's MLP
+        join_layer(plan)
     lo = cache.layout
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     key = _config(cache, ep, q, scale, backend)
