@@ -10,7 +10,8 @@ all captured in one CUDA graph. Each variant drops one part; the step time it sa
 part's cost in a step. ``overlap``: the write as ``serving.run_layer``'s ``overlap_write`` runs it
 (the BF16 rows first, the INT2 rows on a second stream beside the attention and the records,
 joined after them); ``deferred``: as vLLM's FULL graphs run it (the INT2 pass and the records on
-the second stream, joined by the next layer); ``window_pass``: its BF16 pass alone (no INT2 rows:
+the second stream, joined by the next layer; ``deferred_early``: and the query rotation beside the
+window pass); ``window_pass``: its BF16 pass alone (no INT2 rows:
 what folding that pass into another launch could save). A BF16 stand-in (one row written into a
 BF16 cache, torch SDPA) gives a scale, not FA3's number.
 
@@ -52,6 +53,8 @@ def step_fn(parts: set[str], n: int, ctx: int, width: int):  # noqa: ANN201
     out = torch.empty_like(s["q"])
     rec, _ = KS.records_setup(n)
     ok.decode_attention(*dargs, out=out)  # the validated call once (shape checks, bounds)
+    lo = s["cache"].layout
+    dplan = ok.plan_decode(s["cache"], s["q"].shape[1], n, s["bt"].shape[1], lo.head_dim**-0.5)
     window = ok.plan_write(wcache, wparams, n, "window", "triton")
     codes = ok.plan_write(wcache, wparams, n, "codes", "triton")
     side = torch.cuda.Stream() if dev.type == "cuda" else None
@@ -84,7 +87,9 @@ def step_fn(parts: set[str], n: int, ctx: int, width: int):  # noqa: ANN201
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
                         ok.run_write(codes, wcache, wparams, *wargs)
-            if "attention" in parts:
+            if "attention" in parts and "early" in parts:  # the rotation beside the window pass
+                ok.run_decode(dplan, *dargs, out, after_window_pass=True)
+            elif "attention" in parts:
                 ok.decode_attention(*dargs, out=out, check_bounds=False)
             if "records" in parts:
                 rec()
@@ -127,6 +132,7 @@ def main() -> int:
     variants["overlap"] = (set(PARTS) - {"write"}) | {"overlap"}
     variants["window_pass"] = (set(PARTS) - {"write"}) | {"window"}
     variants["deferred"] = (set(PARTS) - {"write", "records"}) | {"deferred"}
+    variants["deferred_early"] = variants["deferred"] | {"early"}
     variants["attention_only"] = {"weights", "attention"}
     for ctx, n, width in SHAPES:
         r = {"ctx": ctx, "batch": n, "table_tokens": width, "step_ms": {}}
@@ -145,6 +151,7 @@ def main() -> int:
              # the write and the records: joined in their layer / beside, joined a layer later
              "write_records_overlapped": round(1e3 * (t["overlap"] - t["attention_only"]) / LAYERS, 2),
              "write_records_deferred": round(1e3 * (t["deferred"] - t["attention_only"]) / LAYERS, 2),
+             "early_rotation_saves": round(1e3 * (t["deferred"] - t["deferred_early"]) / LAYERS, 2),
              "bf16_sdpa": round(1e3 * (t["bf16_sdpa"] - t["weights_only"]) / LAYERS, 2)}  # fmt: skip
         res["rows"].append(r)
         print(json.dumps(r), flush=True)

@@ -123,13 +123,15 @@ def compile_write_kv(  # noqa: ANN201
     head_dim: int = 128,
     fb_rows: int = 4,
     parts: str = "all",
+    trigger: bool = False,
 ):
     """The decode write with K and V in one launch (``paged_write_kv_kernel``) at the Qwen3-8B shape
     (``feedback``: error feedback on the keys, the default artifact's case; ``probe``: its phase
     timer stamps, a diagnosis build), as a GPU launch builds it: ``PREFETCH`` on and, with
     feedback, ``F``'s row stride 1 (``expand`` stores it column-major; Triton specialises an
     integer argument equal to 1 as a constant); ``fb_rows``: the feedback loop's rows at a time (a
-    decode write's ``FEEDBACK_CHUNK_ROWS``; 0: the whole tile); ``parts``: as ``paged_write``'s."""
+    decode write's ``FEEDBACK_CHUNK_ROWS``; 0: the whole tile); ``parts``: as ``paged_write``'s;
+    ``trigger``: lets a programmatic dependent start at once (a window pass's ``TRIGGER``)."""
     import triton.language as tl  # noqa: F401  (the kernel module needs it importable)
 
     from oscar_kernels.kernels.paged_write import paged_write_kv_kernel as fn
@@ -141,6 +143,7 @@ def compile_write_kv(  # noqa: ANN201
         NUM_KV_HEADS=8, HEAD_DIM=head_dim, GROUP=head_dim, SINK=64, RECENT=256, HAS_MEAN=True,
         K_FEEDBACK=feedback, V_FEEDBACK=False, HAS_ROPE=rope, WRITE_PAGES=codes, WRITE_RING=ring,
         WRITE_SINK=sink, BLOCK_T=block_t, DOT_PRECISION="tf32", PROBE=probe, PREFETCH=True, FB_ROWS=fb_rows,
+        TRIGGER=trigger,
     )  # fmt: skip
     if feedback:
         consts["stride_kfr"] = 1
@@ -190,6 +193,21 @@ def ptx_loops(ptx: str) -> list[dict]:
         # an outer loop's counts include its inner loops' lines
         lp["inner"] = any(a < c and d < b for c, d in spans)
     return loops
+
+
+def compile_rotate_rows(arch: int = 90, rows: int = 16, wait_end: bool = False, rope: bool = True):  # noqa: ANN201
+    """The decode op's query rotation (``rotate_rows_kernel``) at the Qwen3-8B shape for
+    ``sm_<arch>``, as a PDL-capable GPU launches it; ``wait_end``: as a programmatic dependent of
+    the window pass (it waits for that pass before it ends)."""
+    from oscar_kernels.kernels.attention import rotate_rows_kernel as fn
+
+    consts = dict(HEAD_DIM=128, RC=32, PDL=True, ROWS=rows, ROPE_R=8 if rope else 0, ROPE_P=16 if rope else 0,
+                  WAIT_END=wait_end)  # fmt: skip
+    ptr = dict.fromkeys(("rot_ptr", "rc_ptr", "ab_ptr"), "*fp32")
+    ptr["pairs_ptr"] = "*i32"
+    if not rope:
+        consts.update(rc_ptr=None, ab_ptr=None, pairs_ptr=None)
+    return _compile(fn, consts, ptr, arch, 4)
 
 
 def compile_bf16_baseline(arch: int = 90, num_warps: int = 4):  # noqa: ANN201

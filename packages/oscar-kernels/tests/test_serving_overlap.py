@@ -58,23 +58,28 @@ def _snapshot(cache: PagedKVCache) -> dict[str, torch.Tensor]:
 @needs_triton
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_decode_write_beside_the_attention_changes_no_bit(backend):
-    """Three decode steps with ``overlap_write`` on and off: the same caches and outputs (on a CPU
-    the two passes run in order; on a GPU the INT2 pass runs on the second stream)."""
+    """Three decode steps of two layers with ``overlap_write`` on and off: the same caches and
+    outputs (on a CPU the two passes run in order; on a GPU the INT2 pass runs on the second
+    stream, and the second layer's query rotation beside its window pass where PDL exists)."""
     results = []
     for overlap in (False, True):
         cache, params, tables, steps = _case(3)
+        layers = (cache, _clone(cache))
         outs = []
         for lens, q, k, v in steps:
             md = _decode_plan(lens, tables)
-            o = run_layer(md, cache, params, q, k, v, D**-0.5, backend=backend, overlap_write=overlap)
-            outs.append(o.clone())
-            assert md.side == [], "run_layer returned with a pass unjoined"
-        results.append((_snapshot(cache), outs))
+            for c in layers:  # the first layer plans the step's launches, the second runs them
+                o = run_layer(md, c, params, q, k, v, D**-0.5, backend=backend, overlap_write=overlap)
+                outs.append(o.clone())
+                assert md.side == [], "run_layer returned with a pass unjoined"
+        results.append(([_snapshot(c) for c in layers], outs))
     (c0, o0), (c1, o1) = results
-    for f in FIELDS:
-        assert torch.equal(c0[f], c1[f]), f
+    for a, b in zip(c0, c1, strict=True):
+        for f in FIELDS:
+            assert torch.equal(a[f], b[f]), f
     for a, b in zip(o0, o1, strict=True):
         assert torch.equal(a, b)
+    assert torch.equal(o1[0], o1[1])  # the two layers: the same inputs, the same outputs
 
 
 @needs_triton

@@ -506,13 +506,18 @@ def run_decode(
     seq_lens: torch.Tensor,
     window_slots: torch.Tensor,
     out: torch.Tensor | None = None,
+    after_window_pass: bool = False,
 ) -> torch.Tensor:
     """One layer's decode attention as ``plan`` says, without :func:`decode_attention`'s checks
-    (the caller checked the step's tensors once): launches only."""
+    (the caller checked the step's tensors once): launches only. ``after_window_pass``: the
+    kernel before it on this stream is the step's window pass (``paged_write(parts="window")``):
+    where PDL is available the query rotation runs beside that pass (``rotate_rows_kernel``'s
+    ``WAIT_END``)."""
     if not plan.use_triton:
         res = decode_attention_ref(q, cache, params, block_table, seq_lens, window_slots, plan.scale)
         return res if out is None else out.copy_(res)
-    q_rot, rope = _rotate_queries_triton(q, params, plan.impl, plan.tuning, plan.pdl)
+    early = after_window_pass and plan.pdl
+    q_rot, rope = _rotate_queries_triton(q, params, plan.impl, plan.tuning, plan.pdl, early)
     return _launch_decode(
         q_rot,
         cache,
@@ -545,11 +550,13 @@ def _rotate_queries_triton(
     impl: str = "tl",
     tuning: DecodeTuning | None = None,
     pdl: bool | None = None,
+    early: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
     """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
     pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
     ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots` of the split kernel
-    ``impl``), else ``(q_rot, None)``."""
+    ``impl``), else ``(q_rot, None)``. ``early``: launched as a programmatic dependent of the
+    window pass before it (:func:`run_decode`'s ``after_window_pass``; PDL only)."""
     tuning = _tuning(tuning)
     from .kernels.attention import rotate_rows_kernel
 
@@ -574,7 +581,7 @@ def _rotate_queries_triton(
         q, q.stride(0), q.stride(1), rot, rot.stride(0), rot.stride(2), rot.stride(1), out, hq,
         hq // rot.shape[0], HEAD_DIM=d, RC=min(32, d),
         PDL=pdl_available(q.device, tuning) if pdl is None else pdl, ROWS=rows,
-        **extra,
+        **extra, **({"WAIT_END": True, "launch_pdl": True} if early else {}),
     )  # fmt: skip
     return out, rope
 

@@ -351,10 +351,13 @@ def _launch_kv(
 ) -> None:  # fmt: skip
     import triton
 
+    from .decode_attention import pdl_available
     from .kernels.paged_write import paged_write_kv_kernel
 
     lo = cache.layout
     kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": _PTX}
+    if parts == "window" and pdl_available(cache.device):  # the query rotation may start beside it
+        kwargs["TRIGGER"] = True
     codes, scale, sink, ring = cache.k_codes, cache.k_scale, cache.k_sink, cache.k_recent
     LAST_COMPILED["paged_write"] = launch(
         paged_write_kv_kernel,

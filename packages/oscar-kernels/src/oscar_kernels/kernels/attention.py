@@ -712,6 +712,7 @@ def rotate_rows_kernel(
     x_ptr, stride_xb, stride_xh, rot_ptr, stride_rh, stride_ri, stride_rj, out_ptr, HQ, GQA,
     HEAD_DIM: tl.constexpr, RC: tl.constexpr, PDL: tl.constexpr = False, ROWS: tl.constexpr = 0,
     rc_ptr=None, ab_ptr=None, pairs_ptr=None, ROPE_R: tl.constexpr = 0, ROPE_P: tl.constexpr = 0,
+    WAIT_END: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(r = b*HQ + hq, c)``: row ``x[b, hq]`` times its KV head's rotation (float32
     FMAs, one launch instead of the three of ``rotate_queries``), output elements
@@ -721,7 +722,11 @@ def rotate_rows_kernel(
     ``PDL``: lets the split kernel launch at once (it waits for this one before reading ``out``).
     ``ROPE_R > 0``: the first program of a row also writes the row's score coefficients of the
     pre-RoPE mean (``oscar_math.rope_center.rope_score_coef``) to ``rc [B, HQ, 2, ROPE_P]``
-    (zero past ``ROPE_R``) from ``ab [H_kv, 2, ROPE_R]`` and ``pairs [ROPE_R]``: no extra launch."""
+    (zero past ``ROPE_R``) from ``ab [H_kv, 2, ROPE_R]`` and ``pairs [ROPE_R]``: no extra launch.
+    ``WAIT_END``: launched as a programmatic dependent of a decode step's window pass (which
+    triggers at once: ``paged_write_kv_kernel``'s ``TRIGGER``), so the two run side by side — this
+    kernel reads ``x`` only, written before that pass began — and waits for it before it ends:
+    the split kernel, waiting for this one, then also finds the window rows written."""
     if PDL:
         gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
@@ -749,6 +754,8 @@ def rotate_rows_kernel(
         j = tl.arange(0, HEAD_DIM)
         rr = tl.load(rot + i[:, None] * stride_ri + j[None, :] * stride_rj)
         _round_store(out_ptr + r * HEAD_DIM + i, tl.sum(rr * x[None, :], 1))
+    if WAIT_END:
+        gdc_wait()
 
 
 @triton.jit

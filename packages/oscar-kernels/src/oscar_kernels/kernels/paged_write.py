@@ -5,6 +5,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm_90+): a decode step's query rotation starts beside the window pass
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # an older Triton: TRIGGER=False everywhere (decode_attention.pdl_available)
+    gdc_launch_dependents = None
+
 
 @triton.jit
 def round_bf16(x):
@@ -695,14 +700,18 @@ def paged_write_kv_kernel(
     HAS_ROPE: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_RING: tl.constexpr, WRITE_SINK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, probe_ptr=None, PROBE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-    FB_ROWS: tl.constexpr = 0,
+    FB_ROWS: tl.constexpr = 0, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """K and V in one launch: ``program_id(1)`` < ``NUM_KV_HEADS`` is a key head, the rest value heads.
 
     A decode step's write is latency, not bandwidth (a few tokens per KV head): one launch runs the
     K and V programs side by side instead of one after the other. The two caches share their
     layout, hence the strides; each tensor keeps its own constants (only keys have a mean or a
-    pre-RoPE mean)."""
+    pre-RoPE mean). ``TRIGGER`` (a decode step's window pass, sm_90+): a kernel launched after it
+    as a programmatic dependent may start at once — the query rotation, which reads none of this
+    kernel's output and waits for it before it ends (``rotate_rows_kernel``'s ``WAIT_END``)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     if tl.program_id(1) < NUM_KV_HEADS:
         paged_write_kernel(
             k_ptr, stride_kxt, stride_kxh, krot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh,

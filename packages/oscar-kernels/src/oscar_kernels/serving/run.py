@@ -254,7 +254,10 @@ def _run_layer(
             )
         else:
             dp: DecodePlan = plan.launches[(key, "decode")]
-            res = run_decode(dp, q, cache, ep, plan.block_table, plan.seq_lens, plan.window_slots, out)
+            # the query rotation beside the window pass, the kernel just before it on this stream
+            early = has_kv and not stored and overlap_write and not plan.after_attend
+            bt, sl, ws = plan.block_table, plan.seq_lens, plan.window_slots
+            res = run_decode(dp, q, cache, ep, bt, sl, ws, out, after_window_pass=early)
         plan.bounds_checked[0] = True
         return res
     if has_kv and not stored:
