@@ -124,6 +124,7 @@ def bf16_fn(n: int, ctx: int):  # noqa: ANN201
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", nargs="*", help="only these (the per-part rows then need theirs)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"meta": KS.run_meta(), "layers": LAYERS, "rows": []}
@@ -134,6 +135,8 @@ def main() -> int:
     variants["deferred"] = (set(PARTS) - {"write", "records"}) | {"deferred"}
     variants["deferred_early"] = variants["deferred"] | {"early"}
     variants["attention_only"] = {"weights", "attention"}
+    if a.variants:
+        variants = {k: v for k, v in variants.items() if k in a.variants}
     for ctx, n, width in SHAPES:
         r = {"ctx": ctx, "batch": n, "table_tokens": width, "step_ms": {}}
         for name, parts in variants.items():
@@ -141,6 +144,14 @@ def main() -> int:
             r["step_ms"][name] = round(KS.bench_graph_ms(fn, rep_ms=400), 4)
             del fn
             torch.cuda.empty_cache()
+        if a.variants:  # the differences of the variants run
+            t = r["step_ms"]
+            r["us_per_layer_vs_attention_only"] = {
+                k: round(1e3 * (v - t["attention_only"]) / LAYERS, 2) for k, v in t.items()
+            } if "attention_only" in t else {}  # fmt: skip
+            res["rows"].append(r)
+            print(json.dumps(r), flush=True)
+            continue
         r["step_ms"]["bf16_sdpa"] = round(KS.bench_graph_ms(bf16_fn(n, ctx), rep_ms=400), 4)
         t = r["step_ms"]
         r["us_per_layer"] = {
