@@ -90,7 +90,8 @@ def _served(cache, params, pages, plan, device: str, seed: int, backend: str) ->
         q = torch.randn(t, 4, d, device=device).to(torch.bfloat16)
         k = torch.randn(t, 2, d, device=device).to(torch.bfloat16)
         v = torch.randn(t, 2, d, device=device).to(torch.bfloat16)
-        run_layer(md, cache, params, q, k, v, d**-0.5, backend, out=torch.empty_like(q))
+        for _ in range(2):  # a step's first layer plans its launches, a later one runs them
+            run_layer(md, cache, params, q, k, v, d**-0.5, backend, out=torch.empty_like(q))
         wt = torch.randint(
             1, cache.k_codes.shape[0], (plan.groups, b, _window_width(plan)), dtype=torch.int32
         )

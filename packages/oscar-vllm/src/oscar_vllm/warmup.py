@@ -235,20 +235,24 @@ def run_warmup(
     def one(md: StepPlan) -> None:
         t = md.num_actual_tokens
         q, k, v = q_all[:t], k_all[:t], v_all[:t]
-        run_layer(
-            md,
-            scratch,
-            params,
-            q,
-            k,
-            v,
-            scale,
-            backend,
-            dense=dense,
-            out=o_all[:t],
-            extend_splits=extend_splits,
-            overlap_write=overlap_write,
-        )
+        # a decode step's first layer plans its launches, a later one runs the plans: there the
+        # query rotation runs beside the window pass (run_decode's after_window_pass), a build of
+        # its own
+        for _ in range(2 if md.all_decode else 1):
+            run_layer(
+                md,
+                scratch,
+                params,
+                q,
+                k,
+                v,
+                scale,
+                backend,
+                dense=dense,
+                out=o_all[:t],
+                extend_splits=extend_splits,
+                overlap_write=overlap_write,
+            )
         if pages is not None:
             b = md.seq_lens.shape[0]
             tables = torch.zeros(groups, b, window_table_width, dtype=torch.int32, device=dev)
