@@ -69,7 +69,8 @@ def test_a_decode_write_beside_the_attention_changes_no_bit(backend):
         for lens, q, k, v in steps:
             md = _decode_plan(lens, tables)
             for c in layers:  # the first layer plans the step's launches, the second runs them
-                o = run_layer(md, c, params, q, k, v, D**-0.5, backend=backend, overlap_write=overlap)
+                opts = dict(backend=backend, overlap_write=overlap, overlap_rotation=overlap)
+                o = run_layer(md, c, params, q, k, v, D**-0.5, **opts)
                 outs.append(o.clone())
                 assert md.side == [], "run_layer returned with a pass unjoined"
         results.append(([_snapshot(c) for c in layers], outs))
@@ -138,7 +139,8 @@ def test_a_captured_step_whose_passes_stay_open_past_their_layers_replays_the_on
         outs = []
         for i, (cache, (_, params, _, steps), copies) in enumerate(zip(caches, layers, ks, strict=True)):
             _, q, k, v = steps[0]
-            o = run_layer(md, cache, params, q, k, v, D**-0.5, overlap_write=overlap, defer_join=True)
+            opts = dict(overlap_write=overlap, defer_join=True, overlap_rotation=overlap)
+            o = run_layer(md, cache, params, q, k, v, D**-0.5, **opts)
             outs.append(o)
             if overlap and open_passes:
                 assert len(md.side) == 1 and len(md.keep) == 1, "an earlier layer's pass was not joined"

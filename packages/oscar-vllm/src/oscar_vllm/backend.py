@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -470,6 +471,7 @@ class OscarAttentionImpl(AttentionImpl):
         # OSCAR_VLLM_SPLIT_EXTEND=0 turns it off
         self._splits: int | str = "auto" if engine_state(cfg).settings.split_extend else 1
         self._overlap = engine_state(cfg).settings.overlap_write
+        self._overlap_layers = self._overlap and engine_state(cfg).settings.overlap_layers
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
             compat.after_profiling_kv_cache(compile_ahead_engine)
@@ -686,15 +688,17 @@ class OscarAttentionImpl(AttentionImpl):
             # and only if the window groups' builders did not restore this layer already
             if id(self) not in md.restored_by:
                 restore_window_rows(cache, self._pages, tables, md.restore, md.restore_index)
-        keep_open = join_later(md, getattr(layer, "layer_name", md.last_layer))
+        wide = self._overlap_layers  # the overlap_layers setting
+        keep_open = wide and join_later(md, getattr(layer, "layer_name", md.last_layer))
         try:
             out = run_layer(
                 md, cache, params, q, k, v, self.scale, dense=self._dense, out=o,
                 extend_splits=self._splits, overlap_write=self._overlap, defer_join=True,
+                overlap_rotation=wide,
             )  # fmt: skip
             if tables is not None:
                 assert self._pages is not None
-                with beside(md):
+                with beside(md) if wide else nullcontext():
                     write_window_pages(cache, params, k, v, md, self._pages, tables)
         except BaseException:
             join_layer(md)

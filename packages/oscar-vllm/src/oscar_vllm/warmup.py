@@ -178,6 +178,7 @@ def run_warmup(
     done: set[tuple] | None = None,
     extend_splits: int | str = 1,
     overlap_write: bool = True,
+    overlap_rotation: bool = False,
     only: Sequence[int] | None = None,
     seconds: dict[str, float] | None = None,
     compile_workers: int = 1,
@@ -204,7 +205,8 @@ def run_warmup(
         dense: the layer's dense prefill (``oscar_kernels.DenseAttention``), if any.
         backend: as :func:`oscar_kernels.serving.run_layer` (``triton``: the interpreter on a CPU).
         done: compile keys already launched (shared between layers; updated).
-        extend_splits, overlap_write: the layer's (:func:`oscar_kernels.serving.run_layer`).
+        extend_splits, overlap_write, overlap_rotation: the layer's
+            (:func:`oscar_kernels.serving.run_layer`).
         only: indices of ``steps`` to run for real, without dry runs (None: choose by dry runs).
         seconds: where given, host seconds of the dry runs, the compiles and the real runs are
             added under ``"dry"``, ``"compile"`` and ``"real"`` (a real run's time is its launches
@@ -252,6 +254,7 @@ def run_warmup(
                 out=o_all[:t],
                 extend_splits=extend_splits,
                 overlap_write=overlap_write,
+                overlap_rotation=overlap_rotation,
             )
         if pages is not None:
             b = md.seq_lens.shape[0]
@@ -397,8 +400,9 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool =
             split_tails=impl._splits != 1,
         )
         args = (cache, params, impl.num_heads, impl.scale, steps, width, impl._plan, w_width, impl._dense)
-        opts = {"extend_splits": impl._splits, "overlap_write": impl._overlap}
-        jobs.append(((key, impl._splits, impl._overlap), steps, args, opts))
+        opts = {"extend_splits": impl._splits, "overlap_write": impl._overlap,
+                "overlap_rotation": impl._overlap_layers}  # fmt: skip
+        jobs.append(((key, impl._splits, impl._overlap, impl._overlap_layers), steps, args, opts))
     if not jobs:
         return
     plans = WarmupPlans() if plans is None else plans

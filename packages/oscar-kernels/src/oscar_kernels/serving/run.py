@@ -176,6 +176,7 @@ def run_layer(
     stored: bool = False,
     overlap_write: bool = True,
     defer_join: bool = False,
+    overlap_rotation: bool = False,
 ) -> torch.Tensor:
     """One layer's step: the plan's ``before`` window ops, the write, attention, the plan's
     ``after_attend`` ops, and for an extend step the ring rows last — the windows apply per query
@@ -203,6 +204,9 @@ def run_layer(
             of the layer beside it (:func:`beside`; vLLM: the window records) and joins it with
             :func:`join_layer`, or — inside a CUDA graph's capture — leaves it to the next
             layer's ``run_layer``, which joins any pass still open before its own launches.
+        overlap_rotation: with ``overlap_write``, a decode layer after the step's first runs its
+            query rotation beside its window pass where PDL exists (:func:`run_decode`'s
+            ``after_window_pass``; the engines' ``overlap_layers`` setting).
     Returns:
         ``[T, H_q, d]`` in ``q.dtype`` (``out`` for a decode step when given).
     """
@@ -212,7 +216,21 @@ def run_layer(
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     key = _config(cache, ep, q, scale, backend)
     first = (key, "decode" if plan.all_decode else "extend") not in plan.launches
-    args = (cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored, overlap_write)
+    args = (
+        cache,
+        ep,
+        q,
+        k,
+        v,
+        scale,
+        backend,
+        dense,
+        out,
+        extend_splits,
+        stored,
+        overlap_write,
+        overlap_rotation,
+    )
     try:
         if first:
             return _run_layer(plan, key, True, *args)
@@ -231,6 +249,7 @@ def _run_layer(
     plan: StepPlan, key: tuple, first: bool, cache: PagedKVCache, ep: ExpandedParams, q: torch.Tensor,
     k: torch.Tensor | None, v: torch.Tensor | None, scale: float, backend: str, dense: DenseAttention | None,
     out: torch.Tensor | None, extend_splits: int | str, stored: bool, overlap_write: bool,
+    overlap_rotation: bool,
 ) -> torch.Tensor:  # fmt: skip
     for op in plan.before:
         op(cache, ep, k, v)
@@ -255,7 +274,7 @@ def _run_layer(
         else:
             dp: DecodePlan = plan.launches[(key, "decode")]
             # the query rotation beside the window pass, the kernel just before it on this stream
-            early = has_kv and not stored and overlap_write and not plan.after_attend
+            early = overlap_rotation and has_kv and not stored and overlap_write and not plan.after_attend
             bt, sl, ws = plan.block_table, plan.seq_lens, plan.window_slots
             res = run_decode(dp, q, cache, ep, bt, sl, ws, out, after_window_pass=early)
         plan.bounds_checked[0] = True

@@ -19,6 +19,7 @@ reads ``OSCAR_*`` variables.
 | ``step_log`` | path | none | ``OSCAR_VLLM_STEP_LOG`` |
 | ``fold_output`` | bool | ``true`` | ``OSCAR_FOLD_OUTPUT`` (0/1) |
 | ``overlap_write`` | bool | ``true`` | ``OSCAR_OVERLAP_WRITE`` (0/1) |
+| ``overlap_layers`` | bool | ``false`` | ``OSCAR_OVERLAP_LAYERS`` (0/1) |
 
 A key in the section wins over its variable. Every bad value is one :class:`OscarError` line that
 names the key (or variable), what it accepts and what it got.
@@ -64,6 +65,7 @@ ENV = {
     "step_log": "OSCAR_VLLM_STEP_LOG",
     "fold_output": "OSCAR_FOLD_OUTPUT",
     "overlap_write": "OSCAR_OVERLAP_WRITE",
+    "overlap_layers": "OSCAR_OVERLAP_LAYERS",
 }
 
 
@@ -90,6 +92,10 @@ class ServingSettings:
     #: a decode step's INT2 rows written on a second CUDA stream beside the layer's attention (its
     #: BF16 rows before it, as the attention reads them): serving.run_layer's ``overlap_write``
     overlap_write: bool = True
+    #: with ``overlap_write``: in a FULL CUDA graph a decode layer's INT2 pass and window records stay
+    #: open past the layer (the next layer joins them) and the query rotation runs beside the window
+    #: pass (PDL); off until run on a GPU (serving.run_layer's ``defer_join``, ``overlap_rotation``)
+    overlap_layers: bool = False
 
     def __post_init__(self) -> None:
         _exclude_list(list(self.exclude_layers), "exclude_layers")
@@ -154,7 +160,10 @@ class ServingSettings:
 
 
 #: the keys that are true/false switches
-SWITCHES = ("split_extend", "dense_prefill", "warmup", "identity_restores", "fold_output", "overlap_write")
+SWITCHES = (
+    "split_extend", "dense_prefill", "warmup", "identity_restores", "fold_output", "overlap_write",
+    "overlap_layers",
+)  # fmt: skip
 
 KEYS = frozenset(
     {
@@ -170,6 +179,7 @@ KEYS = frozenset(
         "step_log",
         "fold_output",
         "overlap_write",
+        "overlap_layers",
     }
 )
 
