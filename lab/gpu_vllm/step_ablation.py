@@ -56,6 +56,8 @@ def step_fn(parts: set[str], n: int, ctx: int, width: int):  # noqa: ANN201
     lo = s["cache"].layout
     dplan = ok.plan_decode(s["cache"], s["q"].shape[1], n, s["bt"].shape[1], lo.head_dim**-0.5)
     window = ok.plan_write(wcache, wparams, n, "window", "triton")
+    if "early" in parts:  # lets the query rotation start beside it (run_layer's overlap_rotation)
+        window = ok.plan_write(wcache, wparams, n, "window", "triton", trigger=True)
     codes = ok.plan_write(wcache, wparams, n, "codes", "triton")
     side = torch.cuda.Stream() if dev.type == "cuda" else None
 

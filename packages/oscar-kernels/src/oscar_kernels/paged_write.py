@@ -201,6 +201,9 @@ class WritePlan(NamedTuple):
     scratch: torch.Tensor | None = None
     #: rows of the feedback loop at a time (0: the whole token tile; FEEDBACK_CHUNK_ROWS for small writes)
     feedback_rows: int = 0
+    #: a window pass that lets the next kernel, launched as its programmatic dependent, start at
+    #: once (``run_decode``'s ``after_window_pass``; PDL devices only)
+    trigger: bool = False
 
 
 def plan_write(
@@ -213,10 +216,12 @@ def plan_write(
     block_t: int | None = None,
     num_warps: int | None = None,
     fuse: bool | None = None,
+    trigger: bool = False,
 ) -> WritePlan:
     """The launch of a :func:`paged_write` of ``num_tokens`` tokens (arguments as there): tiles,
     warps, one or two launches. Host arithmetic on sizes and on which of ``params``' optional
-    fields are set only."""
+    fields are set only. ``trigger`` (``parts="window"``): the kernel lets a programmatic dependent
+    start at once (``paged_write_kv_kernel``'s ``TRIGGER``) where PDL exists."""
     lo = cache.layout
     triton_on = use_triton(cache.device, backend)
     prec = "ieee" if (precise or interpreting()) else "tf32"
@@ -241,7 +246,11 @@ def plan_write(
         rows = -(-num_tokens // bt) * bt
         size = rows * 2 * lo.num_kv_heads * lo.head_dim
         scratch = torch.empty(size, dtype=torch.float32, device=cache.device)
-    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse), scratch, fb_rows)
+    if trigger:
+        from .decode_attention import pdl_available
+
+        trigger = parts == "window" and pdl_available(cache.device)
+    return WritePlan(num_tokens, parts, True, prec, kcfg, vcfg, bool(fuse), scratch, fb_rows, trigger)
 
 
 def _feedback_rows(n: int) -> int:
@@ -284,8 +293,9 @@ def run_write(
         # one launch, K and V programs side by side: the smaller tile, the larger warp count
         bt, warps = min(plan.k_tile[0], plan.v_tile[0]), max(plan.k_tile[1], plan.v_tile[1])
         _launch_kv(
-            cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts, plan.scratch, plan.feedback_rows
-        )
+            cache, ep, kt, vt, idx, n, bt, warps, plan.precision, parts, plan.scratch, plan.feedback_rows,
+            plan.trigger,
+        )  # fmt: skip
         return
     for t, (bt, warps) in ((kt, plan.k_tile), (vt, plan.v_tile)):
         _launch_one(cache, ep, t, idx, n, bt, warps, plan.precision, parts, plan.scratch, plan.feedback_rows)
@@ -347,16 +357,15 @@ def _shared_strides(cache: PagedKVCache, kt: _Tensor, vt: _Tensor) -> bool:
 
 def _launch_kv(
     cache: PagedKVCache, ep: ExpandedParams, kt: _Tensor, vt: _Tensor, idx: tuple, n: int, bt: int,
-    warps: int, prec: str, parts: str, scratch: torch.Tensor | None, fb_rows: int,
+    warps: int, prec: str, parts: str, scratch: torch.Tensor | None, fb_rows: int, trigger: bool = False,
 ) -> None:  # fmt: skip
     import triton
 
-    from .decode_attention import pdl_available
     from .kernels.paged_write import paged_write_kv_kernel
 
     lo = cache.layout
     kwargs = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": warps, "PREFETCH": _PTX}
-    if parts == "window" and pdl_available(cache.device):  # the query rotation may start beside it
+    if trigger:  # the query rotation may start beside it (WritePlan.trigger)
         kwargs["TRIGGER"] = True
     codes, scale, sink, ring = cache.k_codes, cache.k_scale, cache.k_sink, cache.k_recent
     LAST_COMPILED["paged_write"] = launch(

@@ -59,20 +59,22 @@ def _config(
 
 
 def _write_plan(
-    plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, parts: str, backend: str
-) -> WritePlan:
-    wkey = (key, "write", parts)
+    plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, parts: str, backend: str,
+    trigger: bool = False,
+) -> WritePlan:  # fmt: skip
+    wkey = (key, "write", parts, trigger)
     wp = plan.launches.get(wkey)
     if wp is None:
-        wp = plan.launches[wkey] = plan_write(cache, ep, plan.num_actual_tokens, parts, backend)
+        n = plan.num_actual_tokens
+        wp = plan.launches[wkey] = plan_write(cache, ep, n, parts, backend, trigger=trigger)
     return wp
 
 
 def _write(
     plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, k: torch.Tensor, v: torch.Tensor,
-    parts: str, backend: str, first: bool, checked: bool = False,
+    parts: str, backend: str, first: bool, checked: bool = False, trigger: bool = False,
 ) -> None:  # fmt: skip
-    wp = _write_plan(plan, key, cache, ep, parts, backend)  # once per step: every layer launches it
+    wp = _write_plan(plan, key, cache, ep, parts, backend, trigger)  # once per step: every layer launches it
     if first:
         write_step(
             cache,
@@ -115,14 +117,14 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 def _write_beside(
     plan: StepPlan, key: tuple, cache: PagedKVCache, ep: ExpandedParams, k: torch.Tensor, v: torch.Tensor,
-    backend: str, first: bool,
+    backend: str, first: bool, trigger: bool = False,
 ) -> None:  # fmt: skip
     """A decode step's write in two passes: the BF16 sink and ring rows (what this step's attention
     reads) on the current stream, then the INT2 rows (read only once a token has left the ring)
     on the second stream, which waits for the first pass and runs beside the attention —
     its error-feedback loop is ~20 µs of serial latency a layer on the H100, ~1 ms a step
     (lab/gpu_vllm/step_ablation.py). :func:`join_layer` joins it. Off CUDA both run in order."""
-    _write(plan, key, cache, ep, k, v, "window", backend, first)
+    _write(plan, key, cache, ep, k, v, "window", backend, first, trigger=trigger)
     side = _side_stream(cache.device)
     if side is None:
         _write(plan, key, cache, ep, k, v, "codes", backend, first, checked=True)
@@ -216,21 +218,8 @@ def run_layer(
     ep = as_expanded(params, lo.num_kv_heads, lo.head_dim, cache.device)
     key = _config(cache, ep, q, scale, backend)
     first = (key, "decode" if plan.all_decode else "extend") not in plan.launches
-    args = (
-        cache,
-        ep,
-        q,
-        k,
-        v,
-        scale,
-        backend,
-        dense,
-        out,
-        extend_splits,
-        stored,
-        overlap_write,
-        overlap_rotation,
-    )
+    args = (cache, ep, q, k, v, scale, backend, dense, out, extend_splits, stored, overlap_write,
+            overlap_rotation)  # fmt: skip
     try:
         if first:
             return _run_layer(plan, key, True, *args)
@@ -256,8 +245,10 @@ def _run_layer(
     has_kv = k is not None and v is not None
     if plan.all_decode:
         if has_kv and not stored:
-            if overlap_write:
-                _write_beside(plan, key, cache, ep, k, v, backend, first)
+            if overlap_write:  # (the step's first layer plans the launches: no rotation beside)
+                _write_beside(
+                    plan, key, cache, ep, k, v, backend, first, trigger=overlap_rotation and not first
+                )
             else:
                 _write(plan, key, cache, ep, k, v, "all", backend, first)
         for op in plan.after_attend:  # a decode step's attention leaves the windows as they are
