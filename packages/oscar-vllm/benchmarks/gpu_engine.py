@@ -605,6 +605,8 @@ def _cases(a: argparse.Namespace) -> list[dict]:
             ("qwen-oscar-cache-warm", "OSCAR", True, {"env": {"OSCAR_VLLM_WARMUP": "1"}}),
             # short chunks over long prefixes unsplit (the default splits them: the shared-100k hits)
             ("qwen-oscar-cache-nosplit", "OSCAR", True, {"env": {"OSCAR_VLLM_SPLIT_EXTEND": "0"}}),
+            # a decode layer's INT2 pass and records open past the layer, the rotation beside the window pass
+            ("qwen-oscar-cache-layers", "OSCAR", True, {"env": {"OSCAR_OVERLAP_LAYERS": "1"}}),
             ("qwen-bf16-fa3", "FLASH_ATTN", True, {}),
             ("qwen-oscar-nocache", "OSCAR", False, {}),
             ("qwen-bf16-triton", "TRITON_ATTN", True, {}),
@@ -827,7 +829,10 @@ def _compare(results: dict) -> dict:
             if d1.get("decode_tok_s") and d2.get("decode_tok_s"):
                 out[f"tp2_vs_tp1_kv{kv}_decode"] = round(d2["decode_tok_s"] / d1["decode_tok_s"], 2)
     for base_name, names in (
-        ("qwen-bf16-fa3", ("qwen-oscar-cache", "qwen-oscar-nocache", "qwen-bf16-triton")),
+        (
+            "qwen-bf16-fa3",
+            ("qwen-oscar-cache", "qwen-oscar-cache-layers", "qwen-oscar-nocache", "qwen-bf16-triton"),
+        ),
         ("qwen-bf16-eager", ("qwen-oscar-eager", "qwen-oscar-eager-nocache")),
     ):
         bf = results.get(base_name, {})
