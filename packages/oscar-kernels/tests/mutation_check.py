@@ -796,8 +796,8 @@ MUTATIONS = (
     Mutation(
         "serving-overlap-window-pass-without-sink-rows",
         "src/oscar_kernels/serving/run.py",
-        '_write(plan, key, cache, ep, k, v, "window", backend, first)',
-        '_write(plan, key, cache, ep, k, v, "ring", backend, first)',
+        '_write(plan, key, cache, ep, k, v, "window", backend, first, trigger=trigger)',
+        '_write(plan, key, cache, ep, k, v, "ring", backend, first, trigger=trigger)',
         ("tests/test_serving_overlap.py", "-k", "changes_no_bit and torch"),
     ),
     # the BF16-pages baseline kernel (benchmarks compare INT2 against it)
