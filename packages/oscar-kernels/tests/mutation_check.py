@@ -800,6 +800,13 @@ MUTATIONS = (
         '_write(plan, key, cache, ep, k, v, "ring", backend, first, trigger=trigger)',
         ("tests/test_serving_overlap.py", "-k", "changes_no_bit and torch"),
     ),
+    Mutation(
+        "write-trigger-on-any-pass",
+        "src/oscar_kernels/paged_write.py",
+        '        trigger = parts == "window" and pdl_available(cache.device)',
+        "        trigger = pdl_available(cache.device)",
+        ("tests/test_serving_overlap.py", "-k", "only_a_window"),
+    ),
     # the BF16-pages baseline kernel (benchmarks compare INT2 against it)
     Mutation(
         "bf16-baseline-page-offset-off-by-one",

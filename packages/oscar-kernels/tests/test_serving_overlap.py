@@ -176,3 +176,23 @@ def _clone(cache: PagedKVCache) -> PagedKVCache:
     for f in FIELDS:
         getattr(c, f).copy_(getattr(cache, f))
     return c
+
+
+def test_only_a_window_pass_asked_to_lets_its_dependents_start_at_once(monkeypatch):
+    """``plan_write(trigger=True)`` (run_layer's ``overlap_rotation``): only a window pass, and only
+    where PDL exists, launches with ``TRIGGER`` — a pass with INT2 rows would let the query rotation
+    start before the rows it must not race with, and no device without PDL has the instruction."""
+    import importlib
+
+    from oscar_kernels import plan_write
+
+    da = importlib.import_module("oscar_kernels.decode_attention")  # the module (the package exports the op)
+
+    cache, params, _, _ = _case(1)
+    monkeypatch.setattr(da, "pdl_available", lambda device, tuning=None: True)
+    assert plan_write(cache, params, 3, "window", "triton", trigger=True).trigger
+    assert not plan_write(cache, params, 3, "window", "triton").trigger
+    for parts in ("all", "codes", "pages", "ring"):
+        assert not plan_write(cache, params, 3, parts, "triton", trigger=True).trigger, parts
+    monkeypatch.setattr(da, "pdl_available", lambda device, tuning=None: False)
+    assert not plan_write(cache, params, 3, "window", "triton", trigger=True).trigger

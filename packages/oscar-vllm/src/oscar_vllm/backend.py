@@ -688,17 +688,16 @@ class OscarAttentionImpl(AttentionImpl):
             # and only if the window groups' builders did not restore this layer already
             if id(self) not in md.restored_by:
                 restore_window_rows(cache, self._pages, tables, md.restore, md.restore_index)
-        wide = self._overlap_layers  # the overlap_layers setting
-        keep_open = wide and join_later(md, getattr(layer, "layer_name", md.last_layer))
+        keep_open = self._overlap_layers and join_later(md, getattr(layer, "layer_name", md.last_layer))
         try:
             out = run_layer(
                 md, cache, params, q, k, v, self.scale, dense=self._dense, out=o,
                 extend_splits=self._splits, overlap_write=self._overlap, defer_join=True,
-                overlap_rotation=wide,
+                overlap_rotation=self._overlap_layers,
             )  # fmt: skip
             if tables is not None:
                 assert self._pages is not None
-                with beside(md) if wide else nullcontext():
+                with beside(md) if self._overlap_layers else nullcontext():
                     write_window_pages(cache, params, k, v, md, self._pages, tables)
         except BaseException:
             join_layer(md)

@@ -237,10 +237,9 @@ def run_warmup(
     def one(md: StepPlan) -> None:
         t = md.num_actual_tokens
         q, k, v = q_all[:t], k_all[:t], v_all[:t]
-        # a decode step's first layer plans its launches, a later one runs the plans: there the
-        # query rotation runs beside the window pass (run_decode's after_window_pass), a build of
-        # its own
-        for _ in range(2 if md.all_decode else 1):
+        # a decode step's first layer plans its launches, a later one runs the plans: with
+        # overlap_rotation there the query rotation runs beside the window pass, a build of its own
+        for _ in range(2 if md.all_decode and overlap_rotation else 1):
             run_layer(
                 md,
                 scratch,

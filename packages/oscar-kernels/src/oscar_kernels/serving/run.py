@@ -244,11 +244,13 @@ def _run_layer(
         op(cache, ep, k, v)
     has_kv = k is not None and v is not None
     if plan.all_decode:
+        # the query rotation beside the window pass: the kernel just before it on this stream (not
+        # in the step's first layer, which plans the launches through the validated ops)
+        early = overlap_rotation and overlap_write and has_kv and not stored and not first
+        early = early and not plan.after_attend
         if has_kv and not stored:
-            if overlap_write:  # (the step's first layer plans the launches: no rotation beside)
-                _write_beside(
-                    plan, key, cache, ep, k, v, backend, first, trigger=overlap_rotation and not first
-                )
+            if overlap_write:
+                _write_beside(plan, key, cache, ep, k, v, backend, first, trigger=early)
             else:
                 _write(plan, key, cache, ep, k, v, "all", backend, first)
         for op in plan.after_attend:  # a decode step's attention leaves the windows as they are
@@ -264,8 +266,6 @@ def _run_layer(
             )
         else:
             dp: DecodePlan = plan.launches[(key, "decode")]
-            # the query rotation beside the window pass, the kernel just before it on this stream
-            early = overlap_rotation and has_kv and not stored and overlap_write and not plan.after_attend
             bt, sl, ws = plan.block_table, plan.seq_lens, plan.window_slots
             res = run_decode(dp, q, cache, ep, bt, sl, ws, out, after_window_pass=early)
         plan.bounds_checked[0] = True
