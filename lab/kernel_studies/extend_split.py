@@ -52,7 +52,7 @@ def rope_params(ep, hkv: int, d: int):  # noqa: ANN001, ANN201
 
 def case(
     prefix: int, rows: int, tail: int, rep_ms: int, block_m: int | None = None, warps: int = 4, rope: int = 0,
-    block_n: int = 64, split_set: tuple = (1, "auto", 8, 32), baseline: bool = True,
+    block_n: int = 64, stages: int = 0, split_set: tuple = (1, "auto", 8, 32), baseline: bool = True,
 ) -> dict:  # fmt: skip
     s = G._int2_decode_setup(prefix + tail, rows, width=131072, gran="kv_head")
     cache, bt, ws, ep = s["cache"], s["bt"], s["ws"], s["ep"]
@@ -70,6 +70,8 @@ def case(
     ref = None
     bm = block_m or extend_block_m(tail, g)  # rows of a program: (token, query head) pairs of one KV head
     out["warps"], out["rope"], out["block_n"] = warps, bool(rope), block_n
+    opts = {"num_stages": stages} if stages else {}  # 0: extend_attention's default
+    out["stages"] = stages or None
     programs = -(-tail // (bm // g)) * rows * hkv
     out["block_m"], out["programs"] = bm, programs
     for splits in split_set:
@@ -78,7 +80,7 @@ def case(
         def fn(splits=splits):
             return extend_attention(
                 q, k, v, cache, ep, cu, pre, bt, ws, tail, host_lens=host, num_splits=splits,
-                block_m=block_m, num_warps=warps, block_n=block_n,
+                block_m=block_m, num_warps=warps, block_n=block_n, **opts,
             )  # fmt: skip
 
         ms = bench_graph_ms(fn, rep_ms)
@@ -123,7 +125,8 @@ def main() -> None:
         "--shapes",
         nargs="+",
         default=None,
-        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS[,ROPE[,BLOCK_N]]]] (BLOCK_M 0: default; ROPE 1: RoPE mean)",
+        help="PREFIX,ROWS,TAIL[,BLOCK_M[,WARPS[,ROPE[,BLOCK_N[,STAGES]]]]] "
+        "(BLOCK_M, STAGES 0: default; ROPE 1: RoPE mean)",
     )
     ap.add_argument("--quick", action="store_true", help="auto splits only, no BF16 baseline")
     a = ap.parse_args()
@@ -136,7 +139,8 @@ def main() -> None:
         rows.append(r)
         head = f"prefix {r['prefix']:>7} x {r['rows']:>2} rows, tail {r['tail']:>3}"
         head += (
-            f" (M {r['block_m']}, N {r['block_n']}, {r['warps']} warps{', RoPE mean' if r['rope'] else ''})"
+            f" (M {r['block_m']}, N {r['block_n']}, {r['warps']} warps, stages {r['stages'] or 'default'}"
+            f"{', RoPE mean' if r['rope'] else ''})"
         )
         auto = f"auto ({r['splits_auto']} splits) {r['ms_auto']:.3f} ms = {r['speedup_auto']}x"
         bw = f"{r['tb_s_auto']} TB/s of {HBM_TBS} ({r['tb_s_auto'] / HBM_TBS:.0%})"
