@@ -846,6 +846,20 @@ MUTATIONS = (
         ("tests/test_launch.py",),
     ),
     Mutation(
+        "launch-sequence-replays-other-constexprs",
+        LAUNCH,
+        "replay = _fixed(site, vals, kwargs) == fixed",
+        "replay = True",
+        ("tests/test_launch.py",),
+    ),
+    Mutation(
+        "launch-sequence-ignores-optional-arguments",
+        LAUNCH,
+        "if c or d is None or type(d) is bool",
+        "if c",
+        ("tests/test_launch.py",),
+    ),
+    Mutation(
         "launch-grid-axes-swapped",
         LAUNCH,
         "grid[0], g1, g2,",

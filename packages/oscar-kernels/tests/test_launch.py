@@ -265,17 +265,78 @@ def test_a_launch_sequence_replays_the_first_pass_kernels_in_order(monkeypatch: 
     seq = L.LaunchSequence()
     with seq:
         layer(0.5)  # first pass: keyed, compiled through "Triton", recorded
-    assert keyed and [k for k, _, _ in seq.kernels] == [a, b]
+    assert keyed and [k for k, *_ in seq.kernels] == [a, b]
     keyed.clear()
     for alpha in (1.5, 2.5):
         with seq:
             layer(alpha)
     assert keyed == []  # replayed: no key
-    ca, cb = seq.kernels[0][2], seq.kernels[1][2]
+    ca, cb = seq.kernels[0][-1], seq.kernels[1][-1]
     assert [c[-3] for c in ca.calls] == [1.5, 2.5] and [c[-3] for c in cb.calls] == [1.5, 2.5]
     assert [c[0] for c in cb.calls] == [2, 2]  # each call's own grid
     with seq:  # another order: position 0 is keyed and the rest recorded again
         L.launch(b, (2,), x, y, o, 37, 2, 3.5, BLOCK=64)
         L.launch(a, (1,), x, y, o, 37, 2, 3.5, BLOCK=32)
-    assert len(keyed) == 2 and [k for k, _, _ in seq.kernels] == [b, a]
+    assert len(keyed) == 2 and [k for k, *_ in seq.kernels] == [b, a]
     assert L._SEQUENCE == []  # the sequence is left when its block ends
+
+
+def _opt_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def opt_kernel(x_ptr, n, w_ptr=None, FLAG: tl.constexpr = False):
+        i = tl.arange(0, 16)
+        x = tl.load(x_ptr + i, mask=i < n)
+        if w_ptr is not None:
+            x = x * tl.load(w_ptr + i, mask=i < n)
+        tl.store(x_ptr + i, x + FLAG, mask=i < n)
+
+    return opt_kernel
+
+
+def test_a_launch_sequence_keys_one_function_with_other_constexprs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One function at a position picks its compiled kernel by its constexprs, optional pointers and
+    launch options too (a decode write's window pass and one-pass write are both
+    ``paged_write_kv_kernel``): another value there is keyed, never replayed with the recorded
+    kernel (on the H100 a one-pass write replayed the window pass's kernel and wrote no INT2
+    codes)."""
+
+    class _Rt:
+        launch_enter_hook = launch_exit_hook = None
+
+    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 7))
+    monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+    a, f = _FakeKernel(_kernel()), _FakeKernel(_opt_kernel())
+    L.clear_launch_cache()
+    x, y, o, w = torch.randn(64), torch.randn(64), torch.randn(64), torch.randn(64)
+    seq = L.LaunchSequence()
+    with seq:
+        first_a = L.launch(a, (1,), x, y, o, 37, 2, 0.5, BLOCK=32)
+        first_f = L.launch(f, (1,), x, 9)
+    same_a = dict(BLOCK=32)
+    for other_a, other_f in (
+        (dict(BLOCK=64), {}),  # a constexpr
+        (dict(BLOCK=32, SHIFT=1), {}),  # a constexpr default overridden
+        (dict(BLOCK=32, num_warps=8), {}),  # a launch option
+        (same_a, dict(FLAG=True)),  # the second position alone: a constexpr default overridden
+        (same_a, dict(w_ptr=w)),  # an optional pointer given
+        (same_a, dict(launch_pdl=True)),  # a launch option
+    ):
+        with seq:
+            ca = L.launch(a, (1,), x, y, o, 37, 2, 0.5, **other_a)
+            cf = L.launch(f, (1,), x, 9, **other_f)
+        assert (ca is first_a) == (other_a == same_a) and (cf is first_f) == (not other_f), (other_a, other_f)
+        assert ca is a.by_key[_key(a, x, y, o, 37, 2, 0.5, **other_a)]
+        assert cf is f.by_key[_key(f, x, 9, **other_f)]
+        with seq:  # the first pass's values again: the first compiled kernels
+            assert L.launch(a, (1,), x, y, o, 37, 2, 0.5, BLOCK=32) is first_a
+            assert L.launch(f, (1,), x, 9, w_ptr=None, FLAG=False) is first_f
+    keyed = []
+    real_bind = L._bind
+    monkeypatch.setattr(L, "_bind", lambda *z: keyed.append(1) or real_bind(*z))
+    with seq:  # what the sequence holds now replays without a key (other tensors, another float)
+        L.launch(a, (1,), x, y, o, 37, 2, 0.25, BLOCK=32)
+        L.launch(f, (1,), y, 9)
+    assert keyed == []

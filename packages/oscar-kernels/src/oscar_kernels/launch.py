@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -71,7 +72,7 @@ def fast_launch_available() -> bool:
 class _Site:
     """One ``@triton.jit`` function's parameter table and its compiled kernels by key."""
 
-    __slots__ = ("fn", "names", "index", "const", "defaults", "compiled")
+    __slots__ = ("fn", "names", "index", "const", "defaults", "compiled", "fixed")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn  # held: the id that keys this site is never reused while it lives
@@ -81,6 +82,14 @@ class _Site:
         self.const = [_is_constexpr(p.annotation) for p in sig.values()]
         self.defaults = [_MISSING if p.default is p.empty else p.default for p in sig.values()]
         self.compiled: dict[tuple, Any] = {}
+        # the parameters whose values pick a compiled kernel whatever the tensors: the constexprs,
+        # and the optional ones (a ``None`` default: a pointer Triton specialises as None or not;
+        # a bool default); :func:`_fixed` reads them
+        picked = [
+            i for i, (c, d) in enumerate(zip(self.const, self.defaults, strict=True))
+            if c or d is None or type(d) is bool
+        ]  # fmt: skip
+        self.fixed = operator.itemgetter(*picked) if picked else (lambda _: ())
 
 
 _MISSING = object()
@@ -126,6 +135,18 @@ def _values(site: _Site, args: tuple, kwargs: dict) -> list:
     return vals
 
 
+def _fixed(site: _Site, vals: list, kwargs: dict) -> tuple:
+    """What picks a call's compiled kernel beside the function, apart from its tensors' dtypes and
+    alignment and its ints' specialisation (alike in every layer of a step): the constexpr values,
+    the optional arguments (``None`` or not, bools: Triton specialises both) and the launch
+    options. Compared as values: a ``None`` optional pointer against a tensor differs."""
+    picked = site.fixed(vals)
+    if type(picked) is not tuple:
+        picked = (picked,)
+    values = tuple([v if v is None or type(v) is not torch.Tensor else 0 for v in picked])
+    return values, _options(site, kwargs)
+
+
 def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
     """Values in parameter order, the specialisation key, the launch options.
 
@@ -155,9 +176,14 @@ def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
             put(None)
         else:
             raise _Slow
+    return vals, key, _options(site, kwargs)
+
+
+def _options(site: _Site, kwargs: dict) -> tuple:
+    """The call's launch options (``num_warps``, ``launch_pdl``, ...): its keywords that name no
+    parameter."""
     index = site.index
-    opts = tuple([(k, v) for k, v in kwargs.items() if k not in index]) if kwargs else ()
-    return vals, key, opts
+    return tuple([(k, v) for k, v in kwargs.items() if k not in index]) if kwargs else ()
 
 
 class LaunchSequence:
@@ -168,14 +194,17 @@ class LaunchSequence:
     views into them sit at the same offsets), so Triton would pick the same specialisations. Inside
     ``with seq:`` the first pass records each launch's compiled kernel; later passes re-use them
     in order without computing a specialisation key (:func:`launch`'s key costs more host time
-    than the launch). A different kernel at a position ends the replay there: that position and
-    the rest are keyed and recorded again.
+    than the launch). A different kernel at a position — another function, or the same one with
+    other constexpr values or launch options (a one-pass write where a window pass was recorded:
+    the same ``paged_write_kv_kernel``) — ends the replay there: that position and the rest are
+    keyed and recorded again.
     """
 
     __slots__ = ("kernels", "pos")
 
     def __init__(self) -> None:
-        self.kernels: list[tuple[Any, _Site, Any]] = []  # (jit function, its site, compiled kernel)
+        # (jit function, its site, its constexpr values and launch options, compiled kernel)
+        self.kernels: list[tuple[Any, _Site, tuple, Any]] = []
         self.pos = 0
 
     def __enter__(self) -> LaunchSequence:
@@ -218,13 +247,17 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     knobs_rt, current_device, current_stream = rt
     dev = current_device()
     if replay:
-        _, site, compiled = seq.kernels[seq.pos]  # a later layer of the step: no key
-        seq.pos += 1
+        _, site, fixed, compiled = seq.kernels[seq.pos]  # a later layer of the step: no key
         try:
             vals = _values(site, args, kwargs)
         except _Slow:
             return kernel[grid](*args, **kwargs)
-    else:
+        # the constexprs and launch options pick the compiled kernel: compared, not keyed (no
+        # tensor is looked at); another value ends the replay here
+        replay = _fixed(site, vals, kwargs) == fixed
+        if replay:
+            seq.pos += 1
+    if not replay:
         try:
             site = _site(kernel)
             vals, key, opts = _bind(site, args, kwargs)
@@ -239,12 +272,12 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
             site.compiled[full] = compiled
             if seq is not None:  # launched by Triton itself; later layers re-use the kernel
                 del seq.kernels[seq.pos :]
-                seq.kernels.append((kernel, site, compiled))
+                seq.kernels.append((kernel, site, _fixed(site, vals, kwargs), compiled))
                 seq.pos += 1
             return compiled
         if seq is not None:
             del seq.kernels[seq.pos :]
-            seq.kernels.append((kernel, site, compiled))
+            seq.kernels.append((kernel, site, _fixed(site, vals, kwargs), compiled))
             seq.pos += 1
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
