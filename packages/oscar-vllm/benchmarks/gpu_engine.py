@@ -129,12 +129,17 @@ def maxdecode_tokens(gen: int, batch: int, ctx: int, step_tokens: int) -> int:
     return gen + -(-batch * ctx // max(step_tokens, 1)) + 2
 
 
-def maxdecode_plan(cache_tokens: int, ctx: int, gen: int, block: int, max_seqs: int, step_tokens: int):
+def maxdecode_plan(
+    cache_tokens: int, ctx: int, gen: int, block: int, max_seqs: int, step_tokens: int,
+    prefill: int | None = None,
+):  # fmt: skip
     """``(batch, tokens each generates)`` of a maxdecode run: the largest batch whose requests,
-    each generating :func:`maxdecode_tokens` for that batch, fit ``cache_tokens`` at once."""
+    each generating :func:`maxdecode_tokens` for that batch, fit ``cache_tokens`` at once.
+    ``prefill``: prompt tokens each request computes in the timed pass (default ``ctx``; with the
+    prefix cache filled by a first pass, at most one block)."""
     batch = max_batch(cache_tokens, ctx, gen, block, max_seqs)
     while True:  # a smaller batch needs fewer extra tokens: the batch only shrinks, so this ends
-        n_gen = maxdecode_tokens(gen, batch, ctx, step_tokens)
+        n_gen = maxdecode_tokens(gen, batch, ctx if prefill is None else prefill, step_tokens)
         fits = max_batch(cache_tokens, ctx, n_gen, block, max_seqs)
         if fits >= batch or batch == 1:
             return batch, n_gen
@@ -346,16 +351,27 @@ def run_case(spec: dict) -> dict:
                 tokens = res.get("kv_cache_size_tokens") or (res.get("num_gpu_blocks") or 0) * (
                     res.get("block_size") or 0
                 )
-                # every request generates through the others' prefills: the timed steps are those
-                # with the whole batch decoding (full_batch_rate), ``gen`` of them
+                # the timed steps are those with the whole batch decoding (full_batch_rate), ``gen``
+                # of them. With the prefix cache a first pass (one token each) prefills the prompts
+                # and the timed pass finds them cached (each recomputes at most a block), so every
+                # request starts decoding within a step or two: generating through 25 x 100k
+                # prefills, OSCAR's first requests finished before its last ones began (H100,
+                # 2026-12-07: 458 steps, no full-batch one)
                 step_tokens = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+                block = res.get("block_size") or 16
+                cached = bool(res.get("prefix_caching"))
                 batch, n_gen = maxdecode_plan(
-                    tokens, ctx, gen, res.get("block_size") or 16, res["max_num_seqs"], step_tokens
+                    tokens, ctx, gen, block, res["max_num_seqs"], step_tokens, block if cached else None
                 )
+                prompts = _prompts(batch, ctx, seed, vocab)
+                fill = {}
+                if cached:
+                    t_fill, _ = _timed(llm, prompts, SamplingParams(max_tokens=1, **greedy))
+                    fill = dict(t_prefill_all=round(t_fill, 3))
                 sp = SamplingParams(max_tokens=n_gen, **greedy)
                 res[f"maxdecode_{ctx}"] = dict(
-                    _stepped(llm, _prompts(batch, ctx, seed, vocab), sp, f"m{seed}"),
-                    batch=batch, cache_tokens=tokens, generated=n_gen,
+                    _stepped(llm, prompts, sp, f"m{seed}"), **fill, batch=batch, cache_tokens=tokens,
+                    generated=n_gen,
                 )  # fmt: skip
             elif kind == "profile":  # ["profile", CTX, BATCH, STEPS]
                 _, ctx, batch, steps = w

@@ -61,6 +61,11 @@ def test_maxdecode_generates_through_the_other_requests_prefills(ge):
     batch, n = ge.maxdecode_plan(10 * 1000, 900, 10, 100, 99, 100)
     assert batch * (-(-(900 + n) // 100) * 100) <= 10 * 1000
     assert batch < ge.max_batch(10_000, 900, 10, 100, 99)
+    # prompts in the prefix cache: the timed pass recomputes at most a block each, one step for all
+    # 25 (OSCAR on the H100: 67 tokens each, where generating through all 25 prefills planned 219)
+    batch, n = ge.maxdecode_plan(2_538_157, 100_000, 64, 64, 144, 16_384, prefill=64)
+    assert (batch, n) == (25, 64 + 1 + 2)
+    assert ge.maxdecode_plan(2_538_157, 100_000, 64, 64, 144, 16_384)[1] == 64 + 153 + 2
 
 
 def test_the_start_sampler_counts_inclusive_and_leaf_time():
