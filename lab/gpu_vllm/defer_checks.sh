@@ -3,7 +3,8 @@
 # open past their layer in a FULL graph (serving.run_layer's defer_join, serving.beside,
 # oscar_vllm.backend.join_later) and the query rotation beside the window pass (PDL), on the GPU.
 # Two parts, each small enough to ride along a `gpu_engine.sh stash N` call:
-#   tests:    the overlap tests (both CUDA-graph cases, two-layer steps) and a planted bug only a
+#   tests:    the overlap tests (both CUDA-graph cases, two-layer steps; a fresh machine compiles for
+#             ~2 min: 90 s cut them on the H100, 2026-12-07) and a planted bug only a
 #             GPU shows (run_layer no longer joins an earlier layer's pass)              (~2 min)
 #   ablation: step_ablation.py's variants of the write + records beside the attention (joined in
 #             their layer, a layer later, and with the rotation beside the window pass)  (~2 min)
@@ -19,7 +20,7 @@ T=packages/oscar-kernels/tests
 source lab/gpu_vllm/lib.sh
 export PYTHONPATH=$ROOT/packages/oscar-math/src:$ROOT/packages/oscar-kernels/src
 if [[ $WHAT == tests || $WHAT == all ]]; then
-    run_tests overlap 90 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" -rs
+    run_tests overlap 240 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" -rs
     echo "== plant: no join of an earlier layer's pass"
     rm -rf /tmp/plant && mkdir -p /tmp/plant && cp -r packages/oscar-kernels /tmp/plant/
     sed -i 's/^    if plan.side:  # an earlier layer/    if False:  # an earlier layer/' \
