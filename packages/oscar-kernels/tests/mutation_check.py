@@ -841,8 +841,8 @@ MUTATIONS = (
     Mutation(
         "launch-key-ignores-options",
         LAUNCH,
-        "if k not in index]) if kwargs else ()",
-        "if False]) if kwargs else ()",
+        "keys = tuple([k for k in names if k not in site.index])",
+        "keys = ()",
         ("tests/test_launch.py",),
     ),
     Mutation(
@@ -855,8 +855,8 @@ MUTATIONS = (
     Mutation(
         "launch-sequence-ignores-optional-arguments",
         LAUNCH,
-        "if c or d is None or type(d) is bool",
-        "if c",
+        "if not c and (d is None or type(d) is bool)",
+        "if False",
         ("tests/test_launch.py",),
     ),
     Mutation(

@@ -72,7 +72,7 @@ def fast_launch_available() -> bool:
 class _Site:
     """One ``@triton.jit`` function's parameter table and its compiled kernels by key."""
 
-    __slots__ = ("fn", "names", "index", "const", "defaults", "compiled", "fixed")
+    __slots__ = ("fn", "names", "index", "const", "defaults", "compiled", "fixed", "optional", "options")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn  # held: the id that keys this site is never reused while it lives
@@ -82,14 +82,28 @@ class _Site:
         self.const = [_is_constexpr(p.annotation) for p in sig.values()]
         self.defaults = [_MISSING if p.default is p.empty else p.default for p in sig.values()]
         self.compiled: dict[tuple, Any] = {}
-        # the parameters whose values pick a compiled kernel whatever the tensors: the constexprs,
-        # and the optional ones (a ``None`` default: a pointer Triton specialises as None or not;
-        # a bool default); :func:`_fixed` reads them
-        picked = [
+        # what picks a compiled kernel whatever the tensors (:func:`_fixed`): the constexprs (never
+        # tensors: one C-level getter) and the optional parameters (a ``None`` default: a pointer
+        # Triton specialises as None or not; a bool default), whose tensors are read as "given"
+        const = [i for i, c in enumerate(self.const) if c]
+        optional = [
             i for i, (c, d) in enumerate(zip(self.const, self.defaults, strict=True))
-            if c or d is None or type(d) is bool
+            if not c and (d is None or type(d) is bool)
         ]  # fmt: skip
-        self.fixed = operator.itemgetter(*picked) if picked else (lambda _: ())
+        self.fixed = _getter(const)
+        self.optional = _getter(optional)
+        # the launch options' getter by the call's keyword names (a launcher passes the same ones)
+        self.options: dict[tuple, Any] = {}
+
+
+def _getter(idx: list[int]) -> Any:
+    """``operator.itemgetter`` that always returns a tuple."""
+    if not idx:
+        return lambda _: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda v: (v[i],)
+    return operator.itemgetter(*idx)
 
 
 _MISSING = object()
@@ -140,11 +154,8 @@ def _fixed(site: _Site, vals: list, kwargs: dict) -> tuple:
     alignment and its ints' specialisation (alike in every layer of a step): the constexpr values,
     the optional arguments (``None`` or not, bools: Triton specialises both) and the launch
     options. Compared as values: a ``None`` optional pointer against a tensor differs."""
-    picked = site.fixed(vals)
-    if type(picked) is not tuple:
-        picked = (picked,)
-    values = tuple([v if v is None or type(v) is not torch.Tensor else 0 for v in picked])
-    return values, _options(site, kwargs)
+    given = tuple([v if v is None or type(v) is bool else 0 for v in site.optional(vals)])
+    return site.fixed(vals), given, _options(site, kwargs)
 
 
 def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
@@ -181,9 +192,16 @@ def _bind(site: _Site, args: tuple, kwargs: dict) -> tuple[list, list, tuple]:
 
 def _options(site: _Site, kwargs: dict) -> tuple:
     """The call's launch options (``num_warps``, ``launch_pdl``, ...): its keywords that name no
-    parameter."""
-    index = site.index
-    return tuple([(k, v) for k, v in kwargs.items() if k not in index]) if kwargs else ()
+    parameter, as ``(names, values)`` (a C-level getter cached by the call's keyword names: a
+    launcher passes the same ones every time)."""
+    if not kwargs:
+        return ()
+    names = tuple(kwargs)
+    got = site.options.get(names)
+    if got is None:
+        keys = tuple([k for k in names if k not in site.index])
+        got = site.options[names] = (keys, operator.itemgetter(*keys)) if keys else ()
+    return (got[0], got[1](kwargs)) if got else ()
 
 
 class LaunchSequence:
