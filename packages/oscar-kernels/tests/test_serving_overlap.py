@@ -84,6 +84,36 @@ def test_a_decode_write_beside_the_attention_changes_no_bit(backend):
 
 
 @needs_triton
+def test_layers_of_one_step_that_launch_one_kernel_two_ways_write_what_each_writes_alone():
+    """Five layers of one decode step: the first plans the launches, the second records its
+    compiled kernels, the later ones replay them (``launch.LaunchSequence``, on a GPU). Layers that
+    launch ``paged_write_kv_kernel`` with other constexprs — a one-pass write after two-pass ones,
+    a layer without a key mean among centred ones — must write what each writes alone, with a plan
+    of its own (on the H100 a one-pass write replayed the window pass's kernel and wrote no INT2
+    codes)."""
+    import dataclasses
+
+    cache, params, tables, steps = _case(5)
+    lens, q, k, v = steps[0]
+    no_mean = dataclasses.replace(params, has_mean=False, k_mean=torch.zeros_like(params.k_mean))
+    layers = [(params, True), (params, True), (params, False), (no_mean, True), (params, True)]
+    caches = [_clone(cache) for _ in layers]
+    md = _decode_plan(lens, tables)
+    opts = dict(backend="triton")
+    outs = [
+        run_layer(md, c, p, q, k, v, D**-0.5, overlap_write=w, **opts)
+        for c, (p, w) in zip(caches, layers, strict=True)
+    ]
+    for i, (c, (p, w), o) in enumerate(zip(caches, layers, outs, strict=True)):
+        alone = _clone(cache)
+        o_alone = run_layer(_decode_plan(lens, tables), alone, p, q, k, v, D**-0.5, overlap_write=w, **opts)
+        assert torch.equal(o, o_alone), i
+        for f in FIELDS:
+            assert torch.equal(getattr(c, f), getattr(alone, f)), (i, f)
+    assert not torch.equal(caches[3].k_codes, caches[4].k_codes)  # the mean mattered
+
+
+@needs_triton
 def test_a_deferred_join_leaves_the_pass_to_join_layer():
     """``defer_join``: on a GPU the INT2 pass is left on the second stream for the caller (vLLM runs
     the window records beside it) and ``join_layer`` joins it; off CUDA nothing is pending."""

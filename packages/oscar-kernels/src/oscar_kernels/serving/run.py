@@ -51,6 +51,7 @@ def _config(
         q.dtype,
         scale,
         backend,
+        params.has_mean,  # the write's HAS_MEAN: an artifact may centre some layers' keys only
         params.k_feedback is None,
         params.v_feedback is None,
         params.k_rope_mean is None,
