@@ -20,7 +20,7 @@ T=packages/oscar-kernels/tests
 source lab/gpu_vllm/lib.sh
 export PYTHONPATH=$ROOT/packages/oscar-math/src:$ROOT/packages/oscar-kernels/src
 if [[ $WHAT == tests || $WHAT == all ]]; then
-    run_tests overlap 240 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" -rs
+    run_tests overlap 240 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" "$T/test_launch.py" -rs
     echo "== plant: no join of an earlier layer's pass"
     rm -rf /tmp/plant && mkdir -p /tmp/plant && cp -r packages/oscar-kernels /tmp/plant/
     sed -i 's/^    if plan.side:  # an earlier layer/    if False:  # an earlier layer/' \
