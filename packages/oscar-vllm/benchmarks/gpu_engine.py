@@ -302,6 +302,35 @@ def _diagnostics(llm) -> dict:  # noqa: ANN001
     return out
 
 
+def maxdecode(
+    llm, res: dict, ctx: int, gen: int, prompts, seed: int, vocab: int, sampling, greedy: dict
+) -> dict:  # noqa: ANN001
+    """The largest batch of distinct ``ctx``-token prompts the case's cache holds, decoding: tokens/s
+    over ``gen`` steps with the whole batch decoding (:func:`full_batch_rate`). With the prefix cache
+    a first pass (one token each) prefills the prompts and the timed pass finds them cached (each
+    recomputes at most a block), so every request decodes from its first steps: generating through
+    25 x 100k prefills, OSCAR's first requests finished before its last ones began (H100,
+    2026-12-07: 458 steps, no full-batch one). ``prompts(n, length, seed, vocab)`` makes the
+    prompts, ``sampling`` is vLLM's ``SamplingParams``."""
+    # the engine's own count (OSCAR's pages also hold the window groups' blocks)
+    tokens = res.get("kv_cache_size_tokens") or (res.get("num_gpu_blocks") or 0) * (
+        res.get("block_size") or 0
+    )
+    step_tokens = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    block = res.get("block_size") or 16
+    cached = bool(res.get("prefix_caching"))
+    batch, n_gen = maxdecode_plan(
+        tokens, ctx, gen, block, res["max_num_seqs"], step_tokens, block if cached else None
+    )
+    ps = prompts(batch, ctx, seed, vocab)
+    fill = {}
+    if cached:
+        t_fill, _ = _timed(llm, ps, sampling(max_tokens=1, **greedy))
+        fill = dict(t_prefill_all=round(t_fill, 3))
+    timed = _stepped(llm, ps, sampling(max_tokens=n_gen, **greedy), f"m{seed}")
+    return dict(timed, **fill, batch=batch, cache_tokens=tokens, generated=n_gen)
+
+
 def run_case(spec: dict) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -347,32 +376,9 @@ def run_case(spec: dict) -> dict:
                 )
             elif kind == "maxdecode":  # ["maxdecode", CTX, GEN]: as many distinct CTX prompts as fit
                 _, ctx, gen = w
-                # the engine's own count (OSCAR's pages also hold the window groups' blocks)
-                tokens = res.get("kv_cache_size_tokens") or (res.get("num_gpu_blocks") or 0) * (
-                    res.get("block_size") or 0
+                res[f"maxdecode_{ctx}"] = maxdecode(
+                    llm, res, ctx, gen, _prompts, seed, vocab, SamplingParams, greedy
                 )
-                # the timed steps are those with the whole batch decoding (full_batch_rate), ``gen``
-                # of them. With the prefix cache a first pass (one token each) prefills the prompts
-                # and the timed pass finds them cached (each recomputes at most a block), so every
-                # request starts decoding within a step or two: generating through 25 x 100k
-                # prefills, OSCAR's first requests finished before its last ones began (H100,
-                # 2026-12-07: 458 steps, no full-batch one)
-                step_tokens = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
-                block = res.get("block_size") or 16
-                cached = bool(res.get("prefix_caching"))
-                batch, n_gen = maxdecode_plan(
-                    tokens, ctx, gen, block, res["max_num_seqs"], step_tokens, block if cached else None
-                )
-                prompts = _prompts(batch, ctx, seed, vocab)
-                fill = {}
-                if cached:
-                    t_fill, _ = _timed(llm, prompts, SamplingParams(max_tokens=1, **greedy))
-                    fill = dict(t_prefill_all=round(t_fill, 3))
-                sp = SamplingParams(max_tokens=n_gen, **greedy)
-                res[f"maxdecode_{ctx}"] = dict(
-                    _stepped(llm, prompts, sp, f"m{seed}"), **fill, batch=batch, cache_tokens=tokens,
-                    generated=n_gen,
-                )  # fmt: skip
             elif kind == "profile":  # ["profile", CTX, BATCH, STEPS]
                 _, ctx, batch, steps = w
                 sp = SamplingParams(max_tokens=steps + 8, **greedy)

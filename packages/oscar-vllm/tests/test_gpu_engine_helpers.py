@@ -68,6 +68,95 @@ def test_maxdecode_generates_through_the_other_requests_prefills(ge):
     assert ge.maxdecode_plan(2_538_157, 100_000, 64, 64, 144, 16_384)[1] == 64 + 153 + 2
 
 
+class _SP:
+    def __init__(self, max_tokens: int, **_: object) -> None:
+        self.max_tokens = max_tokens
+
+
+class _Engine:
+    """A scheduler in miniature: each step decodes one token for every request past its prefill,
+    then prefills waiting prompts in order within ``budget`` tokens (a prompt in the prefix cache
+    computes only its last partial block); the step that ends a prompt samples its first token."""
+
+    def __init__(self, budget: int, block: int) -> None:
+        self.budget, self.block = budget, block
+        self.cached: set[tuple] = set()
+        self.reqs: dict = {}  # id -> [prompt, prefill tokens left, tokens out, max tokens]
+        self.steps = 0
+        sched = type("S", (), {"max_num_batched_tokens": budget})
+        self.vllm_config = type("C", (), {"scheduler_config": sched})
+
+    def add_request(self, rid, prompt, sp) -> None:  # noqa: ANN001
+        p = tuple(prompt["prompt_token_ids"])
+        hit = (len(p) - 1) // self.block * self.block if p in self.cached else 0
+        self.reqs[rid] = [p, len(p) - hit, 0, sp.max_tokens]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.reqs)
+
+    def step(self) -> list:
+        self.steps += 1
+        budget, out = self.budget, []
+        for rid, r in list(self.reqs.items()):
+            if r[1] == 0:
+                r[2] += 1
+                budget -= 1
+                out.append(rid)
+        for rid, r in self.reqs.items():
+            if r[1] and budget > 0:
+                take = min(r[1], budget)
+                r[1] -= take
+                budget -= take
+                if r[1] == 0:
+                    r[2] += 1
+                    out.append(rid)
+        res = [
+            type(
+                "O",
+                (),
+                {"request_id": rid, "outputs": [type("T", (), {"token_ids": [0] * self.reqs[rid][2]})]},
+            )
+            for rid in out
+        ]
+        for rid in out:
+            r = self.reqs[rid]
+            if r[2] >= r[3]:
+                self.cached.add(r[0])
+                del self.reqs[rid]
+        return res
+
+
+class _LLM:
+    def __init__(self, budget: int, block: int) -> None:
+        self.llm_engine = _Engine(budget, block)
+
+    def generate(self, prompts, sp, use_tqdm=False) -> list:  # noqa: ANN001, FBT002
+        for i, p in enumerate(prompts):
+            self.llm_engine.add_request(f"g{i}", p, sp)
+        while self.llm_engine.has_unfinished_requests():
+            self.llm_engine.step()
+        return list(prompts)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_maxdecode_times_steps_with_the_whole_batch_decoding(ge, monkeypatch, cached):
+    """The workload on a miniature engine: prompts of 1,000 tokens, 256 prompt tokens a step. With
+    the prefix cache the prompts are prefilled in a first pass and the timed pass decodes all of
+    them from its first steps; without, they generate through the others' prefills and the planned
+    extra tokens keep the whole batch decoding for the 64 steps too."""
+    monkeypatch.setattr(ge, "_gpu_kernels", lambda eng, steps, got: {"steps": steps})  # no profiler
+    llm = _LLM(budget=256, block=16)
+    res = dict(kv_cache_size_tokens=12 * 1_200, block_size=16, max_num_seqs=64, prefix_caching=cached)
+    prompts = lambda n, length, seed, vocab: [[seed * 7919 + i] * length for i in range(n)]  # noqa: E731
+    r = ge.maxdecode(llm, res, 1_000, 64, prompts, 1, 100, _SP, {})
+    assert r["batch"] == (13 if cached else 12)  # fewer extra tokens a request: one more fits
+    assert r["full_steps"] >= 64 - 8 - 2  # the last few steps run under the profiler
+    assert r["decode_tok_s"] > 0 and r["all_tokens"] is True
+    assert ("t_prefill_all" in r) == cached
+    # with the cache the timed pass recomputes one block each: 67 tokens, not 64 + 47 + 2
+    assert r["generated"] == (64 + 1 + 2 if cached else 64 + 47 + 2)
+
+
 def test_the_start_sampler_counts_inclusive_and_leaf_time():
     sys.path.insert(0, str(BENCH))
     try:
