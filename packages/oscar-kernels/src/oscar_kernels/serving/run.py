@@ -51,7 +51,7 @@ def _config(
         q.dtype,
         scale,
         backend,
-        params.has_mean,  # the write's HAS_MEAN: an artifact may centre some layers' keys only
+        params.has_mean,  # the write's HAS_MEAN (an artifact centres all layers or none; a caller may mix)
         params.k_feedback is None,
         params.v_feedback is None,
         params.k_rope_mean is None,
