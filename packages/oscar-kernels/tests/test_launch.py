@@ -79,12 +79,18 @@ class _FakeKernel:
         return run
 
 
-def test_reuses_the_compiled_kernel_of_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fast_path(monkeypatch: pytest.MonkeyPatch, stream: int) -> None:
+    """:func:`launch`'s fast path without a GPU: a runtime with no hooks, device 0, ``stream``."""
+
     class _Rt:
         launch_enter_hook = launch_exit_hook = None
 
-    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 1234))
+    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: stream))
     monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+
+
+def test_reuses_the_compiled_kernel_of_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fast_path(monkeypatch, stream=1234)
     fk = _FakeKernel(_kernel())
     L.clear_launch_cache()
     x, y, o = torch.randn(64), torch.randn(64), torch.randn(64)
@@ -246,11 +252,7 @@ def test_a_launch_sequence_replays_the_first_pass_kernels_in_order(monkeypatch: 
     """A step's further layers re-use the compiled kernels of the layer before, position by position,
     without keying; a different kernel at a position is keyed and recorded again."""
 
-    class _Rt:
-        launch_enter_hook = launch_exit_hook = None
-
-    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 7))
-    monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+    _fast_path(monkeypatch, stream=7)
     a, b = _FakeKernel(_kernel()), _FakeKernel(_kernel())
     L.clear_launch_cache()
     x, y, o = torch.randn(64), torch.randn(64), torch.randn(64)
@@ -303,11 +305,7 @@ def test_a_launch_sequence_keys_one_function_with_other_constexprs(monkeypatch: 
     kernel (on the H100 a one-pass write replayed the window pass's kernel and wrote no INT2
     codes)."""
 
-    class _Rt:
-        launch_enter_hook = launch_exit_hook = None
-
-    monkeypatch.setattr(L, "_runtime", lambda: (_Rt, lambda: 0, lambda dev: 7))
-    monkeypatch.setattr(L, "fast_launch_available", lambda: True)
+    _fast_path(monkeypatch, stream=7)
     a, f = _FakeKernel(_kernel()), _FakeKernel(_opt_kernel())
     L.clear_launch_cache()
     x, y, o, w = torch.randn(64), torch.randn(64), torch.randn(64), torch.randn(64)
