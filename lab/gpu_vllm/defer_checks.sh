@@ -8,7 +8,11 @@
 #             GPU shows (run_layer no longer joins an earlier layer's pass)              (~2 min)
 #   ablation: step_ablation.py's variants of the write + records beside the attention (joined in
 #             their layer, a layer later, and with the rotation beside the window pass)  (~2 min)
-#   device: OUT=$OUT bash lab/gpu_vllm/defer_checks.sh tests|ablation|all
+#   extend:   a prefix hit's 48-token tails over 100k INT2 tokens (extend_split.py): 64- vs 128-row
+#             programs, stages, the pre-RoPE term's share, before (lab/gpu_vllm/before, carried:
+#             `git archive REV packages/oscar-kernels/src | tar -x -C lab/gpu_vllm/before`) and after
+#   The tests part also runs the pre-RoPE term's tests (its cosines and sines share one operand).
+#   device: OUT=$OUT bash lab/gpu_vllm/defer_checks.sh tests|ablation|extend|all
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/defer-checks}"
@@ -21,6 +25,7 @@ source lab/gpu_vllm/lib.sh
 export PYTHONPATH=$ROOT/packages/oscar-math/src:$ROOT/packages/oscar-kernels/src
 if [[ $WHAT == tests || $WHAT == all ]]; then
     run_tests overlap 240 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" "$T/test_launch.py" -rs
+    run_tests rope 150 "$T/test_rope_mean_attention.py" -rs
     echo "== plant: no join of an earlier layer's pass"
     rm -rf /tmp/plant && mkdir -p /tmp/plant && cp -r packages/oscar-kernels /tmp/plant/
     sed -i 's/^    if plan.side:  # an earlier layer/    if False:  # an earlier layer/' \
@@ -35,4 +40,18 @@ if [[ $WHAT == ablation || $WHAT == all ]]; then
     timeout 120 python3 lab/gpu_vllm/step_ablation.py --out "$OUT" --variants attention_only \
         overlap deferred deferred_early >"$OUT/step_ablation.log" 2>&1
     echo "[rc=$?]"; tail -3 "$OUT/step_ablation.log" | cut -c1-1000
+fi
+if [[ $WHAT == extend || $WHAT == all ]]; then
+    echo "== extend_split (48-token tails over 100k): before / after"
+    B=lab/gpu_vllm/before/packages/oscar-kernels/src
+    for which in after before; do
+        src=packages/oscar-kernels/src
+        [[ $which == before ]] && src=$B
+        [[ -d $src/oscar_kernels ]] || { echo "no $src"; continue; }
+        PYTHONPATH=$ROOT/packages/oscar-math/src:$ROOT/$src timeout 150 python3 lab/kernel_studies/extend_split.py \
+            --out "$OUT/extend_$which" --quick --rep-ms 50 --shapes 100000,48,48,0,4,1 100000,48,48,128,8,1 \
+            100000,48,48,0,4,0 100000,48,48,64,8,1 100000,48,48,0,4,1,64,3 100000,48,48,0,4,1,32 \
+            >"$OUT/extend_$which.log" 2>&1
+        echo "[$which rc=$?]"; grep "prefix" "$OUT/extend_$which.log" | cut -c1-300
+    done
 fi

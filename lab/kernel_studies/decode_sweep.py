@@ -70,7 +70,7 @@ def parts(s, ns):
     lo = cache.layout
     out = {"rotate": us(lambda: dec._rotate_queries_triton(q, ep))}
     per_row = replace(dec.DEFAULT_TUNING, rotate_rows_per_program=0)
-    out["rotate_one_program_per_row"] = us(lambda: dec._rotate_queries_triton(q, ep, "tl", per_row))
+    out["rotate_one_program_per_row"] = us(lambda: dec._rotate_queries_triton(q, ep, per_row))
     sc = 1 / math.sqrt(d)
     out["split+merge"] = us(
         lambda: dec._launch_decode(

@@ -87,18 +87,19 @@ def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: A
 
 
 def compile_extend(
-    arch: int = 90, num_warps: int = 4, rope: bool = False, splits: int = 1, block_n: int = 64
+    arch: int = 90, num_warps: int = 4, rope: bool = False, splits: int = 1, block_n: int = 64, block_m: int = 64
 ):  # noqa: ANN201, E501
     """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
     with the pre-RoPE key mean's score term (format 3); ``splits > 1``: the split-INT2 variant
     (partials for ``merge_splits_kernel``)."""
     import triton.language as tl
 
+    from oscar_kernels.decode_attention import rope_slots
     from oscar_kernels.kernels.attention import extend_kernel as fn
 
     consts = dict(
-        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=64, BLOCK_N=block_n,
-        DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=16 if rope else 0,
+        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=rope_slots(8) if rope else 0,
     )  # fmt: skip
     ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
     ptr.update(dict.fromkeys(("bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"), "*i32"))
@@ -199,9 +200,10 @@ def compile_rotate_rows(arch: int = 90, rows: int = 16, wait_end: bool = False, 
     """The decode op's query rotation (``rotate_rows_kernel``) at the Qwen3-8B shape for
     ``sm_<arch>``, as a PDL-capable GPU launches it; ``wait_end``: as a programmatic dependent of
     the window pass (it waits for that pass before it ends)."""
+    from oscar_kernels.decode_attention import rope_slots
     from oscar_kernels.kernels.attention import rotate_rows_kernel as fn
 
-    consts = dict(HEAD_DIM=128, RC=32, PDL=True, ROWS=rows, ROPE_R=8 if rope else 0, ROPE_P=16 if rope else 0,
+    consts = dict(HEAD_DIM=128, RC=32, PDL=True, ROWS=rows, ROPE_R=8 if rope else 0, ROPE_P=rope_slots(8) if rope else 0,
                   WAIT_END=wait_end)  # fmt: skip
     ptr = dict.fromkeys(("rot_ptr", "rc_ptr", "ab_ptr"), "*fp32")
     ptr["pairs_ptr"] = "*i32"

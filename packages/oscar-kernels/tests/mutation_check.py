@@ -715,8 +715,15 @@ MUTATIONS = (
     Mutation(
         "rope-3xtf32-drops-a-cross-term",
         "src/oscar_kernels/kernels/attention.py",
-        '    t = tl.dot(ca_hi, cj_lo, t, input_precision="tf32")\n',
+        '    t = tl.dot(x_hi, y_lo, t, input_precision="tf32")\n',
         "",
+        ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
+    ),
+    Mutation(
+        "rope-packed-slots-one-sine-read-as-cosine",
+        "src/oscar_kernels/kernels/attention.py",
+        "    return i % ROPE_P, i < ROPE_P\n",
+        "    return i % ROPE_P, i <= ROPE_P\n",
         ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
     ),
     Mutation(
@@ -750,8 +757,8 @@ MUTATIONS = (
     Mutation(
         "extend-rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, s)\n            ok = tmask[None, :]",
-        "s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0 + 1, s)\n            ok = tmask[None, :]",
+        "s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)\n            ok = tmask[None, :]",
+        "s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0 + 1, s, ROPE_P)\n            ok = tmask[None, :]",
         ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
     ),
     Mutation(

@@ -351,21 +351,18 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from oscar_kernels.kernels.attention import _rope_angle, _rope_basis, _rope_scores, _theta_split
+    from oscar_kernels.kernels.attention import _rope_angle, _rope_basis, _rope_load, _rope_scores, _theta_split
 
     @triton.jit
     def _rope_term_kernel(
-        rc_ptr, th_ptr, acc_ptr, out_ptr, T0, M: tl.constexpr, P: tl.constexpr, N: tl.constexpr
+        rc_ptr, th_ptr, acc_ptr, out_ptr, T0, M: tl.constexpr, R: tl.constexpr, P: tl.constexpr, N: tl.constexpr
     ):
         m = tl.arange(0, M)
-        i = tl.arange(0, P)
         n = tl.arange(0, N)
-        rc0 = tl.load(rc_ptr + m[:, None] * (2 * P) + i[None, :])
-        rc1 = tl.load(rc_ptr + m[:, None] * (2 * P) + P + i[None, :])
-        th_hi, th_lo = _theta_split(tl.load(th_ptr + i))
-        cj, sj = _rope_basis(th_hi, th_lo, N)
+        rc0, rc1, th_hi, th_lo = _rope_load(rc_ptr, m * (2 * P), m < M, th_ptr, R, P)
+        basis = _rope_basis(th_hi, th_lo, N, P)
         acc = tl.load(acc_ptr + m[:, None] * N + n[None, :])
-        s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, T0, acc)
+        s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, T0, acc, P)
         tl.store(out_ptr + m[:, None] * N + n[None, :], s)
 
     @triton.jit
@@ -399,20 +396,24 @@ def test_rope_angle_reduction_at_long_positions():
 
 @needs_triton
 @pytest.mark.parametrize("t0", [0, 64, 100032])
-def test_rope_score_term_is_float32_exact_on_tensor_cores(t0):
+@pytest.mark.parametrize(("r", "p"), [(16, 16), (8, 8), (3, 8)])
+def test_rope_score_term_is_float32_exact_on_tensor_cores(t0, r, p):
     """``_rope_scores`` (the extend and ``tl`` decode kernels' term, added to the score tile it is
-    given) against float64, to 3e-5 of the term's scale: its products are 3×TF32 (each operand split
+    given) against float64, to 3e-5 of the term's scale: its product is 3×TF32 (each operand split
     into a TF32 ``hi`` and the rest); one TF32 product alone, or a split that keeps no remainder,
-    is off by ~3e-4."""
-    gen = torch.Generator().manual_seed(t0)
-    m, p, n = 16, 16, 64
-    rc = torch.randn(m, 2, p, generator=gen) * 10
-    th = inv_freq(2 * p).float()
+    is off by ~3e-4. ``R`` pairs in ``P`` slots: cosines and sines share one ``K = 2P`` operand,
+    and the slots past ``R`` (zero coefficients, as the hosts pad them) add nothing."""
+    gen = torch.Generator().manual_seed(t0 + r)
+    m, n = 16, 64
+    rc = torch.zeros(m, 2, p)
+    rc[:, :, :r] = torch.randn(m, 2, r, generator=gen) * 10
+    th = torch.zeros(p)
+    th[:r] = inv_freq(2 * r).float()
     acc = torch.randn(m, n, generator=gen)
     out = torch.empty(m, n, device=DEVICE)
-    _rope_term_kernel[(1,)](rc.to(DEVICE), th.to(DEVICE), acc.to(DEVICE), out, t0, M=m, P=p, N=n)
-    ang = (t0 + torch.arange(n)).double()[None, :] * th.double()[:, None]  # [P, N]
-    want = acc.double() + rc[:, 0].double() @ ang.cos() + rc[:, 1].double() @ ang.sin()
+    _rope_term_kernel[(1,)](rc.to(DEVICE), th.to(DEVICE), acc.to(DEVICE), out, t0, M=m, R=r, P=p, N=n)
+    ang = (t0 + torch.arange(n)).double()[None, :] * th[:r].double()[:, None]  # [R, N]
+    want = acc.double() + rc[:, 0, :r].double() @ ang.cos() + rc[:, 1, :r].double() @ ang.sin()
     scale = (rc.double().abs().sum((1, 2))).max()
     # float32 3×TF32: ~1e-7 at small positions, 2.7e-6 at 100k (the angle reduction's rounding);
     # one TF32 product alone: ~3e-4

@@ -517,7 +517,7 @@ def run_decode(
         res = decode_attention_ref(q, cache, params, block_table, seq_lens, window_slots, plan.scale)
         return res if out is None else out.copy_(res)
     early = after_window_pass and plan.pdl
-    q_rot, rope = _rotate_queries_triton(q, params, plan.impl, plan.tuning, plan.pdl, early)
+    q_rot, rope = _rotate_queries_triton(q, params, plan.tuning, plan.pdl, early)
     return _launch_decode(
         q_rot,
         cache,
@@ -537,26 +537,26 @@ def run_decode(
     )
 
 
-def rope_slots(pairs: int, impl: str = "tl") -> int:
-    """Pair slots (``P``) a kernel reads for ``R`` pairs of the score term: ``tl`` at least 16
-    (``tl.dot`` of float32 needs ``K >= 16`` on Triton 3.6, 8 on 3.9), ``gluon`` at least 8 (its
-    tf32 ``mma`` takes ``K = 2·P`` in steps of 8). Padding slots have zero coefficients."""
-    return max(16 if impl == "tl" else 8, pairs)
+def rope_slots(pairs: int) -> int:
+    """Pair slots (``P``) a kernel reads for ``R`` pairs of the score term: at least 8, since
+    every split and extend kernel packs cosines and sines into one ``K = 2·P`` operand (the ``tl``
+    kernels' float32 ``tl.dot`` needs ``K >= 16`` on Triton 3.6, the Gluon decode's tf32 ``mma``
+    steps of 8). Padding slots have zero coefficients."""
+    return max(8, pairs)
 
 
 def _rotate_queries_triton(
     q: torch.Tensor,
     ep: ExpandedParams,
-    impl: str = "tl",
     tuning: DecodeTuning | None = None,
     pdl: bool | None = None,
     early: bool = False,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int, int] | None]:
     """:func:`rotate_queries` in one Triton launch (bf16 out, float32 products), and with a
     pre-RoPE mean (``ep.rope_pairs > 0``) the score coefficients from the same launch:
-    ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots` of the split kernel
-    ``impl``), else ``(q_rot, None)``. ``early``: launched as a programmatic dependent of the
-    window pass before it (:func:`run_decode`'s ``after_window_pass``; PDL only)."""
+    ``(q_rot, (C [B, H_q, 2, P], θ [R], R, P))`` (``P`` = :func:`rope_slots`), else
+    ``(q_rot, None)``. ``early``: launched as a programmatic dependent of the window pass before it
+    (:func:`run_decode`'s ``after_window_pass``; PDL only)."""
     tuning = _tuning(tuning)
     from .kernels.attention import rotate_rows_kernel
 
@@ -572,7 +572,7 @@ def _rotate_queries_triton(
     nr = ep.rope_pairs
     rope, extra = None, {}
     if nr > 0:
-        npad = rope_slots(nr, impl)
+        npad = rope_slots(nr)
         rc = _empty(bsz, hq, 2, npad, dtype=torch.float32, device=q.device)
         ab, pairs = ep.k_rope_ab.contiguous(), ep.k_rope_pairs.contiguous()
         extra = dict(rc_ptr=rc, ab_ptr=ab, pairs_ptr=pairs, ROPE_R=nr, ROPE_P=npad)

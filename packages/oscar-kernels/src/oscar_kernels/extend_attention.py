@@ -199,7 +199,7 @@ def run_extend(
     rows = extend_block_m(max_query_len, g) if block_m is None else max(block_m, _pow2_at_least(g))
     grid = (triton.cdiv(max_query_len, rows // g), bsz * lo.num_kv_heads)
     if ep.rope_pairs > 0:  # the pre-RoPE mean's score coefficients per query token (torch, on device)
-        npad = rope_slots(ep.rope_pairs, "tl")
+        npad = rope_slots(ep.rope_pairs)
         rc = rope_score_coef(q, ep.k_rope_ab, ep.k_rope_pairs)  # [T, H_q, 2, R]
         rc = torch.nn.functional.pad(rc, (0, npad - ep.rope_pairs)).contiguous()
         opts.update(rc_ptr=rc, rth_ptr=ep.k_rope_theta.contiguous(), ROPE_R=ep.rope_pairs, ROPE_P=npad)

@@ -136,48 +136,58 @@ def _rope_angle(p, th_hi, th_lo):
 
 
 @triton.jit
-def _rope_basis(th_hi, th_lo, BLOCK_N: tl.constexpr):
-    """``cos(j·θ_r), sin(j·θ_r)`` ``[R, BLOCK_N]`` for ``j < BLOCK_N``, each as its
-    :func:`_tf32_split` pair: the loop-invariant half of :func:`_rope_scores`' angle addition,
-    computed once per program."""
-    jf = tl.arange(0, BLOCK_N).to(tl.float32)
-    ang = _rope_angle(jf[None, :], th_hi[:, None], th_lo[:, None])
-    return _tf32_split(tl.cos(ang)), _tf32_split(tl.sin(ang))
+def _rope_slots(ROPE_P: tl.constexpr):
+    """Slot ``i < 2·ROPE_P`` of the packed score term: pair ``i % ROPE_P``, its cosine half
+    (``i < ROPE_P``) or its sine half. Cosines and sines share one ``K = 2·ROPE_P`` operand, so
+    the term is 3 tensor-core dots, not 6 with ``K = ROPE_P`` (Triton 3.6's float32 ``tl.dot``
+    needs ``K >= 16``: 8 pairs, the default artifact's, fill one operand exactly instead of two
+    half-empty ones)."""
+    i = tl.arange(0, 2 * ROPE_P)
+    return i % ROPE_P, i < ROPE_P
 
 
 @triton.jit
-def _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, acc):
+def _rope_basis(th_hi, th_lo, BLOCK_N: tl.constexpr, ROPE_P: tl.constexpr):
+    """``cos(j·θ_r)`` (cosine slots) and ``sin(j·θ_r)`` (sine slots) ``[2·ROPE_P, BLOCK_N]`` for
+    ``j < BLOCK_N`` (``θ`` per slot, :func:`_rope_load`), as a :func:`_tf32_split` pair: the
+    loop-invariant half of :func:`_rope_scores`' angle addition, computed once per program."""
+    _, cos_slot = _rope_slots(ROPE_P)
+    jf = tl.arange(0, BLOCK_N).to(tl.float32)
+    ang = _rope_angle(jf[None, :], th_hi[:, None], th_lo[:, None])
+    return _tf32_split(tl.where(cos_slot[:, None], tl.cos(ang), tl.sin(ang)))
+
+
+@triton.jit
+def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr):
     """Score term ``[M, BLOCK_N]`` of INT2 keys at positions ``t0 + j`` (``j < BLOCK_N``):
-    ``Σ_r C0[m, r]·cos((t0 + j)·θ_r) + C1[m, r]·sin((t0 + j)·θ_r)`` (``rc0/rc1 [M, R]``, ``θ [R]``).
+    ``Σ_r C0[m, r]·cos((t0 + j)·θ_r) + C1[m, r]·sin((t0 + j)·θ_r)`` (``rc0/rc1 [M, 2·ROPE_P]``
+    and ``θ [2·ROPE_P]`` per slot of :func:`_rope_load`).
 
     By angle addition, ``cos((t0 + j)θ) = cos(t0θ)cos(jθ) − sin(t0θ)sin(jθ)`` (and the sine), with
-    ``cj, sj`` of :func:`_rope_basis`: the term is ``A @ cj + B @ sj`` where ``A = C0·cos(t0θ) +
-    C1·sin(t0θ)`` and ``B = C1·cos(t0θ) − C0·sin(t0θ)`` are ``[M, R]``, so a tile evaluates ``R``
-    cosines and sines instead of ``R·BLOCK_N`` of each (H200, 48 prefix hits over 100k tokens: the
-    per-element form made the extend kernel ~3× slower than without the term). The two products
-    are 3×TF32 tensor-core dots (~2^-21 relative, as the Gluon decode's term): as float32
-    FMA loops (``ieee``) the ``[M, P] × [P, BLOCK_N]`` products cost more than the INT2 tile itself
-    (the extend kernel with the term was 2.65× slower than without, H200, 48 tails over 100k). The
-    3×TF32 is spelled out (:func:`_tf32_split`; ``cj, sj`` come split, once per program) and added
-    into ``acc`` (the tile's scores): ``tl.dot``'s ``tf32x3`` split both operands every tile and
-    held a second ``[M, BLOCK_N]`` accumulator, and the extend kernel spilled 2,172 bytes a thread
-    (1.9× its time without the term, H100); now a few dozen. The angles as :func:`_rope_angle`
-    (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the term."""
-    a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)  # [R]
+    the ``basis`` of :func:`_rope_basis`: the term is ``X @ basis`` where ``X [M, 2·ROPE_P]`` holds
+    ``A = C0·cos(t0θ) + C1·sin(t0θ)`` in the cosine slots and ``B = C1·cos(t0θ) − C0·sin(t0θ)`` in
+    the sine slots, so a tile evaluates ``2·ROPE_P`` cosines and sines instead of ``R·BLOCK_N`` of
+    each (H200, 48 prefix hits over 100k tokens: the per-element form made the extend kernel ~3×
+    slower than without the term). The product is a 3×TF32 tensor-core dot (~2^-21 relative, as
+    the Gluon decode's term): as float32 FMA loops (``ieee``) the ``[M, P] × [P, BLOCK_N]`` products
+    cost more than the INT2 tile itself (the extend kernel with the term was 2.65× slower than
+    without, H200, 48 tails over 100k). The 3×TF32 is spelled out (:func:`_tf32_split`; the basis
+    comes split, once per program) and added into ``acc`` (the tile's scores): ``tl.dot``'s
+    ``tf32x3`` split both operands every tile and held a second ``[M, BLOCK_N]`` accumulator, and
+    the extend kernel spilled 2,172 bytes a thread (1.9× its time without the term, H100). The
+    angles as :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the
+    term."""
+    a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)  # [2P]
     c0 = tl.cos(a0)[None, :]
     s0 = tl.sin(a0)[None, :]
+    _, cos_slot = _rope_slots(ROPE_P)
     ca = rc0 * c0 + rc1 * s0
     cb = rc1 * c0 - rc0 * s0
-    ca_hi, ca_lo = _tf32_split(ca)
-    cb_hi, cb_lo = _tf32_split(cb)
-    cj_hi, cj_lo = cj
-    sj_hi, sj_lo = sj
-    t = tl.dot(ca_lo, cj_hi, acc, input_precision="tf32")
-    t = tl.dot(ca_hi, cj_lo, t, input_precision="tf32")
-    t = tl.dot(cb_lo, sj_hi, t, input_precision="tf32")
-    t = tl.dot(cb_hi, sj_lo, t, input_precision="tf32")
-    t = tl.dot(ca_hi, cj_hi, t, input_precision="tf32")
-    return tl.dot(cb_hi, sj_hi, t, input_precision="tf32")
+    x_hi, x_lo = _tf32_split(tl.where(cos_slot[None, :], ca, cb))
+    y_hi, y_lo = basis
+    t = tl.dot(x_lo, y_hi, acc, input_precision="tf32")
+    t = tl.dot(x_hi, y_lo, t, input_precision="tf32")
+    return tl.dot(x_hi, y_hi, t, input_precision="tf32")
 
 
 @triton.jit
@@ -191,13 +201,14 @@ def _tf32_split(x):
 
 @triton.jit
 def _rope_load(rc_ptr, crow, rmask, rth_ptr, ROPE_R: tl.constexpr, ROPE_P: tl.constexpr):
-    """Coefficients ``C0, C1 [M, ROPE_P]`` of rows ``crow`` (offsets of ``[2, ROPE_P]`` blocks) and
-    the split ``θ`` (``ROPE_P`` slots, zero past ``ROPE_R``)."""
-    i = tl.arange(0, ROPE_P)
+    """Coefficients ``C0, C1 [M, 2·ROPE_P]`` of rows ``crow`` (offsets of ``[2, ROPE_P]`` blocks)
+    and the split ``θ [2·ROPE_P]``, per slot of :func:`_rope_slots` (each pair's values in its
+    cosine and its sine slot; zero past ``ROPE_R``)."""
+    r, _ = _rope_slots(ROPE_P)
     m2 = rmask[:, None]
-    rc0 = tl.load(rc_ptr + crow[:, None] + i[None, :], mask=m2, other=0.0)
-    rc1 = tl.load(rc_ptr + crow[:, None] + ROPE_P + i[None, :], mask=m2, other=0.0)
-    th_hi, th_lo = _theta_split(tl.load(rth_ptr + i, mask=i < ROPE_R, other=0.0))
+    rc0 = tl.load(rc_ptr + crow[:, None] + r[None, :], mask=m2, other=0.0)
+    rc1 = tl.load(rc_ptr + crow[:, None] + ROPE_P + r[None, :], mask=m2, other=0.0)
+    th_hi, th_lo = _theta_split(tl.load(rth_ptr + r, mask=r < ROPE_R, other=0.0))
     return rc0, rc1, th_hi, th_lo
 
 
@@ -604,7 +615,7 @@ def decode_split_kernel(
             rc0, rc1, th_hi, th_lo = _rope_load(
                 rc_ptr, (b * (H_KV * GQA) + hq).to(tl.int64) * (2 * ROPE_P), rmask, rth_ptr, ROPE_R, ROPE_P
             )
-            cj, sj = _rope_basis(th_hi, th_lo, BLOCK_N)
+            basis = _rope_basis(th_hi, th_lo, BLOCK_N, ROPE_P)
         for t0 in range(lo, hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
@@ -617,7 +628,7 @@ def decode_split_kernel(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
             if ROPE_R > 0:
-                s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, s)
+                s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
                 s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
@@ -1042,7 +1053,7 @@ def extend_kernel(
             rc0, rc1, th_hi, th_lo = _rope_load(
                 rc_ptr, ((qs + m).to(tl.int64) * H_Q + hq) * (2 * ROPE_P), mmask, rth_ptr, ROPE_R, ROPE_P
             )
-            cj, sj = _rope_basis(th_hi, th_lo, BLOCK_N)
+            basis = _rope_basis(th_hi, th_lo, BLOCK_N, ROPE_P)
         i0 = SINK
         i1 = hi
         if SPLIT:  # this split's share of the INT2 tiles
@@ -1061,7 +1072,7 @@ def extend_kernel(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
             if ROPE_R > 0:
-                s = _rope_scores(rc0, rc1, th_hi, th_lo, cj, sj, t0, s)
+                s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)
             ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
             s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
