@@ -87,7 +87,12 @@ def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: A
 
 
 def compile_extend(
-    arch: int = 90, num_warps: int = 4, rope: bool = False, splits: int = 1, block_n: int = 64, block_m: int = 64
+    arch: int = 90,
+    num_warps: int = 4,
+    rope: bool = False,
+    splits: int = 1,
+    block_n: int = 64,
+    block_m: int = 64,
 ):  # noqa: ANN201, E501
     """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
     with the pre-RoPE key mean's score term (format 3); ``splits > 1``: the split-INT2 variant
@@ -97,9 +102,10 @@ def compile_extend(
     from oscar_kernels.decode_attention import rope_slots
     from oscar_kernels.kernels.attention import extend_kernel as fn
 
+    rp = rope_slots(8) if rope else 0
     consts = dict(
-        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=rope_slots(8) if rope else 0,
+        H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=rp,
     )  # fmt: skip
     ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
     ptr.update(dict.fromkeys(("bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"), "*i32"))
@@ -203,7 +209,8 @@ def compile_rotate_rows(arch: int = 90, rows: int = 16, wait_end: bool = False, 
     from oscar_kernels.decode_attention import rope_slots
     from oscar_kernels.kernels.attention import rotate_rows_kernel as fn
 
-    consts = dict(HEAD_DIM=128, RC=32, PDL=True, ROWS=rows, ROPE_R=8 if rope else 0, ROPE_P=rope_slots(8) if rope else 0,
+    rp = rope_slots(8) if rope else 0
+    consts = dict(HEAD_DIM=128, RC=32, PDL=True, ROWS=rows, ROPE_R=8 if rope else 0, ROPE_P=rp,
                   WAIT_END=wait_end)  # fmt: skip
     ptr = dict.fromkeys(("rot_ptr", "rc_ptr", "ab_ptr"), "*fp32")
     ptr["pairs_ptr"] = "*i32"

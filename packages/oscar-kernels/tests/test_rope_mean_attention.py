@@ -351,11 +351,25 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from oscar_kernels.kernels.attention import _rope_angle, _rope_basis, _rope_load, _rope_scores, _theta_split
+    from oscar_kernels.kernels.attention import (
+        _rope_angle,
+        _rope_basis,
+        _rope_load,
+        _rope_scores,
+        _theta_split,
+    )
 
     @triton.jit
     def _rope_term_kernel(
-        rc_ptr, th_ptr, acc_ptr, out_ptr, T0, M: tl.constexpr, R: tl.constexpr, P: tl.constexpr, N: tl.constexpr
+        rc_ptr,
+        th_ptr,
+        acc_ptr,
+        out_ptr,
+        T0,
+        M: tl.constexpr,
+        R: tl.constexpr,
+        P: tl.constexpr,
+        N: tl.constexpr,
     ):
         m = tl.arange(0, M)
         n = tl.arange(0, N)
