@@ -66,9 +66,10 @@ def _compile_tl(block_n: int, num_warps: int, gqa: int, d: int, windows: bool, g
     return _compile(fn, consts, ptr, arch, num_warps)
 
 
-def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: ANN001, ANN202
+def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int, num_stages: int = 0):  # noqa: ANN001, ANN202
     """``fn`` compiled for ``sm_<arch>``: constexprs ``consts``, pointer types ``ptr`` (other
-    ``*_ptr`` arguments bf16), ``sm_scale_log2`` fp32, other arguments i32 divisible by 16."""
+    ``*_ptr`` arguments bf16), ``sm_scale_log2`` fp32, other arguments i32 divisible by 16;
+    ``num_stages`` 0: Triton's default."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -83,7 +84,8 @@ def _compile(fn, consts: dict, ptr: dict, arch: int, num_warps: int):  # noqa: A
             sig[name] = ptr.get(name, "*bf16" if name.endswith("_ptr") else "i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def compile_extend(
@@ -93,6 +95,7 @@ def compile_extend(
     splits: int = 1,
     block_n: int = 64,
     block_m: int = 64,
+    num_stages: int = 0,
 ):  # noqa: ANN201, E501
     """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
     with the pre-RoPE key mean's score term (format 3); ``splits > 1``: the split-INT2 variant
@@ -117,7 +120,7 @@ def compile_extend(
         ptr.update(dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"))
     else:
         consts.update(po_ptr=None, plse_ptr=None)
-    return _compile(fn, consts, ptr, arch, num_warps)
+    return _compile(fn, consts, ptr, arch, num_warps, num_stages)
 
 
 def compile_write_kv(  # noqa: ANN201
