@@ -25,7 +25,7 @@ source lab/gpu_vllm/lib.sh
 export PYTHONPATH=$ROOT/packages/oscar-math/src:$ROOT/packages/oscar-kernels/src
 if [[ $WHAT == tests || $WHAT == all ]]; then
     run_tests overlap 240 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" "$T/test_launch.py" -rs
-    run_tests rope 150 "$T/test_rope_mean_attention.py" -rs
+    run_tests rope 200 "$T/test_rope_mean_attention.py" "$T/test_extend_attention.py" -rs
     echo "== plant: no join of an earlier layer's pass"
     rm -rf /tmp/plant && mkdir -p /tmp/plant && cp -r packages/oscar-kernels /tmp/plant/
     sed -i 's/^    if plan.side:  # an earlier layer/    if False:  # an earlier layer/' \

@@ -96,6 +96,7 @@ def compile_extend(
     block_n: int = 64,
     block_m: int = 64,
     num_stages: int = 0,
+    page_tiles: bool = True,
 ):  # noqa: ANN201, E501
     """The extend (prefill / mixed-step) kernel at the Qwen3-8B shape for ``sm_<arch>``; ``rope``:
     with the pre-RoPE key mean's score term (format 3); ``splits > 1``: the split-INT2 variant
@@ -110,6 +111,8 @@ def compile_extend(
         H_Q=32, GQA=4, HEAD_DIM=128, GROUP=128, SINK=64, RECENT=256, RING=256, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT=tl.bfloat16, UNPACK=0, ROPE_R=8 if rope else 0, ROPE_P=rp,
     )  # fmt: skip
+    if "PAGE_TILES" in fn.arg_names:  # 64-token pages, as vLLM's OSCAR engines have
+        consts["PAGE_TILES"] = page_tiles
     ptr = dict.fromkeys(("kc_ptr", "vc_ptr"), "*u8")
     ptr.update(dict.fromkeys(("bt_ptr", "cu_ptr", "prefix_ptr", "wslot_ptr"), "*i32"))
     ptr.update(dict.fromkeys(("o_ptr", "rc_ptr", "rth_ptr"), "*fp32"))

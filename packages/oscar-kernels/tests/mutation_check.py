@@ -727,6 +727,27 @@ MUTATIONS = (
         ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
     ),
     Mutation(
+        "extend-page-ahead-reads-the-current-tile",
+        "src/oscar_kernels/kernels/attention.py",
+        "nxt = tl.load(bt_row + ahead // page_size, mask=ahead < i1, other=0)",
+        "nxt = tl.load(bt_row + (ahead - BLOCK_N) // page_size, mask=ahead < i1, other=0)",
+        ("tests/test_extend_attention.py", "-k", "tiles_of_one_page"),
+    ),
+    Mutation(
+        "extend-scales-ahead-of-the-wrong-tile",
+        "src/oscar_kernels/kernels/attention.py",
+        "ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, t0 + BLOCK_N, hi, page_size, h, stride_sp,",
+        "ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, t0, hi, page_size, h, stride_sp,",
+        ("tests/test_extend_attention.py", "-k", "tiles_of_one_page"),
+    ),
+    Mutation(
+        "extend-page-tiles-promised-off-the-tile-grid",
+        "src/oscar_kernels/extend_attention.py",
+        "PAGE_TILES=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,",
+        "PAGE_TILES=lo.page_size % block_n == 0,",
+        ("tests/test_extend_attention.py", "-k", "triton_matches_reference or tiles_of_one_page"),
+    ),
+    Mutation(
         "rope-tf32-split-keeps-no-remainder",
         "src/oscar_kernels/kernels/attention.py",
         "    return hi, x - hi",

@@ -111,6 +111,53 @@ def test_split_extend_matches_the_unsplit_kernel_and_the_reference(splits):
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "page, sink, group, splits",
+    [(16, 16, None, 1), (32, 0, None, 3), (16, 16, 16, 1), (32, 16, 16, 2), (16, 0, None, "auto")],
+)
+def test_tiles_of_one_page_match_the_reference(page, sink, group, splits):
+    """Pages and sinks in whole tiles (vLLM's 64-token pages, 64-row sinks): the kernel reads a
+    tile's page a tile ahead and, with one scale/zero per row, its scales and zeros a tile ahead
+    (``PAGE_TILES``). Chunks over prefixes of many pages, ending mid-page and mid-tile, split and
+    not, the pre-RoPE term on: each sequence as the reference, and as the per-token page lookup
+    (``PAGE_TILES`` off: the same tiles one sink row off the tile grid)."""
+    from oscar_kernels import LayerQuantParams
+    from oscar_kernels.launch import record_launches
+
+    d, h, g = 64, 2, 2
+    if DEVICE.type == "cuda":
+        d = 128  # tl.dot needs d/4 >= 16 on a GPU
+    gen = torch.Generator().manual_seed(page + sink + (group or 0))
+    lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=10)
+    lens = [301, 17, 130, 260]
+    chunks = [16, 1, 40, 5]
+    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
+    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    mean = torch.zeros(h, d)
+    mean[:, d // 2 - 4 : d // 2] = 2 * torch.randn(h, 4, generator=gen)
+    rope = LayerQuantParams(
+        params.k_rotation, params.v_rotation, k_rope_mean=mean, k_rope_inv_freq=inv
+    ).expand(h, d, DEVICE)
+    cu = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    prefix = torch.tensor(
+        [n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32, device=DEVICE
+    )
+    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
+    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
+    args = (q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    calls: dict = {}
+    with record_launches(dry=True, calls=calls):
+        extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=splits)
+    assert [c[3]["PAGE_TILES"] for c in calls.values() if c[0].fn.__name__ == "extend_kernel"] == [True]
+    out = extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=splits)
+    ref = extend_attention_ref(q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    for b in range(len(lens)):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])
+
+
+@needs_triton
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine's shape on the GPU (CPU: the test above)")
 def test_split_extend_at_the_engines_shape():
     """Qwen3-8B's attention shape, 64-token pages: a 16-token tail over a 20k prefix and a decode
@@ -175,11 +222,12 @@ def test_the_extend_kernels_rope_term_spills_next_to_nothing():
     """With the pre-RoPE term the extend kernel spilled 2,172 bytes a thread (``tl.dot``'s
     ``tf32x3`` split both operands every tile; the kernel took 1.9× its time without the term on the
     H100, 48 prefix-hit tails over 100k): the basis split once per program, the products added into
-    the score tile, it spills at most a few dozen bytes (ptxas, sm_90, 4 warps)."""
+    the score tile, it spills at most a few dozen bytes (ptxas, sm_90, 4 warps and 2 stages as
+    :func:`extend_attention` launches it, 64-token pages)."""
     import importlib.util
     from pathlib import Path
 
-    ptx = compile_check_ptx("cc.compile_extend(90, rope=True)")
+    ptx = compile_check_ptx("cc.compile_extend(90, rope=True, num_stages=2)")
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
     spec = importlib.util.spec_from_file_location("compile_check", path)
     cc = importlib.util.module_from_spec(spec)

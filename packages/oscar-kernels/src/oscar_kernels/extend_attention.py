@@ -247,6 +247,7 @@ def run_extend(
         BLOCK_N=block_n,
         DOT=dot_dtype(),
         UNPACK=unpack_mode(),
+        PAGE_TILES=lo.page_size % block_n == 0 and lo.sink_tokens % block_n == 0,
         **opts,
     )
     if splits > 1:

@@ -213,6 +213,36 @@ def _rope_load(rc_ptr, crow, rmask, rth_ptr, ROPE_R: tl.constexpr, ROPE_P: tl.co
 
 
 @triton.jit
+def _int2_row_scores(q0, q1, q2, q3, qsum, kc, ks, kz, DOT: tl.constexpr, UNPACK: tl.constexpr):
+    """Scores ``[M, BLOCK_N]`` of an INT2 key tile ``kc`` with one scale/zero per row (``ks, kz
+    [BLOCK_N]``, any float dtype; ``GROUP == HEAD_DIM``)."""
+    ks = ks.to(tl.float32)
+    kz = kz.to(tl.float32)
+    acc = tl.dot(q0, tl.trans(_codes(kc, 0, DOT, UNPACK)))
+    acc = tl.dot(q1, tl.trans(_codes(kc, 2, DOT, UNPACK)), acc)
+    acc = tl.dot(q2, tl.trans(_codes(kc, 4, DOT, UNPACK)), acc)
+    acc = tl.dot(q3, tl.trans(_codes(kc, 6, DOT, UNPACK)), acc)
+    # q·(s*c + z) = s*(q·(c+OFF)) + (z - OFF*s)*sum(q)
+    return acc * ks[None, :] + qsum[:, None] * (kz - CODE_OFFSET * ks)[None, :]
+
+
+@triton.jit
+def _int2_row_pv(p, acc0, acc1, acc2, acc3, vc, vs, vz, DOT: tl.constexpr, UNPACK: tl.constexpr):
+    """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc`` with one scale/zero per row
+    (``vs, vz [BLOCK_N]``; ``GROUP == HEAD_DIM``)."""
+    vs = vs.to(tl.float32)
+    vz = vz.to(tl.float32)
+    pv = (p * vs[None, :]).to(DOT)
+    # p·(s*c + z) = (p*s)·(c+OFF) + sum(p*z) - OFF*sum(p*s)   (sums of the rounded operand)
+    corr = (tl.sum(p * vz[None, :], 1) - CODE_OFFSET * tl.sum(pv.to(tl.float32), 1))[:, None]
+    acc0 = tl.dot(pv, _codes(vc, 0, DOT, UNPACK), acc0) + corr
+    acc1 = tl.dot(pv, _codes(vc, 2, DOT, UNPACK), acc1) + corr
+    acc2 = tl.dot(pv, _codes(vc, 4, DOT, UNPACK), acc2) + corr
+    acc3 = tl.dot(pv, _codes(vc, 6, DOT, UNPACK), acc3) + corr
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _int2_scores(
     q0,
     q1,
@@ -232,14 +262,9 @@ def _int2_scores(
     """Scores ``[M, BLOCK_N]`` of queries against an INT2 key tile ``kc [BLOCK_N, Q4]``."""
     Q4: tl.constexpr = HEAD_DIM // 4
     if GROUP == HEAD_DIM:
-        ks = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        kz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        acc = tl.dot(q0, tl.trans(_codes(kc, 0, DOT, UNPACK)))
-        acc = tl.dot(q1, tl.trans(_codes(kc, 2, DOT, UNPACK)), acc)
-        acc = tl.dot(q2, tl.trans(_codes(kc, 4, DOT, UNPACK)), acc)
-        acc = tl.dot(q3, tl.trans(_codes(kc, 6, DOT, UNPACK)), acc)
-        # q·(s*c + z) = s*(q·(c+OFF)) + (z - OFF*s)*sum(q)
-        s = acc * ks[None, :] + qsum[:, None] * (kz - CODE_OFFSET * ks)[None, :]
+        ks = tl.load(s_ptr + mrow, mask=tmask, other=0.0)
+        kz = tl.load(z_ptr + mrow, mask=tmask, other=0.0)
+        s = _int2_row_scores(q0, q1, q2, q3, qsum, kc, ks, kz, DOT, UNPACK)
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -282,15 +307,9 @@ def _int2_pv(
     """``acc_i += p @ dequant(vc)_i`` for an INT2 value tile ``vc [BLOCK_N, Q4]``."""
     Q4: tl.constexpr = HEAD_DIM // 4
     if GROUP == HEAD_DIM:
-        vs = tl.load(s_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        vz = tl.load(z_ptr + mrow, mask=tmask, other=0.0).to(tl.float32)
-        pv = (p * vs[None, :]).to(DOT)
-        # p·(s*c + z) = (p*s)·(c+OFF) + sum(p*z) - OFF*sum(p*s)   (sums of the rounded operand)
-        corr = (tl.sum(p * vz[None, :], 1) - CODE_OFFSET * tl.sum(pv.to(tl.float32), 1))[:, None]
-        acc0 = tl.dot(pv, _codes(vc, 0, DOT, UNPACK), acc0) + corr
-        acc1 = tl.dot(pv, _codes(vc, 2, DOT, UNPACK), acc1) + corr
-        acc2 = tl.dot(pv, _codes(vc, 4, DOT, UNPACK), acc2) + corr
-        acc3 = tl.dot(pv, _codes(vc, 6, DOT, UNPACK), acc3) + corr
+        vs = tl.load(s_ptr + mrow, mask=tmask, other=0.0)
+        vz = tl.load(z_ptr + mrow, mask=tmask, other=0.0)
+        acc0, acc1, acc2, acc3 = _int2_row_pv(p, acc0, acc1, acc2, acc3, vc, vs, vz, DOT, UNPACK)
     else:
         j = tl.arange(0, Q4)
         m2 = tmask[:, None]
@@ -426,6 +445,24 @@ def _page_rows(
     return (
         page * stride_cp + h * stride_ch + off * stride_ct,
         page * stride_sp + h * stride_sh + off * stride_st,
+    )
+
+
+@triton.jit
+def _row_meta(
+    ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, t0, hi, page_size, h, stride_sp, stride_sh, stride_st,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Key and value scales and zeros ``[BLOCK_N]`` (one per row) of the tile at ``t0`` in
+    ``page``; rows at or past ``hi`` read as 0."""
+    tok = t0 + tl.arange(0, BLOCK_N)
+    mrow = page * stride_sp + h * stride_sh + (t0 % page_size + tl.arange(0, BLOCK_N)) * stride_st
+    tm = tok < hi
+    return (
+        tl.load(ks_ptr + mrow, mask=tm, other=0.0),
+        tl.load(kz_ptr + mrow, mask=tm, other=0.0),
+        tl.load(vs_ptr + mrow, mask=tm, other=0.0),
+        tl.load(vz_ptr + mrow, mask=tm, other=0.0),
     )
 
 
@@ -963,6 +1000,7 @@ def extend_kernel(
     plse_ptr=None,
     splits=1,
     SPLIT: tl.constexpr = False,
+    PAGE_TILES: tl.constexpr = False,
 ):
     """Program ``(token block, b*H_kv + h[, split])``: ``BLOCK_M`` rows, row ``r`` the query head
     ``h·GQA + r % GQA`` of chunk token ``block·BLOCK_T + r // GQA`` (``BLOCK_T = BLOCK_M // GQA``).
@@ -988,6 +1026,11 @@ def extend_kernel(
     same tiles, from ``SINK`` in steps of ``BLOCK_N``), split 0 also the BF16 rows, and each stores
     its normalised partial and log2-sum-exp at row ``(token·H_q + hq)·splits + s`` of ``po`` /
     ``plse`` for ``merge_splits_kernel``.
+
+    ``PAGE_TILES`` (the caller's promise: ``page_size`` and ``SINK`` multiples of ``BLOCK_N``, so
+    every INT2 tile lies in one page): a tile's page is one scalar load, made two tiles ahead, and
+    with one scale/zero per row (``GROUP == HEAD_DIM``) its scales and zeros are loaded a tile
+    ahead.
     """
     mb = tl.program_id(0)
     pid = tl.program_id(1)
@@ -1060,25 +1103,62 @@ def extend_kernel(
             per = tl.cdiv(tl.cdiv(tl.maximum(hi - SINK, 0), BLOCK_N), splits) * BLOCK_N
             i0 = SINK + sp * per
             i1 = tl.minimum(hi, i0 + per)
+        bt_row = bt_ptr + b * stride_bt
+        # PAGE_TILES: the current tile's page and the next one's (scalars, a tile ahead); with one
+        # scale/zero per row also the next tile's scales and zeros (ROWS_AHEAD): a tile's plain
+        # loads were its block-table entries, then its scales and zeros, each waited for in turn
+        # inside the pipelined loop (only the code tiles are asynchronous copies)
+        ROWS_AHEAD: tl.constexpr = PAGE_TILES and GROUP == HEAD_DIM
+        if PAGE_TILES:
+            page = tl.load(bt_row + i0 // page_size, mask=i0 < i1, other=0).to(tl.int64)
+            nxt = tl.load(bt_row + (i0 + BLOCK_N) // page_size, mask=i0 + BLOCK_N < i1, other=0)
+            if ROWS_AHEAD:
+                ks_n, kz_n, vs_n, vz_n = _row_meta(
+                    ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, i0, hi, page_size, h, stride_sp, stride_sh,
+                    stride_st, BLOCK_N,
+                )  # fmt: skip
         for t0 in range(i0, i1, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < hi
-            crow, mrow = _page_rows(
-                bt_ptr + b * stride_bt, tok, tmask, page_size, h, stride_cp, stride_ch, stride_ct,
-                stride_sp, stride_sh, stride_st,
-            )  # fmt: skip
+            if PAGE_TILES:
+                off = t0 % page_size + tl.arange(0, BLOCK_N)
+                crow = page * stride_cp + h * stride_ch + off * stride_ct
+                mrow = page * stride_sp + h * stride_sh + off * stride_st
+                page = nxt.to(tl.int64)
+                if ROWS_AHEAD:
+                    ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
+                    ks_n, kz_n, vs_n, vz_n = _row_meta(
+                        ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, t0 + BLOCK_N, hi, page_size, h, stride_sp,
+                        stride_sh, stride_st, BLOCK_N,
+                    )  # fmt: skip
+                ahead = t0 + 2 * BLOCK_N
+                nxt = tl.load(bt_row + ahead // page_size, mask=ahead < i1, other=0)
+            else:
+                crow, mrow = _page_rows(
+                    bt_row, tok, tmask, page_size, h, stride_cp, stride_ch, stride_ct, stride_sp,
+                    stride_sh, stride_st,
+                )  # fmt: skip
             kc = tl.load(kc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
-            s = _int2_scores(
-                q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
-            )
+            if ROWS_AHEAD:
+                s = _int2_row_scores(q0, q1, q2, q3, qsum, kc, ks, kz, DOT, UNPACK)
+            else:
+                s = _int2_scores(
+                    q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
+                )
             if ROPE_R > 0:
                 s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)
             ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
             s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
-                s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
-                GROUP, HEAD_DIM, DOT, UNPACK,
-            )  # fmt: skip
+            if ROWS_AHEAD:
+                p, alpha, m_i, l_i = _softmax_step(s2, m_i, l_i)
+                acc0, acc1, acc2, acc3 = _rescale(acc0, acc1, acc2, acc3, alpha)
+                vc = tl.load(vc_ptr + crow[:, None] + j[None, :], mask=tmask[:, None], other=0)
+                acc0, acc1, acc2, acc3 = _int2_row_pv(p, acc0, acc1, acc2, acc3, vc, vs, vz, DOT, UNPACK)
+            else:
+                m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
+                    s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
+                    GROUP, HEAD_DIM, DOT, UNPACK,
+                )  # fmt: skip
         if RECENT > 0:
             if bf16:
                 # the oldest key any query of the block reads in BF16
