@@ -713,9 +713,9 @@ MUTATIONS = (
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
     ),
     Mutation(
-        "rope-3xtf32-drops-a-cross-term",
+        "rope-split-product-drops-a-cross-term",
         "src/oscar_kernels/kernels/attention.py",
-        '    t = tl.dot(x_hi, y_lo, t, input_precision="tf32")\n',
+        "    t = tl.dot(x_hi, y_lo, t)\n",
         "",
         ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
     ),
@@ -748,10 +748,10 @@ MUTATIONS = (
         ("tests/test_extend_attention.py", "-k", "triton_matches_reference or tiles_of_one_page"),
     ),
     Mutation(
-        "rope-tf32-split-keeps-no-remainder",
+        "rope-bf16-split-keeps-no-remainder",
         "src/oscar_kernels/kernels/attention.py",
-        "    return hi, x - hi",
-        "    return hi, x * 0.0",
+        "    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)",
+        "    return hi, (x * 0.0).to(tl.bfloat16)",
         ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
     ),
     Mutation(
@@ -778,8 +778,8 @@ MUTATIONS = (
     Mutation(
         "extend-rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)\n            ok = tmask[None, :]",
-        "s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0 + 1, s, ROPE_P)\n            ok = tmask[None, :]",
+        "basis, t0, s, ROPE_P, DOT)\n            ok = tmask[None, :]",
+        "basis, t0 + 1, s, ROPE_P, DOT)\n            ok = tmask[None, :]",
         ("tests/test_rope_mean_attention.py", "-k", "extend_rope and 128"),
     ),
     Mutation(

@@ -28,6 +28,7 @@ from oscar_kernels import (
     extend_attention,
     extend_attention_ref,
 )
+from oscar_kernels._backend import dot_dtype
 from oscar_kernels.decode_attention import gluon_unavailable_reason
 from oscar_kernels.reference.attention import rope_mean_rows
 from oscar_math import dequantize_int2, quantize_int2
@@ -370,13 +371,14 @@ if HAS_TRITON:
         R: tl.constexpr,
         P: tl.constexpr,
         N: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         m = tl.arange(0, M)
         n = tl.arange(0, N)
         rc0, rc1, th_hi, th_lo = _rope_load(rc_ptr, m * (2 * P), m < M, th_ptr, R, P)
         basis = _rope_basis(th_hi, th_lo, N, P)
         acc = tl.load(acc_ptr + m[:, None] * N + n[None, :])
-        s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, T0, acc, P)
+        s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, T0, acc, P, DOT)
         tl.store(out_ptr + m[:, None] * N + n[None, :], s)
 
     @triton.jit
@@ -413,10 +415,11 @@ def test_rope_angle_reduction_at_long_positions():
 @pytest.mark.parametrize(("r", "p"), [(16, 16), (8, 8), (3, 8)])
 def test_rope_score_term_is_float32_exact_on_tensor_cores(t0, r, p):
     """``_rope_scores`` (the extend and ``tl`` decode kernels' term, added to the score tile it is
-    given) against float64, to 3e-5 of the term's scale: its product is 3×TF32 (each operand split
-    into a TF32 ``hi`` and the rest); one TF32 product alone, or a split that keeps no remainder,
-    is off by ~3e-4. ``R`` pairs in ``P`` slots: cosines and sines share one ``K = 2P`` operand,
-    and the slots past ``R`` (zero coefficients, as the hosts pad them) add nothing."""
+    given) against float64, to 3e-5 of the term's scale: its product is three bf16 dots of
+    two-term splits (``hi·hi + hi·lo + lo·hi``, ~2^-17); one bf16 product alone, or a split that
+    keeps no remainder, is off by ~2^-9. ``R`` pairs in ``P`` slots: cosines and sines share one
+    ``K = 2P`` operand, and the slots past ``R`` (zero coefficients, as the hosts pad them) add
+    nothing."""
     gen = torch.Generator().manual_seed(t0 + r)
     m, n = 16, 64
     rc = torch.zeros(m, 2, p)
@@ -425,12 +428,14 @@ def test_rope_score_term_is_float32_exact_on_tensor_cores(t0, r, p):
     th[:r] = inv_freq(2 * r).float()
     acc = torch.randn(m, n, generator=gen)
     out = torch.empty(m, n, device=DEVICE)
-    _rope_term_kernel[(1,)](rc.to(DEVICE), th.to(DEVICE), acc.to(DEVICE), out, t0, M=m, R=r, P=p, N=n)
+    _rope_term_kernel[(1,)](
+        rc.to(DEVICE), th.to(DEVICE), acc.to(DEVICE), out, t0, M=m, R=r, P=p, N=n, DOT=dot_dtype()
+    )
     ang = (t0 + torch.arange(n)).double()[None, :] * th[:r].double()[:, None]  # [R, N]
     want = acc.double() + rc[:, 0, :r].double() @ ang.cos() + rc[:, 1, :r].double() @ ang.sin()
     scale = (rc.double().abs().sum((1, 2))).max()
-    # float32 3×TF32: ~1e-7 at small positions, 2.7e-6 at 100k (the angle reduction's rounding);
-    # one TF32 product alone: ~3e-4
+    # ~2^-17 of the scale from the split products, 2.7e-6 at 100k from the angle reduction's
+    # rounding; one bf16 product alone: ~2^-9
     assert (out.cpu().double() - want).abs().max() < 3e-5 * scale
 
 

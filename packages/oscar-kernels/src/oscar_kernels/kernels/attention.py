@@ -149,16 +149,16 @@ def _rope_slots(ROPE_P: tl.constexpr):
 @triton.jit
 def _rope_basis(th_hi, th_lo, BLOCK_N: tl.constexpr, ROPE_P: tl.constexpr):
     """``cos(j·θ_r)`` (cosine slots) and ``sin(j·θ_r)`` (sine slots) ``[2·ROPE_P, BLOCK_N]`` for
-    ``j < BLOCK_N`` (``θ`` per slot, :func:`_rope_load`), as a :func:`_tf32_split` pair: the
+    ``j < BLOCK_N`` (``θ`` per slot, :func:`_rope_load`), as a :func:`_bf16_split` pair: the
     loop-invariant half of :func:`_rope_scores`' angle addition, computed once per program."""
     _, cos_slot = _rope_slots(ROPE_P)
     jf = tl.arange(0, BLOCK_N).to(tl.float32)
     ang = _rope_angle(jf[None, :], th_hi[:, None], th_lo[:, None])
-    return _tf32_split(tl.where(cos_slot[:, None], tl.cos(ang), tl.sin(ang)))
+    return _bf16_split(tl.where(cos_slot[:, None], tl.cos(ang), tl.sin(ang)))
 
 
 @triton.jit
-def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr):
+def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr, DOT: tl.constexpr):
     """Score term ``[M, BLOCK_N]`` of INT2 keys at positions ``t0 + j`` (``j < BLOCK_N``):
     ``Σ_r C0[m, r]·cos((t0 + j)·θ_r) + C1[m, r]·sin((t0 + j)·θ_r)`` (``rc0/rc1 [M, 2·ROPE_P]``
     and ``θ [2·ROPE_P]`` per slot of :func:`_rope_load`).
@@ -168,35 +168,38 @@ def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr):
     ``A = C0·cos(t0θ) + C1·sin(t0θ)`` in the cosine slots and ``B = C1·cos(t0θ) − C0·sin(t0θ)`` in
     the sine slots, so a tile evaluates ``2·ROPE_P`` cosines and sines instead of ``R·BLOCK_N`` of
     each (H200, 48 prefix hits over 100k tokens: the per-element form made the extend kernel ~3×
-    slower than without the term). The product is a 3×TF32 tensor-core dot (~2^-21 relative, as
-    the Gluon decode's term): as float32 FMA loops (``ieee``) the ``[M, P] × [P, BLOCK_N]`` products
-    cost more than the INT2 tile itself (the extend kernel with the term was 2.65× slower than
-    without, H200, 48 tails over 100k). The 3×TF32 is spelled out (:func:`_tf32_split`; the basis
-    comes split, once per program) and added into ``acc`` (the tile's scores): ``tl.dot``'s
-    ``tf32x3`` split both operands every tile and held a second ``[M, BLOCK_N]`` accumulator, and
-    the extend kernel spilled 2,172 bytes a thread (1.9× its time without the term, H100). The
-    angles as :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the
-    term."""
+    slower than without the term). The product is three bf16 tensor-core dots of two-term splits
+    (:func:`_bf16_split`: ``hi·hi + hi·lo + lo·hi``, ~2^-17 of the term's scale, the basis split
+    once per program), added into ``acc`` (the tile's scores). History (H100/H200, 48 tails over
+    100k INT2 tokens): float32 FMA loops made the extend kernel 2.65× slower with the term than
+    without; ``tl.dot``'s ``tf32x3`` split both operands every tile and spilled 2,172 bytes a
+    thread (1.9×); a spelled-out 3×TF32 (~2^-21) still cost 46 % of the kernel (48.3 against 26.0
+    ms a layer, H100, 2026-12-07): TF32 runs at half bf16's rate and its ``A`` operand went
+    through shared memory every tile, where bf16's stays in registers. ~2^-17 is far below the
+    INT2 keys' own error (units of ``q·k``, before the softmax scale). The angles as
+    :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the term."""
     a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)  # [2P]
     c0 = tl.cos(a0)[None, :]
     s0 = tl.sin(a0)[None, :]
     _, cos_slot = _rope_slots(ROPE_P)
     ca = rc0 * c0 + rc1 * s0
     cb = rc1 * c0 - rc0 * s0
-    x_hi, x_lo = _tf32_split(tl.where(cos_slot[None, :], ca, cb))
+    x_hi, x_lo = _bf16_split(tl.where(cos_slot[None, :], ca, cb))
     y_hi, y_lo = basis
-    t = tl.dot(x_lo, y_hi, acc, input_precision="tf32")
-    t = tl.dot(x_hi, y_lo, t, input_precision="tf32")
-    return tl.dot(x_hi, y_hi, t, input_precision="tf32")
+    # DOT: bf16 on a GPU (a no-op); float32 under the interpreter, whose bf16 dots are not exact
+    x_hi, x_lo, y_hi, y_lo = x_hi.to(DOT), x_lo.to(DOT), y_hi.to(DOT), y_lo.to(DOT)
+    t = tl.dot(x_lo, y_hi, acc)
+    t = tl.dot(x_hi, y_lo, t)
+    return tl.dot(x_hi, y_hi, t)
 
 
 @triton.jit
-def _tf32_split(x):
-    """``x = hi + lo`` (float32, exact): ``hi`` truncated to TF32's 10 mantissa bits (a tensor-core
-    operand exactly), ``lo`` the rest (``|lo| < 2^-10·|x|``, itself rounded by a TF32 dot: ~2^-21
-    of ``x``), so ``hi·b_hi + hi·b_lo + lo·b_hi`` is the 3×TF32 product."""
-    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-    return hi, x - hi
+def _bf16_split(x):
+    """``x ≈ hi + lo`` (bf16 each): ``hi`` = ``x`` rounded to bf16, ``lo`` the remainder rounded
+    (``|x - hi - lo| <= 2^-18·|x|``), so ``hi·b_hi + hi·b_lo + lo·b_hi`` is the product to ~2^-17
+    (the ``lo·lo`` term is below ``2^-18``)."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -665,7 +668,7 @@ def decode_split_kernel(
                 q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
             )
             if ROPE_R > 0:
-                s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)
+                s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P, DOT)
             s2 = tl.where(tmask[None, :], s * sm_scale_log2, float("-inf"))
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_values(
                 s2, m_i, l_i, acc0, acc1, acc2, acc3, vc_ptr + crow, vs_ptr, vz_ptr, mrow, tmask,
@@ -1146,7 +1149,7 @@ def extend_kernel(
                     q0, q1, q2, q3, qsum, kc, ks_ptr, kz_ptr, mrow, tmask, GROUP, HEAD_DIM, DOT, UNPACK
                 )
             if ROPE_R > 0:
-                s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P)
+                s = _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, s, ROPE_P, DOT)
             ok = tmask[None, :] & (tok[None, :] <= qpos[:, None] - RECENT)
             s2 = tl.where(ok, s * sm_scale_log2, float("-inf"))
             if ROWS_AHEAD:
