@@ -228,19 +228,31 @@ def _profile_decode(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> 
 def _py_profile(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict:  # noqa: ANN001
     """Prefill ``prompts``, then ``steps`` decode steps under cProfile (engine core in-process): the
     Python functions that make up an eager step's host time, by own time and by cumulative time."""
+    eng = _start_decoding(llm, prompts, sp, tag)
+
+    def run() -> int:
+        for _ in range(steps):
+            eng.step()
+        return steps
+
+    out = _cprofile(run)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return out
+
+
+def _cprofile(run) -> dict:  # noqa: ANN001
+    """``run()`` (returns how many steps it ran) under cProfile: Python functions by own and by
+    cumulative time, ms a step, the 40 largest of each (``oscar_cum_ms``: OSCAR's own files)."""
     import cProfile
     import pstats
 
-    eng = _start_decoding(llm, prompts, sp, tag)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    for _ in range(steps):
-        eng.step()
+    steps = max(run(), 1)
     prof.disable()
     wall = time.perf_counter() - t0
-    while eng.has_unfinished_requests():
-        eng.step()
     st = pstats.Stats(prof).stats  # {(file, line, func): (cc, nc, tt, ct, callers)}
 
     def name(k: tuple) -> str:
@@ -255,8 +267,65 @@ def _py_profile(llm, prompts: list[list[int]], sp, tag: str, steps: int) -> dict
         steps=steps,
         ms_per_step_profiled=round(1e3 * wall / steps, 2),
         top_own_ms=sorted(rows, key=lambda r: -r[2])[:40],
+        top_cum_ms=sorted(rows, key=lambda r: -r[3])[:40],
         oscar_cum_ms=sorted((r for r in rows if "oscar" in r[0]), key=lambda r: -r[3])[:40],
     )
+
+
+def shared_hits(
+    llm,
+    ctx: int,
+    batch: int,
+    gen: int,
+    prompts,
+    seed: int,
+    vocab: int,
+    sampling,
+    greedy: dict,
+    profile: bool = True,
+) -> dict:  # noqa: ANN001, E501
+    """``shared CTX BATCH GEN``: one ``CTX``-token prefix computed once, then ``BATCH`` requests of
+    that prefix + 16 own tokens generating ``GEN`` (prefix-cache hits), another ``BATCH`` generating
+    one (the hits' time), and, with ``profile``, two more batches of one-token hits: one under the
+    torch profiler (device time a step by kernel), one under cProfile from ``add_request`` on (the
+    host time a hit costs: request processing, block hashing, scheduling, the steps' Python).
+    ``prompts(n, length, seed, vocab)`` makes token prompts."""
+    prefix = prompts(1, ctx, seed, vocab)[0]
+    tails = prompts(4 * batch + 1, 16, seed + 1, vocab)
+    _timed(llm, [prefix + tails[-1]], sampling(max_tokens=1, **greedy))  # computes the prefix
+    t_gen, out = _timed(llm, [prefix + x for x in tails[:batch]], sampling(max_tokens=gen, **greedy))
+    t_one, _ = _timed(llm, [prefix + x for x in tails[batch : 2 * batch]], sampling(max_tokens=1, **greedy))
+    res = {}
+    if profile:
+        # device time by kernel (H200, 12-04: 169 ms a hit for OSCAR vs 46 ms for FA3, unexplained
+        # then; H100, 12-07: OSCAR's 48-hit step 1,424 ms of wall to 898 ms of device time)
+        eng = llm.llm_engine
+        one = sampling(max_tokens=1, **greedy)
+        for i, x in enumerate(tails[2 * batch : 3 * batch]):
+            eng.add_request(f"hp{seed}-{i}", {"prompt_token_ids": prefix + x}, one)
+        res[f"hits_profile_{ctx}x{batch}"] = _gpu_kernels(eng, None)
+
+        def hits() -> int:
+            for i, x in enumerate(tails[3 * batch : 4 * batch]):
+                eng.add_request(f"hy{seed}-{i}", {"prompt_token_ids": prefix + x}, one)
+            n = 0
+            while eng.has_unfinished_requests():
+                eng.step()
+                n += 1
+            return n
+
+        res[f"hits_pyprofile_{ctx}x{batch}"] = _cprofile(hits)
+    res[f"shared_{ctx}x{batch}"] = dict(
+        t_gen=round(t_gen, 3),
+        t_hits=round(t_one, 3),
+        decode_tok_s=round(batch * (gen - 1) / max(t_gen - t_one, 1e-9), 1),
+        # steadier than the difference above (two ~10-s totals): the whole run's rate and what one
+        # hit costs (H200, 12-03 night: 183 ms for OSCAR vs 33 ms for FA3)
+        run_tok_s=round(batch * gen / max(t_gen, 1e-9), 1),
+        ms_per_hit=round(1000 * t_one / batch, 1),
+        all_tokens=all(len(o.outputs[0].token_ids) == gen for o in out),
+    )
+    return res
 
 
 def _preemptions(llm) -> float | str:  # noqa: ANN001
@@ -406,36 +475,7 @@ def run_case(spec: dict) -> dict:
                 )
             elif kind == "shared":
                 _, ctx, batch, gen = w
-                prefix = _prompts(1, ctx, seed, vocab)[0]
-                tails = _prompts(3 * batch + 1, 16, seed + 1, vocab)
-                _timed(
-                    llm, [prefix + tails[-1]], SamplingParams(max_tokens=1, **greedy)
-                )  # computes the prefix
-                t_gen, out = _timed(
-                    llm, [prefix + x for x in tails[:batch]], SamplingParams(max_tokens=gen, **greedy)
-                )
-                t_one, _ = _timed(
-                    llm,
-                    [prefix + x for x in tails[batch : 2 * batch]],
-                    SamplingParams(max_tokens=1, **greedy),
-                )
-                # a third batch of hits under the profiler: whether a hit's time is device work or
-                # host work (H200, 12-04: 169 ms per hit for OSCAR vs 46 ms for FA3, unexplained)
-                eng = llm.llm_engine
-                for i, x in enumerate(tails[2 * batch : 3 * batch]):
-                    eng.add_request(f"hp{seed}-{i}", {"prompt_token_ids": prefix + x},
-                                    SamplingParams(max_tokens=1, **greedy))  # fmt: skip
-                res[f"hits_profile_{ctx}x{batch}"] = _gpu_kernels(eng, None)
-                res[f"shared_{ctx}x{batch}"] = dict(
-                    t_gen=round(t_gen, 3),
-                    t_hits=round(t_one, 3),
-                    decode_tok_s=round(batch * (gen - 1) / max(t_gen - t_one, 1e-9), 1),
-                    # steadier than the difference above (two ~10-s totals): the whole run's rate and
-                    # what one hit costs (H200, 12-03 night: 183 ms for OSCAR vs 33 ms for FA3)
-                    run_tok_s=round(batch * gen / max(t_gen, 1e-9), 1),
-                    ms_per_hit=round(1000 * t_one / batch, 1),
-                    all_tokens=all(len(o.outputs[0].token_ids) == gen for o in out),
-                )
+                res.update(shared_hits(llm, ctx, batch, gen, _prompts, seed, vocab, SamplingParams, greedy))
             elif kind == "prefill_profile":  # one CTX-token prompt's steps under the profiler
                 _, ctx = w
                 eng = llm.llm_engine

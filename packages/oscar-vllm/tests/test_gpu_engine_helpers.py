@@ -131,11 +131,15 @@ class _LLM:
         self.llm_engine = _Engine(budget, block)
 
     def generate(self, prompts, sp, use_tqdm=False) -> list:  # noqa: ANN001, FBT002
+        eng, n = self.llm_engine, len(self.llm_engine.reqs)
         for i, p in enumerate(prompts):
-            self.llm_engine.add_request(f"g{i}", p, sp)
-        while self.llm_engine.has_unfinished_requests():
-            self.llm_engine.step()
-        return list(prompts)
+            eng.add_request(f"g{eng.steps}-{i}", p, sp)
+        got = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                got[o.request_id] = o.outputs[0].token_ids
+        assert n == 0, "generate() with requests already running"
+        return [type("R", (), {"outputs": [type("T", (), {"token_ids": t})]}) for t in got.values()]
 
 
 @pytest.mark.parametrize("cached", [True, False])
@@ -217,3 +221,32 @@ def test_cold_cases_get_compile_caches_of_their_own_and_start_ratios(ge, tmp_pat
     }
     out = ge._compare(res)
     assert out["start_ratio[qwen-oscar-cache]"] == 1.5 and out["start_warm_ratio[qwen-oscar-cache]"] == 1.25
+
+
+def test_shared_hits_times_the_hits_and_profiles_their_host_time(ge, monkeypatch):
+    """The prefix-hit workload on a miniature engine: the prefix computed once, two timed batches of
+    hits, one batch under the (stubbed) torch profiler and one under cProfile from ``add_request``
+    on, so the host time a hit costs (request processing, hashing, scheduling) is in the profile."""
+
+    def drain(eng, steps):  # noqa: ANN001, ANN202 - the torch profiler's stand-in runs the batch too
+        n = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            n += 1
+        return {"steps": n}
+
+    monkeypatch.setattr(ge, "_gpu_kernels", drain)
+    llm = _LLM(budget=256, block=16)
+    prompts = lambda n, length, seed, vocab: [[seed * 7919 + i] * length for i in range(n)]  # noqa: E731
+    r = ge.shared_hits(llm, 1_000, 4, 8, prompts, 1, 100, _SP, {})
+    hit = r["shared_1000x4"]
+    assert hit["all_tokens"] is True and hit["ms_per_hit"] >= 0 and hit["run_tok_s"] > 0
+    assert r["hits_profile_1000x4"]["steps"] >= 1
+    prof = r["hits_pyprofile_1000x4"]
+    assert prof["steps"] >= 1 and prof["ms_per_step_profiled"] > 0
+    names = [row[0] for row in prof["top_cum_ms"]]
+    assert any(n.endswith(":add_request") for n in names) and any(n.endswith(":step") for n in names)
+    assert not llm.llm_engine.reqs  # every batch ran to completion
+    assert "hits_pyprofile_1000x4" not in ge.shared_hits(
+        llm, 1_000, 4, 8, prompts, 2, 100, _SP, {}, profile=False
+    )
