@@ -540,8 +540,8 @@ def run_decode(
 def rope_slots(pairs: int) -> int:
     """Pair slots (``P``) a kernel reads for ``R`` pairs of the score term: at least 8, since
     every split and extend kernel packs cosines and sines into one ``K = 2·P`` operand (the ``tl``
-    kernels' float32 ``tl.dot`` needs ``K >= 16`` on Triton 3.6, the Gluon decode's tf32 ``mma``
-    steps of 8). Padding slots have zero coefficients."""
+    kernels' bf16 ``tl.dot`` needs ``K >= 16``, the Gluon decode's tf32 ``mma`` takes steps of 8).
+    Padding slots have zero coefficients."""
     return max(8, pairs)
 
 

@@ -139,9 +139,8 @@ def _rope_angle(p, th_hi, th_lo):
 def _rope_slots(ROPE_P: tl.constexpr):
     """Slot ``i < 2·ROPE_P`` of the packed score term: pair ``i % ROPE_P``, its cosine half
     (``i < ROPE_P``) or its sine half. Cosines and sines share one ``K = 2·ROPE_P`` operand, so
-    the term is 3 tensor-core dots, not 6 with ``K = ROPE_P`` (Triton 3.6's float32 ``tl.dot``
-    needs ``K >= 16``: 8 pairs, the default artifact's, fill one operand exactly instead of two
-    half-empty ones)."""
+    the term is 3 tensor-core dots, not 6 with ``K = ROPE_P`` (``tl.dot`` needs ``K >= 16``: 8
+    pairs, the default artifact's, fill one operand exactly instead of two half-empty ones)."""
     i = tl.arange(0, 2 * ROPE_P)
     return i % ROPE_P, i < ROPE_P
 
@@ -174,8 +173,8 @@ def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr, D
     100k INT2 tokens): float32 FMA loops made the extend kernel 2.65× slower with the term than
     without; ``tl.dot``'s ``tf32x3`` split both operands every tile and spilled 2,172 bytes a
     thread (1.9×); a spelled-out 3×TF32 (~2^-21) still cost 46 % of the kernel (48.3 against 26.0
-    ms a layer, H100, 2026-12-07): TF32 runs at half bf16's rate and its ``A`` operand went
-    through shared memory every tile, where bf16's stays in registers. ~2^-17 is far below the
+    ms a layer, H100, 2026-12-07): TF32 runs at half bf16's rate, and the ``A`` operand, staged
+    through shared memory every tile, is half the bytes in bf16. ~2^-17 is far below the
     INT2 keys' own error (units of ``q·k``, before the softmax scale). The angles as
     :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the term."""
     a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)  # [2P]
@@ -1107,10 +1106,11 @@ def extend_kernel(
             i0 = SINK + sp * per
             i1 = tl.minimum(hi, i0 + per)
         bt_row = bt_ptr + b * stride_bt
-        # PAGE_TILES: the current tile's page and the next one's (scalars, a tile ahead); with one
-        # scale/zero per row also the next tile's scales and zeros (ROWS_AHEAD): a tile's plain
-        # loads were its block-table entries, then its scales and zeros, each waited for in turn
-        # inside the pipelined loop (only the code tiles are asynchronous copies)
+        # PAGE_TILES: `page` is the tile's page (a scalar loaded a tile before), `nxt` the next
+        # tile's; with one scale/zero per row the tile's scales and zeros were loaded a tile before
+        # too (ROWS_AHEAD): a tile's plain loads were its block-table entries, then its scales and
+        # zeros, each waited for in turn inside the pipelined loop (only the code tiles are
+        # asynchronous copies)
         ROWS_AHEAD: tl.constexpr = PAGE_TILES and GROUP == HEAD_DIM
         if PAGE_TILES:
             page = tl.load(bt_row + i0 // page_size, mask=i0 < i1, other=0).to(tl.int64)
