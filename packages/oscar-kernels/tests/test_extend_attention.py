@@ -51,23 +51,12 @@ def test_extend_triton_matches_reference(d, h, g, page, group, granularity, bloc
         assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])
 
 
-@needs_triton
-@pytest.mark.parametrize("splits", [2, 3, 7, "auto"])
-def test_split_extend_matches_the_unsplit_kernel_and_the_reference(splits):
-    """Splitting each query block's INT2 keys over programs (a short chunk over a long prefix)
-    gives the unsplit kernel's outputs up to float32 summation order: long prefixes, chunks that
-    straddle pages and the windows, a decode-like row, a row whose INT2 range is empty, and the
-    pre-RoPE mean's score term."""
+def _chunks_with_rope_term(lo, lens, chunks, g, gen):
+    """``extend_attention``'s arguments for chunks ``chunks`` ending sequences of ``lens`` tokens
+    (their INT2 and sink rows written, ring rows pending), with a pre-RoPE key mean on 4 pairs."""
     from oscar_kernels import LayerQuantParams
-    from oscar_kernels.extend_attention import choose_extend_splits
 
-    d, h, g, page = 64, 2, 2, 16
-    if DEVICE.type == "cuda":
-        pytest.skip("on a GPU: test_split_extend_at_the_engines_shape")
-    gen = torch.Generator().manual_seed(11)
-    lo = CacheLayout(h, d, page_size=page, sink_tokens=4, recent_tokens=10)
-    lens = [301, 17, 12, 260]
-    chunks = [16, 1, 12, 5]  # a hit's tail, a decode, a first chunk (no INT2 keys), a short tail
+    h, d = lo.num_kv_heads, lo.head_dim
     cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
     inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     mean = torch.zeros(h, d)
@@ -82,10 +71,30 @@ def test_split_extend_matches_the_unsplit_kernel_and_the_reference(splits):
     q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
     k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
     v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
-    args = (q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    return (q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [2, 3, 7, "auto"])
+def test_split_extend_matches_the_unsplit_kernel_and_the_reference(splits):
+    """Splitting each query block's INT2 keys over programs (a short chunk over a long prefix)
+    gives the unsplit kernel's outputs up to float32 summation order: long prefixes, chunks that
+    straddle pages and the windows, a decode-like row, a row whose INT2 range is empty, and the
+    pre-RoPE mean's score term."""
+    from oscar_kernels.extend_attention import choose_extend_splits
+
+    d, h, g, page = 64, 2, 2, 16
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU: test_split_extend_at_the_engines_shape")
+    gen = torch.Generator().manual_seed(11)
+    lo = CacheLayout(h, d, page_size=page, sink_tokens=4, recent_tokens=10)
+    lens = [301, 17, 12, 260]
+    chunks = [16, 1, 12, 5]  # a hit's tail, a decode, a first chunk (no INT2 keys), a short tail
+    args = _chunks_with_rope_term(lo, lens, chunks, g, gen)
+    cu = args[5]
     one = extend_attention(*args, backend="triton", block_m=16, block_n=16)
     split = extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=splits)
-    ref = extend_attention_ref(q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    ref = extend_attention_ref(*args)
     for b in range(len(lens)):
         s0, s1 = int(cu[b]), int(cu[b + 1])
         assert rel(split[s0:s1], one[s0:s1]) < 2e-3, (b, splits)
@@ -119,9 +128,7 @@ def test_tiles_of_one_page_match_the_reference(page, sink, group, splits):
     """Pages and sinks in whole tiles (vLLM's 64-token pages, 64-row sinks): the kernel reads a
     tile's page a tile ahead and, with one scale/zero per row, its scales and zeros a tile ahead
     (``PAGE_TILES``). Chunks over prefixes of many pages, ending mid-page and mid-tile, split and
-    not, the pre-RoPE term on: each sequence as the reference, and as the per-token page lookup
-    (``PAGE_TILES`` off: the same tiles one sink row off the tile grid)."""
-    from oscar_kernels import LayerQuantParams
+    not, the pre-RoPE term on: each sequence as the reference."""
     from oscar_kernels.launch import record_launches
 
     d, h, g = 64, 2, 2
@@ -131,27 +138,14 @@ def test_tiles_of_one_page_match_the_reference(page, sink, group, splits):
     lo = CacheLayout(h, d, page_size=page, group_size=group, sink_tokens=sink, recent_tokens=10)
     lens = [301, 17, 130, 260]
     chunks = [16, 1, 40, 5]
-    cache, params, bt, ws, keys, values = fill_cache(lo, lens, gen, "kv_head", pending=chunks)
-    inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    mean = torch.zeros(h, d)
-    mean[:, d // 2 - 4 : d // 2] = 2 * torch.randn(h, 4, generator=gen)
-    rope = LayerQuantParams(
-        params.k_rotation, params.v_rotation, k_rope_mean=mean, k_rope_inv_freq=inv
-    ).expand(h, d, DEVICE)
-    cu = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    prefix = torch.tensor(
-        [n - c for n, c in zip(lens, chunks, strict=True)], dtype=torch.int32, device=DEVICE
-    )
-    q = torch.randn(sum(chunks), h * g, d, generator=gen).bfloat16().to(DEVICE)
-    k = torch.cat([keys[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
-    v = torch.cat([values[b][n - c :] for b, (n, c) in enumerate(zip(lens, chunks, strict=True))])
-    args = (q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    args = _chunks_with_rope_term(lo, lens, chunks, g, gen)
+    cu = args[5]
     calls: dict = {}
     with record_launches(dry=True, calls=calls):
         extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=splits)
     assert [c[3]["PAGE_TILES"] for c in calls.values() if c[0].fn.__name__ == "extend_kernel"] == [True]
     out = extend_attention(*args, backend="triton", block_m=16, block_n=16, num_splits=splits)
-    ref = extend_attention_ref(q, k, v, cache, rope, cu, prefix, bt, ws, max(chunks))
+    ref = extend_attention_ref(*args)
     for b in range(len(lens)):
         s0, s1 = int(cu[b]), int(cu[b + 1])
         assert rel(out[s0:s1], ref[s0:s1]) < 1e-2, (b, lens[b], chunks[b])
