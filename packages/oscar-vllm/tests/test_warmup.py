@@ -335,7 +335,7 @@ def _worker(cache, params, plan, max_seqs: int = 2, max_tokens: int = 40):
 
     impl = NS(oscar_layer=True, _layer_state=lambda layer, kv: (cache, params), _plan=plan,
               window_names=["w0"], num_heads=4, scale=0.125, max_seqs=max_seqs, _dense=None,
-              _splits=1, _overlap=True, _overlap_layers=False)  # fmt: skip
+              _splits=1, _overlap=True, _overlap_layers=False, _overlap_rotation=False)  # fmt: skip
     layer = NS(impl=impl, kv_cache=[torch.zeros(1, dtype=torch.uint8)])
     cfg = NS(
         scheduler_config=NS(max_num_batched_tokens=max_tokens),

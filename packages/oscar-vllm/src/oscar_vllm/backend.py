@@ -472,6 +472,9 @@ class OscarAttentionImpl(AttentionImpl):
         self._splits: int | str = "auto" if engine_state(cfg).settings.split_extend else 1
         self._overlap = engine_state(cfg).settings.overlap_write
         self._overlap_layers = self._overlap and engine_state(cfg).settings.overlap_layers
+        # the query rotation beside the window pass (run_layer's overlap_rotation) stays off: on the
+        # H100 it saved 2 µs a layer at 1 x 130k but cost 6 at 8 x 32k (docs/performance.md)
+        self._overlap_rotation = False
         if self.device.type == "cuda":  # Triton compiles at engine start (warmup.py), not in requests
             compat.after_model_warm_up(warm_up_engine)
             compat.after_profiling_kv_cache(compile_ahead_engine)
@@ -693,7 +696,7 @@ class OscarAttentionImpl(AttentionImpl):
             out = run_layer(
                 md, cache, params, q, k, v, self.scale, dense=self._dense, out=o,
                 extend_splits=self._splits, overlap_write=self._overlap, defer_join=True,
-                overlap_rotation=self._overlap_layers,
+                overlap_rotation=self._overlap_rotation,
             )  # fmt: skip
             if tables is not None:
                 assert self._pages is not None

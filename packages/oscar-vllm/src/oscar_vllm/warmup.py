@@ -400,8 +400,8 @@ def _warm_up(worker: Any, plans: WarmupPlans | None = None, compile_only: bool =
         )
         args = (cache, params, impl.num_heads, impl.scale, steps, width, impl._plan, w_width, impl._dense)
         opts = {"extend_splits": impl._splits, "overlap_write": impl._overlap,
-                "overlap_rotation": impl._overlap_layers}  # fmt: skip
-        jobs.append(((key, impl._splits, impl._overlap, impl._overlap_layers), steps, args, opts))
+                "overlap_rotation": impl._overlap_rotation}  # fmt: skip
+        jobs.append(((key, impl._splits, impl._overlap, impl._overlap_rotation), steps, args, opts))
     if not jobs:
         return
     plans = WarmupPlans() if plans is None else plans

@@ -93,8 +93,8 @@ class ServingSettings:
     #: BF16 rows before it, as the attention reads them): serving.run_layer's ``overlap_write``
     overlap_write: bool = True
     #: with ``overlap_write``: in a FULL CUDA graph a decode layer's INT2 pass and window records stay
-    #: open past the layer (the next layer joins them) and the query rotation runs beside the window
-    #: pass (PDL); off until run on a GPU (serving.run_layer's ``defer_join``, ``overlap_rotation``)
+    #: open past the layer (the next layer joins them); off until run in an engine on a GPU
+    #: (serving.run_layer's ``defer_join``)
     overlap_layers: bool = False
 
     def __post_init__(self) -> None:
