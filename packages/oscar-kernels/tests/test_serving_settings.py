@@ -17,7 +17,7 @@ def test_defaults_and_types():
     assert s == ServingSettings("r.st")
     assert s.radix_cache is RadixCache.EXACT and s.window_records is WindowRecords.AUTO
     assert s.split_extend is True and s.identity_restores is True and s.warmup is None
-    assert s.dense_prefill is True and s.overlap_write is True and s.overlap_layers is False
+    assert s.dense_prefill is True and s.overlap_write is True and s.overlap_layers is True
     assert s.window_snapshots is None and s.step_log is None and s.exclude_layers == ()
 
 
@@ -25,9 +25,9 @@ def test_section_wins_over_environment_and_environment_fills_in():
     env = {ENV["rotations"]: "env.st", ENV["radix_cache"]: "INT2", ENV["split_extend"]: "0",
            ENV["warmup"]: "1", ENV["window_snapshots"]: "7", ENV["step_log"]: "/tmp/s.jsonl"}  # fmt: skip
     assert parse({"rotations": "r"}, {ENV["overlap_write"]: "0"}).overlap_write is False
-    assert parse({"rotations": "r"}, {ENV["overlap_layers"]: "1"}).overlap_layers is True
-    on = {ENV["overlap_layers"]: "1"}
-    assert parse({"rotations": "r", "overlap_layers": False}, on).overlap_layers is False
+    assert parse({"rotations": "r"}, {ENV["overlap_layers"]: "0"}).overlap_layers is False
+    off = {ENV["overlap_layers"]: "0"}
+    assert parse({"rotations": "r", "overlap_layers": True}, off).overlap_layers is True
     s = parse({}, env)
     assert (s.rotations, s.radix_cache, s.split_extend, s.warmup) == ("env.st", RadixCache.INT2, False, True)
     assert (s.window_snapshots, s.step_log) == (7, "/tmp/s.jsonl")

@@ -19,7 +19,7 @@ reads ``OSCAR_*`` variables.
 | ``step_log`` | path | none | ``OSCAR_VLLM_STEP_LOG`` |
 | ``fold_output`` | bool | ``true`` | ``OSCAR_FOLD_OUTPUT`` (0/1) |
 | ``overlap_write`` | bool | ``true`` | ``OSCAR_OVERLAP_WRITE`` (0/1) |
-| ``overlap_layers`` | bool | ``false`` | ``OSCAR_OVERLAP_LAYERS`` (0/1) |
+| ``overlap_layers`` | bool | ``true`` | ``OSCAR_OVERLAP_LAYERS`` (0/1) |
 
 A key in the section wins over its variable. Every bad value is one :class:`OscarError` line that
 names the key (or variable), what it accepts and what it got.
@@ -93,9 +93,9 @@ class ServingSettings:
     #: BF16 rows before it, as the attention reads them): serving.run_layer's ``overlap_write``
     overlap_write: bool = True
     #: with ``overlap_write``: in a FULL CUDA graph a decode layer's INT2 pass and window records stay
-    #: open past the layer (the next layer joins them); off until run in an engine on a GPU
-    #: (serving.run_layer's ``defer_join``)
-    overlap_layers: bool = False
+    #: open past the layer (the next layer joins them: serving.run_layer's ``defer_join``); served
+    #: in vLLM on the H100 with its defaults, 1-3 % faster decode steps (docs/performance.md)
+    overlap_layers: bool = True
 
     def __post_init__(self) -> None:
         _exclude_list(list(self.exclude_layers), "exclude_layers")
