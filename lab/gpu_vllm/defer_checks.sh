@@ -11,7 +11,8 @@
 #   extend:   a prefix hit's 48-token tails over 100k INT2 tokens (extend_split.py): 64- vs 128-row
 #             programs, stages, the pre-RoPE term's share, before (lab/gpu_vllm/before, carried:
 #             `git archive REV packages/oscar-kernels/src | tar -x -C lab/gpu_vllm/before`) and after
-#   The tests part also runs the pre-RoPE term's tests (its cosines and sines share one operand).
+#   The tests part also runs the pre-RoPE term's tests (its cosines and sines share one operand)
+#   and a planted bug only a GPU shows (the tile angles' cos.approx / sin.approx swapped).
 #   device: OUT=$OUT bash lab/gpu_vllm/defer_checks.sh tests|ablation|extend|all
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -34,6 +35,14 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
     (cd /tmp/plant/oscar-kernels && PYTHONPATH=$ROOT/packages/oscar-math/src:/tmp/plant/oscar-kernels/src \
         timeout 60 "${PYT[@]}" tests/test_serving_overlap.py -k "stay_open" >"$OUT/plant_tests.log" 2>&1
         echo "[plant rc=$? (must be 1)] $(tail -1 "$OUT/plant_tests.log")")
+    echo "== plant: the tile angles' approximate cosine and sine swapped (only a GPU runs them)"
+    rm -rf /tmp/plant2 && mkdir -p /tmp/plant2 && cp -r packages/oscar-kernels /tmp/plant2/
+    sed -i 's/"cos.approx.f32 \$0, \$1;"/"SIN_TMP"/; s/"sin.approx.f32 \$0, \$1;"/"cos.approx.f32 $0, $1;"/; s/"SIN_TMP"/"sin.approx.f32 $0, $1;"/' \
+        /tmp/plant2/oscar-kernels/src/oscar_kernels/kernels/attention.py
+    grep -A1 'c = tl.inline_asm_elementwise(' /tmp/plant2/oscar-kernels/src/oscar_kernels/kernels/attention.py | grep -c sin.approx
+    (cd /tmp/plant2/oscar-kernels && PYTHONPATH=$ROOT/packages/oscar-math/src:/tmp/plant2/oscar-kernels/src \
+        timeout 90 "${PYT[@]}" tests/test_rope_mean_attention.py tests/test_extend_attention.py -k "rope" >"$OUT/plant_trig.log" 2>&1
+        echo "[plant rc=$? (must be 1)] $(tail -1 "$OUT/plant_trig.log")")
 fi
 if [[ $WHAT == ablation || $WHAT == all ]]; then
     echo "== step_ablation"

@@ -177,7 +177,7 @@ def compile_write_kv(  # noqa: ANN201
 
 def ptx_loops(ptx: str) -> list[dict]:
     """Every loop of ``ptx`` (a backward branch to a label): its length in lines, how many
-    ``bar.sync``, ``shfl.sync`` and global loads its body holds (what one iteration issues) and
+    ``bar.sync``, ``shfl.sync``, global loads and branches its body holds (what one iteration issues) and
     whether it holds another loop (``inner``)."""
     import re
 
@@ -199,6 +199,7 @@ def ptx_loops(ptx: str) -> list[dict]:
                     "bar.sync": sum("bar.sync" in x for x in body),
                     "shfl.sync": sum("shfl.sync" in x for x in body),
                     "ld.global": sum("ld.global" in x for x in body),
+                    "bra": sum(re.search(r"\bbra(\.uni)?\s", x) is not None for x in body),
                     "globaltimer": sum("%globaltimer" in x for x in body),
                 }
             )

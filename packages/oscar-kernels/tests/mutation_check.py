@@ -755,6 +755,13 @@ MUTATIONS = (
         ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
     ),
     Mutation(
+        "rope-tile-angles-through-libdevice",
+        "src/oscar_kernels/kernels/attention.py",
+        "    if DOT == tl.float32:\n        return tl.cos(a), tl.sin(a)",
+        "    if True:\n        return tl.cos(a), tl.sin(a)",
+        ("tests/test_extend_attention.py", "-k", "spills_next_to_nothing"),
+    ),
+    Mutation(
         "rope-basis-transposed-sine",
         "src/oscar_kernels/kernels/attention.py",
         "cb = rc1 * c0 - rc0 * s0",

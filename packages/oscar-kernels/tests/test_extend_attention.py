@@ -212,7 +212,7 @@ def test_extend_kernel_compiles_for_sm90(rope, splits):
 
 
 @needs_triton
-def test_the_extend_kernels_rope_term_spills_next_to_nothing():
+def test_the_extend_kernels_rope_term_spills_next_to_nothing_and_does_not_branch():
     """With the pre-RoPE term the extend kernel spilled 2,172 bytes a thread (``tl.dot``'s
     ``tf32x3`` split both operands every tile; the kernel took 1.9× its time without the term on the
     H100, 48 prefix-hit tails over 100k): the basis split once per program, the products added into
@@ -230,6 +230,11 @@ def test_the_extend_kernels_rope_term_spills_next_to_nothing():
     if not rep["ptxas_ok"] or rep["spill_store_bytes"] is None:
         pytest.skip("no ptxas that takes this Triton's PTX")
     assert rep["spill_store_bytes"] <= 128, rep
+    # each tile's angles by the approximate sine and cosine: libdevice's cosf/sinf put their slow
+    # path's branches into the INT2 loop (58 of them; the loop half as long again as without the term)
+    assert "cos.approx.f32" in ptx and "sin.approx.f32" in ptx
+    int2_loop = max(cc.ptx_loops(ptx), key=lambda lp: lp["lines"])
+    assert int2_loop["bra"] <= 4, int2_loop
 
 
 def test_extend_block_m_fills_the_dot_with_one_chunks_rows():
