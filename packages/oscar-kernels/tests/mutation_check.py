@@ -701,15 +701,15 @@ MUTATIONS = (
     Mutation(
         "rope-sin-sign-flipped",
         "src/oscar_kernels/kernels/attention.py",
-        "s0 = tl.sin(a0)[None, :]",
-        "s0 = -tl.sin(a0)[None, :]",
+        "        return tl.cos(a), tl.sin(a)",
+        "        return tl.cos(a), -tl.sin(a)",
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
     ),
     Mutation(
         "rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "a0 = _rope_angle(th_hi * 0.0 + t0, th_hi, th_lo)",
-        "a0 = _rope_angle(th_hi * 0.0 + t0 + 1, th_hi, th_lo)",
+        "_cos_sin(_rope_angle(th_hi * 0.0 + t0, th_hi, th_lo), DOT)",
+        "_cos_sin(_rope_angle(th_hi * 0.0 + t0 + 1, th_hi, th_lo), DOT)",
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
     ),
     Mutation(
