@@ -708,8 +708,8 @@ MUTATIONS = (
     Mutation(
         "rope-position-off-by-one",
         "src/oscar_kernels/kernels/attention.py",
-        "_cos_sin(_rope_angle(th_hi * 0.0 + t0, th_hi, th_lo), DOT)",
-        "_cos_sin(_rope_angle(th_hi * 0.0 + t0 + 1, th_hi, th_lo), DOT)",
+        "_rope_cos_sin(_rope_angle(th_hi * 0.0 + t0, th_hi, th_lo), DOT)",
+        "_rope_cos_sin(_rope_angle(th_hi * 0.0 + t0 + 1, th_hi, th_lo), DOT)",
         ("tests/test_rope_mean_attention.py", "-k", "decode_rope_matches and tl and 128-2-4"),
     ),
     Mutation(
@@ -755,6 +755,13 @@ MUTATIONS = (
         ("tests/test_rope_mean_attention.py", "-k", "float32_exact"),
     ),
     Mutation(
+        "rope-angle-sum-left-unreduced",
+        "src/oscar_kernels/kernels/attention.py",
+        "    r = r - m * TWO_PI_HI\n    return r - m * TWO_PI_LO",
+        "    return r",
+        ("tests/test_rope_mean_attention.py", "-k", "angle_reduction"),
+    ),
+    Mutation(
         "rope-tile-angles-through-libdevice",
         "src/oscar_kernels/kernels/attention.py",
         "    if DOT == tl.float32:\n        return tl.cos(a), tl.sin(a)",
@@ -778,8 +785,8 @@ MUTATIONS = (
     Mutation(
         "rope-angle-drops-theta-lo",
         "src/oscar_kernels/kernels/attention.py",
-        "    return r + p * th_lo\n",
-        "    return r + 0.0 * th_lo\n",
+        "    r = r + p * th_lo  # >= -π",
+        "    r = r + 0.0 * th_lo  # >= -π",
         ("tests/test_rope_mean_attention.py", "-k", "angle_reduction"),
     ),
     Mutation(

@@ -355,6 +355,7 @@ if HAS_TRITON:
     from oscar_kernels.kernels.attention import (
         _rope_angle,
         _rope_basis,
+        _rope_cos_sin,
         _rope_load,
         _rope_scores,
         _theta_split,
@@ -382,27 +383,34 @@ if HAS_TRITON:
         tl.store(out_ptr + m[:, None] * N + n[None, :], s)
 
     @triton.jit
-    def _angles_kernel(p_ptr, th_ptr, c_ptr, s_ptr, N: tl.constexpr, R: tl.constexpr):
+    def _angles_kernel(
+        p_ptr, th_ptr, a_ptr, c_ptr, s_ptr, N: tl.constexpr, R: tl.constexpr, DOT: tl.constexpr
+    ):
         i = tl.arange(0, N)
         r = tl.arange(0, R)
         th_hi, th_lo = _theta_split(tl.load(th_ptr + r))
         a = _rope_angle(tl.load(p_ptr + i).to(tl.float32)[:, None], th_hi[None, :], th_lo[None, :])
-        tl.store(c_ptr + i[:, None] * R + r[None, :], tl.cos(a))
-        tl.store(s_ptr + i[:, None] * R + r[None, :], tl.sin(a))
+        c, s = _rope_cos_sin(a, DOT)  # the approximate cosine and sine on a GPU
+        tl.store(a_ptr + i[:, None] * R + r[None, :], a)
+        tl.store(c_ptr + i[:, None] * R + r[None, :], c)
+        tl.store(s_ptr + i[:, None] * R + r[None, :], s)
 
 
 @needs_triton
 def test_rope_angle_reduction_at_long_positions():
     """The kernels' angle reduction (``_rope_angle``) for positions up to 131071 and all 64
-    realistic θ of d = 128: cos/sin within 2e-4 of float64 (a float32 ``p·θ`` is off by up to
-    4e-3 rad there)."""
+    realistic θ of d = 128: reduced to ``[-π, π]`` (where ``cos.approx.f32`` holds its accuracy:
+    the unreduced ``p·θ_lo`` part reached ~1e3 rad), cos/sin (:func:`_rope_cos_sin`: approximate on a
+    GPU) within 2e-4 of float64 (a float32 ``p·θ`` is off by up to 4e-3 rad there)."""
     gen = torch.Generator().manual_seed(0)
     edges = torch.tensor([0, 1, 4095, 4096, 65535, 65536, 131071])
     pos = torch.cat([edges, torch.randint(0, 131072, (57,), generator=gen)])
     th = inv_freq(128).float()
+    a = torch.empty(64, 64, device=DEVICE)
     c = torch.empty(64, 64, device=DEVICE)
     s = torch.empty(64, 64, device=DEVICE)
-    _angles_kernel[(1,)](pos.int().to(DEVICE), th.to(DEVICE), c, s, N=64, R=64)
+    _angles_kernel[(1,)](pos.int().to(DEVICE), th.to(DEVICE), a, c, s, N=64, R=64, DOT=dot_dtype())
+    assert a.abs().max() <= math.pi + 1e-3
     exact = pos.double()[:, None] * th.double()[None, :]
     assert (c.cpu().double() - exact.cos()).abs().max() < 2e-4
     assert (s.cpu().double() - exact.sin()).abs().max() < 2e-4

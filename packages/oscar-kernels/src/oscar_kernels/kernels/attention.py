@@ -124,15 +124,20 @@ def _rope_angle(p, th_hi, th_lo):
     ``p·θ_hi`` and ``n·TWO_PI_HI`` are exact and their difference is (nearly always) exact; what
     is left is the rounding of ``p·θ_lo`` (``|θ_lo| < 2^-6·θ``): at most 1.2e-4 rad for
     ``p·θ`` = 131071 (θ = 1), 4.8e-5 measured over 64 positions up to 131071 and the 64 θ of
-    d = 128, where a plain float32 ``p·θ`` is off by 3.4e-3 rad. Plain ``*`` / ``+`` (the
-    interpreter's numpy float32 gives the same); a compiler's fma contraction only makes it
-    more exact.
+    d = 128, where a plain float32 ``p·θ`` is off by 3.4e-3 rad. ``p·θ_lo`` itself reaches
+    ~1e3 rad at such positions, so the sum is reduced once more (``m < 2^8``: exact again):
+    ``cos.approx.f32`` / ``sin.approx.f32`` (:func:`_rope_cos_sin`) hold their ~2^-21 on ``[-π, π]``
+    only. Plain ``*`` / ``+`` (the interpreter's numpy float32 gives the same); a compiler's fma
+    contraction only makes it more exact.
     """
     a = p * th_hi
     n = (a * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(a / 2π): a >= 0 (p, θ >= 0)
     r = a - n * TWO_PI_HI
     r = r - n * TWO_PI_LO
-    return r + p * th_lo
+    r = r + p * th_lo  # >= -π - 1e-3 (θ_lo >= 0)
+    m = (r * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(r / 2π): truncation is floor here
+    r = r - m * TWO_PI_HI
+    return r - m * TWO_PI_LO
 
 
 @triton.jit
@@ -177,7 +182,7 @@ def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr, D
     through shared memory every tile, is half the bytes in bf16. ~2^-17 is far below the
     INT2 keys' own error (units of ``q·k``, before the softmax scale). The angles as
     :func:`_rope_angle` (``t0θ`` exactly as ``(t0 + 0)θ`` was). Returns ``acc`` + the term."""
-    c0, s0 = _cos_sin(_rope_angle(th_hi * 0.0 + t0, th_hi, th_lo), DOT)  # [2P]
+    c0, s0 = _rope_cos_sin(_rope_angle(th_hi * 0.0 + t0, th_hi, th_lo), DOT)  # [2P]
     c0 = c0[None, :]
     s0 = s0[None, :]
     _, cos_slot = _rope_slots(ROPE_P)
@@ -193,8 +198,8 @@ def _rope_scores(rc0, rc1, th_hi, th_lo, basis, t0, acc, ROPE_P: tl.constexpr, D
 
 
 @triton.jit
-def _cos_sin(a, DOT: tl.constexpr):
-    """``cos(a), sin(a)`` of angles reduced by :func:`_rope_angle` (``|a|`` about ``π`` at most):
+def _rope_cos_sin(a, DOT: tl.constexpr):
+    """``cos(a), sin(a)`` of angles reduced by :func:`_rope_angle` (``|a| <= π + 1e-3``):
     ``cos.approx.f32`` / ``sin.approx.f32`` on a GPU (abs. error ~2^-21 there), ``tl.cos`` /
     ``tl.sin`` under the interpreter (``DOT`` float32: no inline PTX there). libdevice's ``cosf`` /
     ``sinf`` put their slow path's 58 branches into the extend kernel's INT2 loop (offline sm_90
