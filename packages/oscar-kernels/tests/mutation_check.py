@@ -757,8 +757,8 @@ MUTATIONS = (
     Mutation(
         "rope-angle-sum-left-unreduced",
         "src/oscar_kernels/kernels/attention.py",
-        "    r = r - m * TWO_PI_HI\n    return r - m * TWO_PI_LO",
-        "    return r",
+        "    n = ((a + b) * INV_TWO_PI + 0.5)",
+        "    n = (a * INV_TWO_PI + 0.5)",
         ("tests/test_rope_mean_attention.py", "-k", "angle_reduction"),
     ),
     Mutation(
@@ -785,8 +785,8 @@ MUTATIONS = (
     Mutation(
         "rope-angle-drops-theta-lo",
         "src/oscar_kernels/kernels/attention.py",
-        "    r = r + p * th_lo  # >= -π",
-        "    r = r + 0.0 * th_lo  # >= -π",
+        "    return r + b\n",
+        "    return r\n",
         ("tests/test_rope_mean_attention.py", "-k", "angle_reduction"),
     ),
     Mutation(

@@ -124,20 +124,18 @@ def _rope_angle(p, th_hi, th_lo):
     ``p·θ_hi`` and ``n·TWO_PI_HI`` are exact and their difference is (nearly always) exact; what
     is left is the rounding of ``p·θ_lo`` (``|θ_lo| < 2^-6·θ``): at most 1.2e-4 rad for
     ``p·θ`` = 131071 (θ = 1), 4.8e-5 measured over 64 positions up to 131071 and the 64 θ of
-    d = 128, where a plain float32 ``p·θ`` is off by 3.4e-3 rad. ``p·θ_lo`` itself reaches
-    ~1e3 rad at such positions, so the sum is reduced once more (``m < 2^8``: exact again):
-    ``cos.approx.f32`` / ``sin.approx.f32`` (:func:`_rope_cos_sin`) hold their ~2^-21 on ``[-π, π]``
-    only. Plain ``*`` / ``+`` (the interpreter's numpy float32 gives the same); a compiler's fma
-    contraction only makes it more exact.
+    d = 128, where a plain float32 ``p·θ`` is off by 3.4e-3 rad. ``n`` is rounded from the whole
+    sum, not from ``p·θ_hi`` alone: ``p·θ_lo`` reaches ~1e3 rad at such positions, and
+    ``cos.approx.f32`` / ``sin.approx.f32`` (:func:`_rope_cos_sin`) hold their ~2^-21 on
+    ``[-π, π]`` only. Plain ``*`` / ``+`` (the interpreter's numpy float32 gives the same); a
+    compiler's fma contraction only makes it more exact.
     """
     a = p * th_hi
-    n = (a * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(a / 2π): a >= 0 (p, θ >= 0)
+    b = p * th_lo
+    n = ((a + b) * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(p·θ / 2π): p, θ >= 0
     r = a - n * TWO_PI_HI
     r = r - n * TWO_PI_LO
-    r = r + p * th_lo  # >= -π - 1e-3 (θ_lo >= 0)
-    m = (r * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round(r / 2π): truncation is floor here
-    r = r - m * TWO_PI_HI
-    return r - m * TWO_PI_LO
+    return r + b
 
 
 @triton.jit
