@@ -184,10 +184,11 @@ if gluon is not None:
     def _reduce_angle(p, th_hi, th_lo):
         """``p·θ`` minus a multiple of ``2π`` (``p, θ >= 0``), as ``attention._rope_angle``."""
         a = p * th_hi
-        n = (a * 0.15915494309189535 + 0.5).to(gl.int32).to(gl.float32)  # round(a / 2π), a >= 0
+        b = p * th_lo  # up to ~1e3 rad near 2^17: n is rounded from the whole sum (|result| <= π)
+        n = ((a + b) * 0.15915494309189535 + 0.5).to(gl.int32).to(gl.float32)  # round(p·θ / 2π)
         r = a - n * 6.28125  # exact: 8-bit 2π_hi, p·θ_hi exact (7-bit θ_hi, p < 2^17)
         r = r - n * 0.0019353071795864769
-        return r + p * th_lo
+        return r + b
 
     @gluon.jit
     def _tf32_hi(x):
