@@ -13,7 +13,8 @@
 #             `git archive REV packages/oscar-kernels/src | tar -x -C lab/gpu_vllm/before`) and after
 #   The tests part also runs the pre-RoPE term's tests (its cosines and sines share one operand)
 #   and a planted bug only a GPU shows (the tile angles' cos.approx / sin.approx swapped).
-#   device: OUT=$OUT bash lab/gpu_vllm/defer_checks.sh tests|ablation|extend|all
+#   rope:     the RoPE tests and the cos/sin plant alone (the tests part without the overlap)
+#   device: OUT=$OUT bash lab/gpu_vllm/defer_checks.sh tests|rope|ablation|extend|all
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/defer-checks}"
@@ -24,9 +25,11 @@ ROOT=$PWD
 T=packages/oscar-kernels/tests
 source lab/gpu_vllm/lib.sh
 export PYTHONPATH=$ROOT/packages/oscar-math/src:$ROOT/packages/oscar-kernels/src
+if [[ $WHAT == tests || $WHAT == rope || $WHAT == all ]]; then
+    run_tests rope 200 "$T/test_rope_mean_attention.py" "$T/test_extend_attention.py" -rs
+fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
     run_tests overlap 240 "$T/test_serving_overlap.py" "$T/test_serving_settings.py" "$T/test_launch.py" -rs
-    run_tests rope 200 "$T/test_rope_mean_attention.py" "$T/test_extend_attention.py" -rs
     echo "== plant: no join of an earlier layer's pass"
     rm -rf /tmp/plant && mkdir -p /tmp/plant && cp -r packages/oscar-kernels /tmp/plant/
     sed -i 's/^    if plan.side:  # an earlier layer/    if False:  # an earlier layer/' \
@@ -35,6 +38,8 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
     (cd /tmp/plant/oscar-kernels && PYTHONPATH=$ROOT/packages/oscar-math/src:/tmp/plant/oscar-kernels/src \
         timeout 60 "${PYT[@]}" tests/test_serving_overlap.py -k "stay_open" >"$OUT/plant_tests.log" 2>&1
         echo "[plant rc=$? (must be 1)] $(tail -1 "$OUT/plant_tests.log")")
+fi
+if [[ $WHAT == tests || $WHAT == rope || $WHAT == all ]]; then
     echo "== plant: the tile angles' approximate cosine and sine swapped (only a GPU runs them)"
     rm -rf /tmp/plant2 && mkdir -p /tmp/plant2 && cp -r packages/oscar-kernels /tmp/plant2/
     sed -i 's/"cos.approx.f32 \$0, \$1;"/"SIN_TMP"/; s/"sin.approx.f32 \$0, \$1;"/"cos.approx.f32 $0, $1;"/; s/"SIN_TMP"/"sin.approx.f32 $0, $1;"/' \
