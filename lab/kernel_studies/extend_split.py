@@ -4,7 +4,9 @@ In vLLM on the H200 (2026-12-03 night, Qwen3-8B shape) each of 48 prefix hits on
 prompt cost 183 ms (FA3: 33 ms): one extend program per query head reads the whole INT2 prefix.
 This study times ``extend_attention`` (CUDA-graph replay) for 16-token tails over long prefixes with
 ``num_splits`` 1 and ``"auto"`` (and a few fixed counts), counts the INT2 bytes read, and reports
-the bandwidth reached against the H200's 4.8 TB/s.
+the bandwidth reached against the GPU's nominal HBM bandwidth, and the attention's FLOPs against
+the tensor cores' dense BF16 peak (a 48-row hit batch is compute-bound: every row reads its own
+prefix through the same dequantisation and tensor-core products).
 
 Usage (repo root, GPU machine)::
 
@@ -32,7 +34,14 @@ from oscar_kernels.extend_attention import choose_extend_splits, extend_block_m 
 DEV = torch.device("cuda")
 #: (prefix tokens, rows, tail tokens)
 SHAPES = ((100_000, 1, 16), (100_000, 8, 16), (32_768, 8, 16), (100_000, 48, 16), (8_192, 1, 64))
-HBM_TBS = 4.8
+#: nominal HBM TB/s and dense BF16 tensor TFLOP/s (SXM parts), by device-name substring
+NOMINAL = {"H100": (3.35, 989.0), "H200": (4.8, 989.0)}
+
+
+def nominal() -> tuple[float, float]:
+    """``(HBM TB/s, BF16 TFLOP/s)`` of this GPU (the H200's where the name is not in the table)."""
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in NOMINAL.items() if k in name), NOMINAL["H200"])
 
 
 def rope_params(ep, hkv: int, d: int):  # noqa: ANN001, ANN201
@@ -91,6 +100,8 @@ def case(
         out[f"splits_{splits}"] = n
         out[f"rel_vs_unsplit_{splits}"] = err
         out[f"tb_s_{splits}"] = round(s["nbytes"] / ms / 1e9, 3)
+        # QKᵀ and PV over every key of every row's prefix + tail (the tail's causal half ignored)
+        out[f"tflop_s_{splits}"] = round(4 * t * hkv * g * (prefix + tail) * d / ms / 1e9, 1)
     out["speedup_auto"] = round(out["ms_1"] / out["ms_auto"], 2) if "ms_1" in out else None
     if baseline:
         out.update(_bf16_baseline(rows, tail, prefix, hkv, g, d, rep_ms))
@@ -143,7 +154,9 @@ def main() -> None:
             f"{', RoPE mean' if r['rope'] else ''})"
         )
         auto = f"auto ({r['splits_auto']} splits) {r['ms_auto']:.3f} ms = {r['speedup_auto']}x"
-        bw = f"{r['tb_s_auto']} TB/s of {HBM_TBS} ({r['tb_s_auto'] / HBM_TBS:.0%})"
+        hbm, peak = nominal()
+        bw = f"{r['tb_s_auto']} TB/s of {hbm} ({r['tb_s_auto'] / hbm:.0%})"
+        bw += f", {r['tflop_s_auto']} TFLOP/s of {peak:.0f} ({r['tflop_s_auto'] / peak:.0%})"
         bf = r.get("ms_bf16_sdpa")
         base = f"BF16 SDPA {bf:.3f} ms = {bf / r['ms_auto']:.2f}x" if bf else r.get("bf16_sdpa_error")
         err = r["rel_vs_unsplit_auto"]
