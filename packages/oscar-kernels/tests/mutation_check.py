@@ -336,15 +336,15 @@ MUTATIONS = (
     Mutation(
         "merge-v1-reads-empty-partials",
         "src/oscar_kernels/kernels/attention.py",
-        "d[None, :], mask=live[:, None], other=0.0)",
-        "d[None, :], mask=sm[:, None], other=0.0)",
+        "(any bits): zeroed\n        o = tl.where(live[:, None], o, 0.0)",
+        "(any bits): zeroed\n        o = tl.where(sm[:, None], o, 0.0)",
         ("tests/test_decode_attention.py", "-k", "many_partials or merge_matches_torch and v1 and head"),
     ),
     Mutation(
         "merge-v2-reads-empty-partials",
         "src/oscar_kernels/kernels/attention.py",
-        "o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None]",
-        "o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=(s0 + s < NT)[:, None]",
+        '        live = lse > float("-inf")\n        o = tl.where(live[:, None], o, 0.0)\n',
+        '        live = lse > float("-inf")\n        o = tl.where(inr[:, None], o, 0.0)\n',
         ("tests/test_decode_attention.py", "-k", "merge_matches_torch and v2 and none"),
     ),
     Mutation(
@@ -372,8 +372,8 @@ MUTATIONS = (
     Mutation(
         "merge-v2-drops-last-step-of-partials",
         "src/oscar_kernels/kernels/attention.py",
-        "        live = s0 + s < NT\n",
-        "        live = (s0 + s < NT) & (s0 + CH < NT)\n",
+        "        inr = s0 + s < NT\n",
+        "        inr = (s0 + s < NT) & (s0 + CH < NT)\n",
         ("tests/test_decode_attention.py", "-k", "merge_v2_in_steps"),
     ),
     Mutation(

@@ -861,10 +861,11 @@ def merge_splits_kernel(
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, NT, CH):
         sm = s0 + s < NT
-        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=sm, other=float("-inf"))
-        live = lse > float("-inf")  # an empty partial's o is not written (any bits) nor read
         prow = r * NT + s0 + s
-        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+        lse = tl.load(plse_ptr + prow, mask=sm, other=float("-inf"))
+        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None], other=0.0)
+        live = lse > float("-inf")  # an empty partial's o is never written (any bits): zeroed
+        o = tl.where(live[:, None], o, 0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)  # 0 on the first non-empty chunk (m = -inf)
@@ -908,11 +909,14 @@ def merge_cols_kernel(
     l_sum = tl.zeros([], tl.float32)
     acc = tl.zeros([DC], tl.float32)
     for s0 in range(0, NT, CH):  # one step where NT <= CH
-        live = s0 + s < NT
-        lse = tl.load(plse_ptr + r * NT + s0 + s, mask=live, other=float("-inf"))
+        inr = s0 + s < NT
         prow = r * NT + s0 + s
-        live = lse > float("-inf")  # an empty partial's o is not written (any bits) nor read
-        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=live[:, None], other=0.0)
+        # o is loaded beside lse, not behind it (one memory round trip a step, not two); an empty
+        # partial's o is never written (any bits, NaN too): its rows are zeroed, never used
+        lse = tl.load(plse_ptr + prow, mask=inr, other=float("-inf"))
+        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + cols[None, :], mask=inr[:, None], other=0.0)
+        live = lse > float("-inf")
+        o = tl.where(live[:, None], o, 0.0)
         mx_new = tl.maximum(mx, tl.max(lse, 0))
         sub = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # the max subtracted (0 while all empty)
         a = tl.exp2(mx - sub)  # rescales the steps before; 0 on the first non-empty one
