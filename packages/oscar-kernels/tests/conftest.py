@@ -106,10 +106,13 @@ def fill_cache(
     exact=False,
     pending=None,
     feedback="",
+    step_parts=("all",),
 ):
     """Allocate a cache and write random tokens for sequences of ``lens`` (scattered pages).
 
-    The last ``steps`` tokens of each sequence are written one decode step at a time.
+    The last ``steps`` tokens of each sequence are written one decode step at a time, each step
+    as the writes of ``step_parts`` (``("window", "codes")``: a decode step's BF16 rows, then its
+    INT2 rows, as the serving core writes them).
     ``cuts`` (instead of ``steps``): positions where a write ends and the next begins, the
     same for every sequence (``[]`` = one prefill-only write). ``pad`` padding tokens
     (slot -1, huge values, position 0 of sequence 0) are mixed into every write: they
@@ -196,7 +199,8 @@ def fill_cache(
     write([0] * len(lens), pre)
     for s in range(steps):
         cur = [min(n, p + s) for n, p in zip(lens, pre, strict=True)]
-        write(cur, [min(n, c + 1) for n, c in zip(lens, cur, strict=True)])
+        for part in step_parts:
+            write(cur, [min(n, c + 1) for n, c in zip(lens, cur, strict=True)], parts=part)
     return finish()
 
 

@@ -4,8 +4,8 @@ The expected cache is built here from ``oscar_math`` (rotation by the test's own
 matrices, ``quantize_int2``), not from kernel code: every token's INT2 slot, the sink
 rows ``p < sink`` and the ring rows ``p % recent`` of the last ``recent`` positions
 ``p >= max(sink, L - recent)``. Fills are one prefill write, chunks that end at and
-around ``sink`` and ``sink + recent``, one-token steps, and writes mixed with padding
-tokens (negative slots), on both backends.
+around ``sink`` and ``sink + recent``, one-token steps (whole, or as the serving core's window
+and INT2 passes), and writes mixed with padding tokens (negative slots), on both backends.
 
 Rotations are signed Hadamard matrices and keys/values dyadic numbers
 (``conftest.make_params(exact=True)``), so rotating is exact arithmetic in fp32 and
@@ -33,6 +33,9 @@ FILLS = {
     **{f"cut-at-{e}": {"cuts": [e]} for e in EDGES},
     "chunks-of-2": {"cuts": list(range(2, 19, 2))},
     "steps": {"steps": 4},
+    # decode steps as the serving core writes them (BF16 rows, then INT2 rows), padding between
+    # the real tokens: the window pass has no early return and loads rows and bookkeeping together
+    "steps-window-then-codes-with-padding": {"steps": 4, "pad": 3, "step_parts": ("window", "codes")},
     "prefill-with-padding": {"cuts": [], "pad": 5},
     "chunks-with-padding": {"cuts": [SINK, SINK + RECENT], "pad": 3},
 }
@@ -105,9 +108,10 @@ def test_padding_only_write_changes_nothing():
     z = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     backends = ["torch", "triton"] if triton_available() else ["torch"]
     for backend in backends:
-        paged_write(cache, params, junk, junk, z - 1, z, z, z[:1] + 9, ws, backend=backend)
-        for f, t in before.items():
-            assert torch.equal(getattr(cache, f), t), (backend, f)
+        for parts in ("all", "window"):  # a decode step's window pass has no early return
+            paged_write(cache, params, junk, junk, z - 1, z, z, z[:1] + 9, ws, backend=backend, parts=parts)
+            for f, t in before.items():
+                assert torch.equal(getattr(cache, f), t), (backend, parts, f)
 
 
 @needs_triton

@@ -562,9 +562,10 @@ def paged_write_kernel(
     K or V (``H_BASE``: where this tensor's heads start in :func:`paged_write_kv_kernel`'s grid).
 
     ``WRITE_PAGES``: the INT2 row; ``WRITE_SINK``: the sink row; ``WRITE_RING``: the ring row
-    (``paged_write``'s ``parts``). A pass of BF16 rows only (the ring after an extend, a decode
-    step's window rows) returns before the rotation when none of its tokens holds such a row: a
-    chunk longer than the window stores only its last ``recent`` rows per sequence.
+    (``paged_write``'s ``parts``). The ring pass after an extend returns before the rotation when
+    none of its tokens holds a ring row: a chunk longer than the window stores only its last
+    ``recent`` rows per sequence. A decode step's window pass (``parts="window"``) has no such
+    return (every real token of it stores a row) and loads its rows beside its bookkeeping.
 
     ``HAS_ROPE`` (a pre-RoPE key mean, format version 3): the INT2 rows quantise
     ``(x − mean − RoPE_p(m)) @ R``; the BF16 rows keep ``(x − mean) @ R``, rotated a second
@@ -594,9 +595,15 @@ def paged_write_kernel(
     Q4: tl.constexpr = HEAD_DIM // 4
     # whether this pass stores BF16 rows at all (an INT2-only pass reads no window bookkeeping)
     BF16_ROWS: tl.constexpr = (WRITE_SINK and SINK > 0) or (WRITE_RING and RECENT > 0)
+    # a decode step's window pass (BF16 rows only, sink and ring): every real token stores a row,
+    # so it has no early return, and its row loads wait on nothing but the token count
+    WINDOW_PASS: tl.constexpr = WRITE_SINK and WRITE_RING and not WRITE_PAGES
     if BF16_ROWS:
-        pos = tl.load(pos_ptr + t, mask=valid, other=0)
-        sidx = tl.load(seqidx_ptr + t, mask=valid, other=0)
+        # positions and sequence indices exist for every token of the step (padding too): loaded
+        # beside the slots, not behind them; the window slots and lengths they index only for real
+        # tokens (a padding token's index may be stale)
+        pos = tl.load(pos_ptr + t, mask=tmask, other=0)
+        sidx = tl.load(seqidx_ptr + t, mask=tmask, other=0)
         ws = tl.load(wslot_ptr + sidx, mask=valid, other=0).to(tl.int64)
         # the BF16 rows this pass stores: its sink rows and / or its ring rows
         if WRITE_RING:
@@ -607,9 +614,14 @@ def paged_write_kernel(
                 bf16_m = bf16_m | (valid & (pos < SINK))
         else:
             bf16_m = valid & (pos < SINK)
-        if not WRITE_PAGES:
+        if not WRITE_PAGES and not WINDOW_PASS:  # the ring after a chunk: most tiles store nothing
             if tl.max(bf16_m.to(tl.int32), 0) == 0:
                 return
+    # the rows' loads: the window pass reads every token's row (a padding row is rotated, not stored)
+    if WINDOW_PASS:
+        xm = tmask
+    else:
+        xm = valid
     if HAS_ROPE:
         if WRITE_PAGES:
             # x0..x3 are the centred rows the INT2 part quantises
@@ -620,7 +632,7 @@ def paged_write_kernel(
             )  # fmt: skip
     else:
         x0, x1, x2, x3 = _rotate_rows(
-            x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, valid,
+            x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h, xm,
             HEAD_DIM, HAS_MEAN, DOT_PRECISION,
         )  # fmt: skip
     if WRITE_PAGES:
@@ -664,10 +676,10 @@ def paged_write_kernel(
                         x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
                         valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
                     )  # fmt: skip
-            else:  # a pass of BF16 rows only got here only with such a row in the block
+            else:  # a pass of BF16 rows only (the ring pass got here only with such a row in the block)
                 x0, x1, x2, x3 = _rotate_rows(
                     x_ptr, stride_xt, stride_xh, rot_ptr, stride_rh, stride_rr, mean_ptr, stride_mh, t, h,
-                    valid, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
+                    xm, HEAD_DIM, HAS_MEAN, DOT_PRECISION,
                 )  # fmt: skip
         if WRITE_SINK and SINK > 0:
             m = valid & (pos < SINK)
