@@ -41,6 +41,9 @@ if kind in ("write", "records") and len(rows) == 2:
               f"bitwise {'same' if x[digest] == y[digest] else 'DIFFERENT'}; "
               f"kernels {x.get('kernels')} -> {y.get('kernels')}{whole}; "
               f"L2 flushed: {x.get('kernels_cold_l2')} -> {y.get('kernels_cold_l2')}")
+        if kind == "write":
+            print(f"    window pass: {x.get('us_window')} -> {y.get('us_window')} us; L2 flushed: "
+                  f"{x.get('kernels_window_cold_l2')} -> {y.get('kernels_window_cold_l2')}")
 elif kind in ("wide", "decode"):
     # op_folded_us: the engine's op (R_V in o_proj, merge_cols_kernel alone); op_us un-rotates (v1)
     for w, rs in rows.items():

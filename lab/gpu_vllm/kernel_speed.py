@@ -227,6 +227,14 @@ def write_case(n: int) -> dict:
         # as in an engine step, where the other layers' weights stream through L2 between two writes
         # of a layer (its F, R and pages come from DRAM): the kernel's device time after a flush
         r["kernels_cold_l2"] = profile_kernels(_after_l2_flush(run))
+    # the serving core's default decode write is two passes: the window pass (BF16 sink + ring rows)
+    # before the attention, on the critical path, and the INT2 rows beside it
+    window = ok.plan_write(cache, params, n, "window", "triton")
+    r["us_window"] = us(lambda: ok.run_write(window, cache, params, *args), rep_ms=40)
+    if DEV.type == "cuda":
+        r["kernels_window_cold_l2"] = profile_kernels(
+            _after_l2_flush(lambda: ok.run_write(window, cache, params, *args))
+        )
     r["oscar_kernels"] = os.path.dirname(ok.__file__)
     return r
 
