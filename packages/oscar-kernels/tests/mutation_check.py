@@ -821,6 +821,14 @@ MUTATIONS = (
         "        if WRITE_PAGES and SINK > 0:",
         ("tests/test_write_rope.py", "-k", "two_passes and triton and order0"),
     ),
+    # the window pass (on a decode step's critical path) asks for its rotation into L1 first
+    Mutation(
+        "write-window-pass-without-rotation-prefetch",
+        "src/oscar_kernels/kernels/paged_write.py",
+        "    if PREFETCH and (WRITE_PAGES or WINDOW_PASS):",
+        "    if PREFETCH and WRITE_PAGES:",
+        ("tests/test_paged_write.py", "-k", "window_pass_asks"),
+    ),
     # the one-pass write re-rotates a tile's BF16 rows (uncentred by the pre-RoPE mean) only where
     # the tile holds one (the window pass itself has no early return)
     Mutation(

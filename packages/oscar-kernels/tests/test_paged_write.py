@@ -293,8 +293,28 @@ def test_the_feedback_loop_waits_on_no_block_barrier(fb_rows, warps):
     # inside the loops, whose column loads are vectors of a column-major F (a step's first
     # quarter over the whole tile, four coordinates: 22 global loads, where row-major scalar column
     # loads made it 70; in the chunks eight coordinates, 32 column loads and 28 scalar entries: 60)
-    assert ptx.count("prefetch.global.L1") == 512 // (32 * warps), ptx.count("prefetch.global.L1")
+    # (and each program's R: the K and the V branch, 512 lines each)
+    assert ptx.count("prefetch.global.L1") == 3 * 512 // (32 * warps), ptx.count("prefetch.global.L1")
     assert loops[0]["ld.global"] <= (64 if fb_rows else 24), loops
+
+
+@needs_triton
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_window_pass_asks_for_its_rotation_before_its_bookkeeping(warps):
+    """A decode step's window pass (``parts="window"``: the BF16 rows the attention waits for) loads
+    ``R`` a quarter at a time, each after the dot before it: the rotation's lines (512 a head, K and
+    V) are asked for into L1 first, before the slot and window bookkeeping loads, with no early
+    return between (two branches: the K / V split and the PDL trigger's). The ring pass after an
+    extend asks for none (most of its tiles hold no ring row and return)."""
+    window = compile_check_ptx(f"cc.compile_write_kv(num_warps={warps}, parts='window', trigger=True)")
+    lines = window.splitlines()
+    pf = [i for i, ln in enumerate(lines) if "prefetch.global.L1" in ln]
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    assert len(pf) == 2 * 512 // (32 * warps), len(pf)
+    assert pf[0] < loads[0] and pf[len(pf) // 2 - 1] < loads[0], (pf, loads[:4])
+    assert sum("bra" in ln for ln in lines) <= 2
+    ring = compile_check_ptx(f"cc.compile_write_kv(num_warps={warps}, parts='ring')")
+    assert "prefetch.global.L1" not in ring
 
 
 @needs_triton

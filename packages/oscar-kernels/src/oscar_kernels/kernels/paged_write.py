@@ -37,19 +37,37 @@ def _stamp(probe_ptr, i: tl.constexpr, dep):
 
 
 @triton.jit
-def _prefetch_f(fb_ptr, stride_fr, stride_fc, HEAD_DIM: tl.constexpr):
-    """``PREFETCH`` (GPU builds; the interpreter runs no PTX): ask for this head's ``F`` into L1
-    before the rotation, one request per 32 rows of each column (a 128-byte line of a column-major
-    ``F``). The feedback loop's ``d/4`` steps each wait on their columns' loads; from the memory
-    (``F`` is evicted from L2 between layers by the weights) that latency was most of a decode
-    write. A prefetch never faults, writes no register and changes no value."""
-    NR: tl.constexpr = (HEAD_DIM + 31) // 32  # at least one row block (d = 16: one)
-    r = tl.arange(0, NR) * 32
-    c = tl.arange(0, HEAD_DIM)
-    ptrs = fb_ptr + r[:, None] * stride_fr + c[None, :] * stride_fc
+def _prefetch_l1(ptrs):
+    """Ask for the lines at ``ptrs`` into L1 (``prefetch.global.L1``; GPU builds only, the
+    interpreter runs no PTX). A prefetch never faults, writes no register and changes no value."""
     tl.inline_asm_elementwise(
         "prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
     )
+
+
+@triton.jit
+def _prefetch_f(fb_ptr, stride_fr, stride_fc, HEAD_DIM: tl.constexpr):
+    """``PREFETCH``: this head's ``F`` into L1 before the rotation, one request per 32 rows of each
+    column (a 128-byte line of a column-major ``F``). The feedback loop's ``d/4`` steps each wait
+    on their columns' loads; from the memory (``F`` is evicted from L2 between layers by the
+    weights) that latency was most of a decode write."""
+    NR: tl.constexpr = (HEAD_DIM + 31) // 32  # at least one row block (d = 16: one)
+    r = tl.arange(0, NR) * 32
+    c = tl.arange(0, HEAD_DIM)
+    _prefetch_l1(fb_ptr + r[:, None] * stride_fr + c[None, :] * stride_fc)
+
+
+@triton.jit
+def _prefetch_rotation(rot_ptr, stride_rr, HEAD_DIM: tl.constexpr):
+    """``PREFETCH``: this head's ``R`` (row-major, columns contiguous) into L1 at the program's
+    start, one request per 32 columns of each row. The rotation's four quarters (eight halves with
+    the pre-RoPE mean) each load their ``R`` columns after the dot before them (a block barrier
+    between): from the memory (``R`` is evicted from L2 between layers like ``F``) each was a
+    round trip of its own, with the prefetch an L1 hit behind one."""
+    NC: tl.constexpr = (HEAD_DIM + 31) // 32
+    r = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, NC) * 32
+    _prefetch_l1(rot_ptr + r[:, None] * stride_rr + c[None, :])
 
 
 @triton.jit
@@ -579,13 +597,18 @@ def paged_write_kernel(
     (4-7) and the end (8); slots 2-7 of the program's last row chunk:
     where a decode write's time goes (``lab/gpu_vllm/write_phases.py``).
 
-    ``PREFETCH`` (every GPU launch; off under the interpreter): the feedback matrix's prefetch
-    (:func:`_prefetch_f`).
+    ``PREFETCH`` (every GPU launch; off under the interpreter): the rotation's and the feedback
+    matrix's prefetch into L1 (:func:`_prefetch_rotation`, :func:`_prefetch_f`).
     """
     pid = tl.program_id(0)
     h = tl.program_id(1) - H_BASE
     if PROBE:
         _stamp(probe_ptr, 0, pid)
+    # a decode step's window pass (BF16 rows only, sink and ring): every real token stores a row,
+    # so it has no early return, and its row loads wait on nothing but the token count
+    WINDOW_PASS: tl.constexpr = WRITE_SINK and WRITE_RING and not WRITE_PAGES
+    if PREFETCH and (WRITE_PAGES or WINDOW_PASS):  # the ring pass: only its tiles with ring rows rotate
+        _prefetch_rotation(rot_ptr + h * stride_rh, stride_rr, HEAD_DIM)
     if PREFETCH and HAS_FEEDBACK and WRITE_PAGES:
         _prefetch_f(fb_ptr + h * stride_fh, stride_fr, stride_fc, HEAD_DIM)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -595,9 +618,6 @@ def paged_write_kernel(
     Q4: tl.constexpr = HEAD_DIM // 4
     # whether this pass stores BF16 rows at all (an INT2-only pass reads no window bookkeeping)
     BF16_ROWS: tl.constexpr = (WRITE_SINK and SINK > 0) or (WRITE_RING and RECENT > 0)
-    # a decode step's window pass (BF16 rows only, sink and ring): every real token stores a row,
-    # so it has no early return, and its row loads wait on nothing but the token count
-    WINDOW_PASS: tl.constexpr = WRITE_SINK and WRITE_RING and not WRITE_PAGES
     if BF16_ROWS:
         # positions and sequence indices exist for every token of the step (padding too): loaded
         # beside the slots, not behind them; the window slots and lengths they index only for real
